@@ -1,0 +1,18 @@
+"""Config schemas, validation and the allowlisted builder."""
+
+from miles.config.build import build, check_allowed, locate
+from miles.config.schema import GROUP_SCHEMAS, MilesConfig, TargetConfig, register_schemas
+from miles.config.validate import ConfigError, check_overrides, validate
+
+__all__ = [
+    "GROUP_SCHEMAS",
+    "ConfigError",
+    "MilesConfig",
+    "TargetConfig",
+    "build",
+    "check_allowed",
+    "check_overrides",
+    "locate",
+    "register_schemas",
+    "validate",
+]

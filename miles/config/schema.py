@@ -1,0 +1,301 @@
+"""Typed schemas for every config node.
+
+Each node of the composed Hydra config is validated against one of these
+frozen, keyword-only dataclasses (see :mod:`miles.config.validate`) and the
+driver hands the resulting objects to actors: actors never see OmegaConf.
+
+A field named ``target`` maps to the YAML key ``_target_`` (and ``partial``
+to ``_partial_``); :class:`TargetConfig` nodes carry free keyword arguments
+that :func:`miles.config.build` checks against the target's signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hydra.core.config_store import ConfigStore
+
+_frozen = dict(frozen=True, kw_only=True)
+
+# YAML key -> dataclass field name, for the two Hydra special keys.
+SPECIAL_KEYS = {"_target_": "target", "_partial_": "partial"}
+
+
+@dataclass(**_frozen)
+class TargetConfig:
+    """A callable named by a dotted path, plus the keyword arguments to call it with."""
+
+    target: str
+    """Dotted path of the callable (YAML key ``_target_``); must match ``plugins.allow``."""
+    partial: bool = False
+    """Return ``functools.partial`` instead of calling (YAML key ``_partial_``)."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Every other key of the node: keyword arguments of the callable."""
+
+
+@dataclass(**_frozen)
+class ModelConfig:
+    """Which model: a spec function, its size flavor, and an optional HF checkpoint."""
+
+    target: str = "miles.models.qwen3.qwen3_spec"
+    """Spec function returning a :class:`miles.models.spec.ModelSpec`."""
+    flavor: str = "tiny"
+    """Named size of the spec (``tiny`` builds offline on CPU)."""
+    path: str | None = None
+    """HF checkpoint directory; when set its ``config.json`` wins over the flavor."""
+
+
+@dataclass(**_frozen)
+class WarmStartConfig:
+    """Supervised warm start that gives a freshly built tiny model partial skill on the task."""
+
+    steps: int = 200
+    """SFT optimizer steps (0 disables the warm start)."""
+    batch_size: int = 32
+    """Examples per SFT step."""
+    lr: float = 3e-3
+    """AdamW learning rate for the warm start."""
+    cache_dir: str = "~/.cache/miles/checkpoints"
+    """Where built checkpoints are cached, keyed by a hash of everything that shapes them."""
+
+
+@dataclass(**_frozen)
+class AlgoConfig:
+    """The RL algorithm: advantage estimator, policy loss and its knobs."""
+
+    name: str = "grpo"
+    """Name shown in logs and MLflow."""
+    num_prompts_per_step: int = 16
+    """Prompts drawn from the task per step."""
+    num_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    advantage: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.algos.advantages.group_normalized", partial=True)
+    )
+    """Advantage estimator: ``(rewards [G, n]) -> advantages [G, n]``."""
+    policy_loss: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.algos.losses.ppo_clip_loss", partial=True)
+    )
+    """Per-token policy loss (see :mod:`miles.algos.losses`)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high)."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference term in the loss (0 keeps no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """How per-token losses become one number."""
+    num_minibatches: int = 1
+    """Optimizer steps per rollout: the batch is split into this many mini-batches."""
+
+
+@dataclass(**_frozen)
+class PrecisionConfig:
+    """Numerics of training and rollout, and the mismatch correction they need."""
+
+    name: str = "fp32"
+    """Recipe name shown in logs."""
+    train_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the trainer (master weights and optimizer stay fp32)."""
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the rollout engine."""
+    rollout_quant: Literal["none", "fp8_block"] = "none"
+    """Quantization applied to weights each time they reach the engine."""
+    quant_block_size: int = 128
+    """Block edge of block-wise weight quantization (128 x 128 blocks)."""
+    tis_clip: float | None = None
+    """Truncated importance sampling: cap of exp(train_logp - rollout_logp); None disables."""
+
+
+@dataclass(**_frozen)
+class PlacementConfig:
+    """Where actors live: a Ray placement group shared (colocate) by engines and trainers."""
+
+    name: str = "colocate"
+    """Placement strategy."""
+    num_engines: int = 1
+    """Rollout engine actors."""
+    trainer_world_size: int = 1
+    """Trainer rank actors (one torch.distributed group)."""
+    cpus_per_bundle: float = 1.0
+    """CPUs reserved per placement bundle (one bundle per trainer rank or engine)."""
+    torch_threads_per_actor: int = 0
+    """torch threads in each actor; 0 picks cluster CPUs / actors running at once."""
+    ready_timeout_s: float = 60.0
+    """How long to wait for the placement group before failing with the numbers."""
+
+
+@dataclass(**_frozen)
+class RolloutConfig:
+    """The rollout engine and sampling parameters."""
+
+    backend: Literal["torch"] = "torch"
+    """Engine backend (``torch``: embedded engine over a transformers model)."""
+    engine: str = "miles.rollout.torch_engine.TorchEngine"
+    """Engine actor class (a dotted path)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of the temperature-scaled distribution)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    max_new_tokens: int = 8
+    """Cap on generated tokens per response."""
+    eval_temperature: float = 0.0
+    """Temperature for evaluation (0 is greedy)."""
+
+
+@dataclass(**_frozen)
+class TrainerConfig:
+    """The trainer backend, optimizer and the length of the run."""
+
+    backend: Literal["fsdp"] = "fsdp"
+    """Trainer backend (``fsdp``: FSDP2 over a torch.distributed group)."""
+    num_steps: int = 40
+    """RL steps (rollout -> train -> sync) in the run."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (0 disables)."""
+    eval_every: int = 10
+    """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
+
+
+@dataclass(**_frozen)
+class TaskConfig:
+    """Where prompts come from and how responses are scored."""
+
+    name: str = "arithmetic"
+    """Task name shown in logs."""
+    source: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.tasks.arithmetic.ArithmeticTask")
+    )
+    """Task object (prompts, references, tokenizer corpus)."""
+    reward: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.tasks.arithmetic.exact_answer_reward", partial=True)
+    )
+    """Reward function ``(response_text, label) -> float``."""
+    num_eval_prompts: int = 128
+    """Size of the held-out evaluation set."""
+
+
+@dataclass(**_frozen)
+class TrackingConfig:
+    """Experiment tracking."""
+
+    backend: Literal["mlflow", "none"] = "mlflow"
+    """``mlflow`` logs params, metrics and the config; ``none`` logs to the console only."""
+    uri: str | None = None
+    """Tracking URI; default ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlruns.db`` in the working directory."""
+    experiment: str = "miles"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name (default: algo-model-precision-seed)."""
+
+
+@dataclass(**_frozen)
+class ClusterConfig:
+    """The Ray cluster."""
+
+    address: str | None = None
+    """Join this Ray cluster; None starts a local one."""
+    num_cpus: int | None = None
+    """CPUs of a locally started cluster (None: all of the machine)."""
+
+
+@dataclass(**_frozen)
+class PluginsConfig:
+    """User code that configs may name."""
+
+    allow: tuple[str, ...] = ()
+    """Extra ``_target_`` prefixes allowed besides ``miles.`` and ``torch.optim.``."""
+
+
+@dataclass(**_frozen)
+class MilesConfig:
+    """The whole run."""
+
+    seed: int = 0
+    """Seeds data, sampling and model init."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model spec axis (``model=``)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm axis (``algo=``)."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Precision recipe axis (``precision=``)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Placement axis (``placement=``)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine (``rollout=``)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer (``trainer=``)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Task (``task=``)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Tracking (``tracking=``)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm start of freshly built tiny models."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster."""
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    """User code allowed in ``_target_``."""
+
+
+# The config groups selectable from the command line, and their schema.
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "algo": AlgoConfig,
+    "precision": PrecisionConfig,
+    "placement": PlacementConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "task": TaskConfig,
+    "tracking": TrackingConfig,
+}
+
+
+def register_schemas() -> None:
+    """Register every schema in Hydra's ConfigStore under ``schema/<group>`` and ``schema/miles``."""
+    cs = ConfigStore.instance()
+    for group, cls in GROUP_SCHEMAS.items():
+        cs.store(group="schema", name=group, node=_schema_node(cls))
+    cs.store(group="schema", name="miles", node=_schema_node(MilesConfig))
+
+
+def _schema_node(cls: type) -> dict[str, Any]:
+    """A plain dict of a schema's defaults with YAML key names (``_target_``), for ConfigStore."""
+    from dataclasses import asdict
+
+    return to_yaml_dict(asdict(cls()) if not _has_required(cls) else {})
+
+
+def _has_required(cls: type) -> bool:
+    from dataclasses import MISSING, fields
+
+    return any(f.default is MISSING and f.default_factory is MISSING for f in fields(cls))
+
+
+def to_yaml_dict(d: Any) -> Any:
+    """Rename dataclass field names back to YAML keys (``target`` -> ``_target_``), recursively."""
+    inverse = {v: k for k, v in SPECIAL_KEYS.items()}
+    if isinstance(d, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if k == "kwargs" and isinstance(v, Mapping) and "target" in d:
+                out.update({kk: to_yaml_dict(vv) for kk, vv in v.items()})
+            else:
+                out[inverse.get(k, k)] = to_yaml_dict(v)
+        return out
+    if isinstance(d, tuple | list):
+        return [to_yaml_dict(x) for x in d]
+    return d

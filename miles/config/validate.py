@@ -1,0 +1,266 @@
+"""Turn a composed config into frozen schema dataclasses, or fail saying exactly what is wrong.
+
+Every error names the full dotted key, what was expected, what was found, a
+"did you mean" when a close match exists, and the valid options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from miles.config.schema import GROUP_SCHEMAS, SPECIAL_KEYS, MilesConfig, TargetConfig
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: the message says the key, the problem and what to try."""
+
+
+def suggest(word: str, options: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _options(options: Sequence[str]) -> str:
+    return ", ".join(sorted(options))
+
+
+def to_schema(cls: type, node: Any, key: str = "") -> Any:
+    """Convert a plain mapping ``node`` (YAML key names) into an instance of schema ``cls``."""
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{key or '<root>'}: expected a mapping for {cls.__name__}, found {node!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    yaml_to_field = {k: v for k, v in SPECIAL_KEYS.items() if v in fields}
+    valid_keys = [next((y for y, f in yaml_to_field.items() if f == n), n) for n in fields]
+    values: dict[str, Any] = {}
+    for raw_key, value in node.items():
+        name = yaml_to_field.get(raw_key, raw_key)
+        full = f"{key}.{raw_key}" if key else str(raw_key)
+        if name not in fields or raw_key in SPECIAL_KEYS.values():
+            raise ConfigError(
+                f"unknown config key '{full}'{suggest(str(raw_key), valid_keys)}. "
+                f"Valid keys under '{key or '<root>'}': {_options(valid_keys)}"
+            )
+        values[name] = _convert(hints[name], value, full)
+    missing = [
+        n for n, f in fields.items()
+        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{key or '<root>'}: missing required key(s) {', '.join(missing)}")
+    return cls(**values)
+
+
+def to_target(node: Any, key: str) -> TargetConfig:
+    """A ``_target_`` node: the special keys become fields, everything else keyword arguments."""
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise ConfigError(f"{key}: expected a mapping with a '_target_' dotted path, found {node!r}")
+    target = node["_target_"]
+    if not isinstance(target, str) or not target:
+        raise ConfigError(f"{key}._target_: expected a dotted path string, found {target!r}")
+    partial = node.get("_partial_", False)
+    if not isinstance(partial, bool):
+        raise ConfigError(f"{key}._partial_: expected true or false, found {partial!r}")
+    kwargs = {k: _plain(v) for k, v in node.items() if k not in ("_target_", "_partial_")}
+    return TargetConfig(target=target, partial=partial, kwargs=types.MappingProxyType(kwargs))
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return _plain(value)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: a value is required, found null")
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            shown = [str(a) for a in args]
+            raise ConfigError(
+                f"{key}: invalid value {value!r}{suggest(str(value), shown)}. Valid options: {_options(shown)}"
+            )
+        return value
+    if tp is TargetConfig:
+        return to_target(value, key)
+    if dataclasses.is_dataclass(tp):
+        return to_schema(tp, value, key)
+    if origin is tuple:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{key}: expected a list, found {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, found {list(value)!r}")
+        return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if origin is Mapping or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, found {value!r}")
+        return types.MappingProxyType({k: _plain(v) for k, v in value.items()})
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, found {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, found {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, found {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, found {value!r}")
+        return value
+    raise AssertionError(f"schema type {tp!r} at {key} is not supported by the validator")
+
+
+def validate(cfg: Any) -> MilesConfig:
+    """Validate a composed config (DictConfig or dict) and return the frozen :class:`MilesConfig`."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a core dependency
+        pass
+    run = to_schema(MilesConfig, cfg)
+    check_semantics(run)
+    return run
+
+
+def check_semantics(run: MilesConfig) -> None:
+    """Values that are well-typed but impossible, and combinations that cannot work."""
+    positive = {
+        "algo.num_prompts_per_step": run.algo.num_prompts_per_step,
+        "algo.num_samples_per_prompt": run.algo.num_samples_per_prompt,
+        "algo.num_minibatches": run.algo.num_minibatches,
+        "placement.num_engines": run.placement.num_engines,
+        "placement.trainer_world_size": run.placement.trainer_world_size,
+        "rollout.max_new_tokens": run.rollout.max_new_tokens,
+        "precision.quant_block_size": run.precision.quant_block_size,
+        "warm_start.batch_size": run.warm_start.batch_size,
+        "task.num_eval_prompts": run.task.num_eval_prompts,
+    }
+    for k, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{k}: must be at least 1, found {v}")
+    for k, v in {"trainer.num_steps": run.trainer.num_steps, "warm_start.steps": run.warm_start.steps,
+                 "trainer.eval_every": run.trainer.eval_every}.items():
+        if v < 0:
+            raise ConfigError(f"{k}: must be 0 or more, found {v}")
+    if not 0.0 < run.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], found {run.rollout.top_p}")
+    if run.rollout.temperature <= 0:
+        raise ConfigError(
+            f"rollout.temperature: must be > 0 for RL sampling, found {run.rollout.temperature} "
+            "(use rollout.eval_temperature=0 for greedy evaluation)"
+        )
+    if run.algo.num_samples_per_prompt < 2 and "group" in run.algo.advantage.target:
+        raise ConfigError(
+            "algo.num_samples_per_prompt: group-normalized advantages need at least 2 samples per prompt, "
+            f"found {run.algo.num_samples_per_prompt}"
+        )
+    samples = run.algo.num_prompts_per_step * run.algo.num_samples_per_prompt
+    ws = run.placement.trainer_world_size
+    if samples % (ws * run.algo.num_minibatches):
+        raise ConfigError(
+            f"samples per step ({run.algo.num_prompts_per_step} prompts x {run.algo.num_samples_per_prompt} "
+            f"samples = {samples}) must divide evenly into placement.trainer_world_size ({ws}) x "
+            f"algo.num_minibatches ({run.algo.num_minibatches})"
+        )
+    if run.precision.tis_clip is not None and run.precision.tis_clip < 1.0:
+        raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
+    if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
+        raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+
+
+# --- command-line pre-check ---------------------------------------------------------------------
+
+def _conf_dir() -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("miles.conf")))
+
+
+def group_options(group: str) -> list[str]:
+    """The YAML files available in a config group folder (without extension)."""
+    return sorted(p.stem for p in (_conf_dir() / group).glob("*.yaml"))
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Check Hydra command-line overrides against the config groups and schemas before composing.
+
+    Catches a mistyped group option (``placement=colocat``) or key (``algo.clip_hgh=0.3``) with a
+    suggestion, before Hydra composes and long before Ray starts. Sweeps (``a,b``) are checked per value.
+    """
+    root_keys = [f.name for f in dataclasses.fields(MilesConfig)] + ["hydra"]
+    for raw in overrides:
+        if raw.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in raw:
+            continue
+        key, value = raw.split("=", 1)
+        if "@" in key or key.startswith("hydra"):
+            continue
+        parts = key.split(".")
+        if len(parts) == 1 and key in GROUP_SCHEMAS:
+            options = group_options(key)
+            for choice in _sweep_values(value):
+                if choice not in options:
+                    raise ConfigError(
+                        f"{key}={choice}: no such option in config group '{key}'{suggest(choice, options)}. "
+                        f"Valid options: {_options(options)}"
+                    )
+            continue
+        cls: Any = MilesConfig
+        for depth, part in enumerate(parts):
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                break  # free-form below here (a _target_ node's kwargs)
+            names = {f.name for f in dataclasses.fields(cls)}
+            lookup = SPECIAL_KEYS.get(part, part)
+            valid = sorted((set(names) - set(SPECIAL_KEYS.values())) | {k for k, v in SPECIAL_KEYS.items() if v in names})
+            if lookup not in names:
+                where = ".".join(parts[:depth]) or "<root>"
+                if cls is MilesConfig and part == "hydra":
+                    break
+                raise ConfigError(
+                    f"unknown config key '{key}'{suggest(part, valid if depth else valid + root_keys[-1:])}. "
+                    f"Valid keys under '{where}': {_options(valid)}"
+                )
+            hint = typing.get_type_hints(cls)[lookup]
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            cls = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+            if cls is TargetConfig:
+                break
+
+
+def _sweep_values(value: str) -> list[str]:
+    for prefix in ("choice(", "glob("):
+        if value.startswith(prefix):
+            value = value[len(prefix):].rstrip(")")
+    return [v.strip() for v in value.split(",") if v.strip()]

@@ -1,0 +1,110 @@
+"""The data that crosses process boundaries: token ids in, token ids out.
+
+A :class:`Sample` is one response to one prompt. It carries the weight version
+that produced it, so async modes can bound staleness later. Nothing here is
+re-tokenized: the trainer sees exactly the ids the engine sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    """How a sample's generation ended."""
+
+    COMPLETED = "completed"  # stopped on EOS / a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # cancelled by the engine or the manager
+    FAILED = "failed"  # generation or reward failed; see Sample.failure
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling parameters. Log-probs are of the temperature-scaled distribution."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    greedy: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One prompt to complete ``n`` times."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+    seed: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateResult:
+    """One completion of a request, as the engine produced it."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # log-prob of each response token, same length
+    status: Status
+    weight_version: int
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One response to one prompt, with everything the trainer needs."""
+
+    group_id: int
+    index: int  # position within the group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    loss_mask: list[int]  # 1 for tokens the policy generated, 0 for environment tokens
+    status: Status
+    weight_version: int
+    label: Any = None  # the task's reference answer
+    response_text: str = ""
+    reward: float = 0.0
+    advantage: float = 0.0
+    failure: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """Samples in the form the trainer consumes (plain lists: cheap to ship between processes)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    loss_mask: list[list[int]]
+    advantages: list[float]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample]) -> TrainBatch:
+        return cls(
+            prompt_ids=[s.prompt_ids for s in samples],
+            response_ids=[s.response_ids for s in samples],
+            rollout_logprobs=[s.rollout_logprobs for s in samples],
+            loss_mask=[s.loss_mask for s in samples],
+            advantages=[s.advantage for s in samples],
+        )
+
+    def shard(self, rank: int, world_size: int) -> TrainBatch:
+        """Contiguous slice for one data-parallel rank (len must divide evenly)."""
+        n = len(self) // world_size
+        sl = slice(rank * n, (rank + 1) * n)
+        return TrainBatch(
+            prompt_ids=self.prompt_ids[sl],
+            response_ids=self.response_ids[sl],
+            rollout_logprobs=self.rollout_logprobs[sl],
+            loss_mask=self.loss_mask[sl],
+            advantages=self.advantages[sl],
+        )

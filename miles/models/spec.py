@@ -1,0 +1,25 @@
+"""A model spec: everything miles needs to know about one model family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One model family at one size.
+
+    ``hf_config`` builds the model (``AutoModelForCausalLM.from_config``) when no
+    checkpoint is given; ``router_modules`` names the MoE router submodules
+    (a ``{layer}`` placeholder) for routing capture and replay.
+    """
+
+    name: str
+    flavor: str
+    hf_config: PretrainedConfig
+    is_moe: bool = False
+    router_modules: str | None = None
+    source_path: str | None = None  # the HF checkpoint this spec was read from, if any
+    extra: dict = field(default_factory=dict)
