@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny checkpoints built offline, and one local Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+torch.set_num_threads(2)
+
+
+def _save_tiny(path: Path, moe: bool, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    cfg = (Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          decoder_sparse_step=1, norm_topk_prob=True)
+           if moe else Qwen3Config(**common))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny dense Qwen3 saved as an HF checkpoint (no tokenizer; eos id 2, pad 0)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_qwen3"), moe=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen3-MoE (4 experts, top-2) saved as an HF checkpoint."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (dashboard off)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
