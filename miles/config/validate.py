@@ -69,7 +69,7 @@ def to_target(node: Any, key: str) -> TargetConfig:
     if not isinstance(partial, bool):
         raise ConfigError(f"{key}._partial_: expected true or false, found {partial!r}")
     kwargs = {k: _plain(v) for k, v in node.items() if k not in ("_target_", "_partial_")}
-    return TargetConfig(target=target, partial=partial, kwargs=types.MappingProxyType(kwargs))
+    return TargetConfig(target=target, partial=partial, kwargs=kwargs)
 
 
 def _plain(v: Any) -> Any:
@@ -121,7 +121,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin is Mapping or origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping, found {value!r}")
-        return types.MappingProxyType({k: _plain(v) for k, v in value.items()})
+        return {k: _plain(v) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, found {value!r}")

@@ -8,11 +8,19 @@ re-tokenized: the trainer sees exactly the ids the engine sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
 
 
-class Status(str, Enum):
+@runtime_checkable
+class Problem(Protocol):
+    """A task item: the prompt text and the reference the reward compares against."""
+
+    prompt: str
+    label: Any
+
+
+class Status(StrEnum):
     """How a sample's generation ended."""
 
     COMPLETED = "completed"  # stopped on EOS / a stop token

@@ -1,0 +1,51 @@
+"""``python -m miles``: compose the config with Hydra, validate it, run.
+
+This is the only ``@hydra.main`` in miles. Everything Hydra offers works:
+``--cfg job`` prints the resolved config, ``-m`` sweeps, ``group=option`` and
+``a.b=value`` overrides. Mistyped keys and options fail here, before Ray
+starts, with the full key, a suggestion and the valid options.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from miles.config import ConfigError, check_overrides, register_schemas, validate
+
+log = logging.getLogger("miles")
+
+
+@hydra.main(version_base="1.3", config_path="pkg://miles.conf", config_name="config")
+def _run(cfg: DictConfig) -> float | None:
+    try:
+        run = validate(cfg)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        raise SystemExit(2) from None
+    from hydra.core.hydra_config import HydraConfig
+
+    from miles.core.run import run_job
+
+    overrides = list(HydraConfig.get().overrides.task)
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    result = run_job(run, resolved_yaml=resolved, overrides=overrides)
+    return result.get("eval/accuracy")
+
+
+def main() -> None:
+    """Console-script entry point (``miles``) and ``python -m miles``."""
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as e:
+        print(f"miles: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    register_schemas()
+    _run()
+
+
+if __name__ == "__main__":
+    main()

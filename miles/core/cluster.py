@@ -1,0 +1,127 @@
+"""Ray: start or join the cluster, reserve a placement group, create engine and trainer actors.
+
+Every long-lived process is a Ray actor. ``placement=colocate`` puts one
+engine and one trainer rank on each bundle; they take turns (rollout, then
+train), so each actor may use all of its bundle's CPUs for torch threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.config import ConfigError, MilesConfig, check_allowed, locate
+
+log = logging.getLogger(__name__)
+
+TRAINER_BACKENDS = {"fsdp": "miles.train.fsdp.FSDPTrainer"}
+
+
+def start_ray(run: MilesConfig) -> bool:
+    """Start a local Ray cluster (dashboard off) or join ``cluster.address``. Returns True if we started it."""
+    if ray.is_initialized():
+        return False
+    env = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    if run.cluster.address:
+        ray.init(address=run.cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=run.cluster.num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            logging_level=logging.WARNING,
+        )
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Actors:
+    """Handles to everything the loop talks to."""
+
+    engines: list[Any]
+    trainers: list[Any]
+    placement: PlacementGroup
+    num_threads: int
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
+        except Exception as e:  # a dead rank must not keep the driver from exiting
+            log.warning("trainer shutdown failed: %s", e)
+        for a in self.engines + self.trainers:
+            ray.kill(a)
+        remove_placement_group(self.placement)
+
+
+def reserve(run: MilesConfig) -> PlacementGroup:
+    """A placement group with one bundle per engine/trainer slot; fail within the timeout if it cannot fit."""
+    p = run.placement
+    num_bundles = max(p.num_engines, p.trainer_world_size)
+    bundles = [{"CPU": p.cpus_per_bundle} for _ in range(num_bundles)]
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=p.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        avail = ray.available_resources().get("CPU", 0.0)
+        total = ray.cluster_resources().get("CPU", 0.0)
+        raise ConfigError(
+            f"placement '{p.name}' asked for {num_bundles} bundle(s) x {p.cpus_per_bundle} CPU "
+            f"= {num_bundles * p.cpus_per_bundle:g} CPU, but the cluster has {avail:g} of {total:g} CPU "
+            f"available (waited {p.ready_timeout_s:g} s). Lower placement.cpus_per_bundle, "
+            "placement.num_engines or placement.trainer_world_size, or add nodes."
+        ) from None
+    return pg
+
+
+def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
+    """Engines and trainer ranks on the placement group's bundles."""
+    p = run.placement
+    pg = reserve(run)
+    num_bundles = len(pg.bundle_specs)
+    threads = p.torch_threads_per_actor or max(1, math.floor(p.cpus_per_bundle * num_bundles / max(p.num_engines, p.trainer_world_size)))
+    # colocated: an engine and a trainer share a bundle, each holding half of it
+    cpus_per_actor = p.cpus_per_bundle / 2
+
+    def on_bundle(i: int) -> dict[str, Any]:
+        return dict(
+            num_cpus=cpus_per_actor,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i % num_bundles),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}},
+        )
+
+    allow = run.plugins.allow
+    check_allowed(run.rollout.engine, allow, key="rollout.engine")
+    engine_cls = ray.remote(locate(run.rollout.engine))
+    engines = [
+        engine_cls.options(**on_bundle(i)).remote(
+            checkpoint_dir, run.precision, seed=run.seed + 1000 * i, num_threads=threads, engine_id=i
+        )
+        for i in range(p.num_engines)
+    ]
+    trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
+    port = free_port()
+    trainers = [
+        trainer_cls.options(**on_bundle(r)).remote(
+            rank=r, world_size=p.trainer_world_size, master_addr="127.0.0.1", master_port=port,
+            checkpoint_dir=checkpoint_dir, run=run, num_threads=threads,
+        )
+        for r in range(p.trainer_world_size)
+    ]
+    # surface construction errors now, with the actor's traceback
+    ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers])
+    return Actors(engines=engines, trainers=trainers, placement=pg, num_threads=threads)
