@@ -72,7 +72,9 @@ class AlgoConfig:
     num_samples_per_prompt: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     advantage: TargetConfig = field(
-        default_factory=lambda: TargetConfig(target="miles.algos.advantages.group_normalized", partial=True)
+        default_factory=lambda: TargetConfig(
+            target="miles.algos.advantages.group_normalized", partial=True, kwargs={"normalize_std": True}
+        )
     )
     """Advantage estimator: ``(rewards [G, n]) -> advantages [G, n]``."""
     policy_loss: TargetConfig = field(
