@@ -38,6 +38,13 @@ def default_uri(cfg: TrackingConfig) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlruns.db'}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Artifacts of a SQLite store go next to the database file (``mlartifacts/``); other stores decide."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     """Dotted keys to string values; values under secret-looking keys are redacted."""
     out: dict[str, str] = {}
@@ -90,7 +97,9 @@ class MlflowTracker:
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(run.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(run.tracking.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            run.tracking.experiment, artifact_location=artifact_location(self.uri)
+        )
         name = run.tracking.run_name or f"{run.algo.name}-{run.model.flavor}-{run.precision.name}-seed{run.seed}"
         tags = {
             "miles.command": " ".join([Path(sys.executable).name, "-m", "miles", *sys.argv[1:]]),
