@@ -1,0 +1,84 @@
+"""The RL training objective of one mini-batch on one rank, and its metrics.
+
+Per token (see :mod:`miles.algos.losses` for the formulas and citations)::
+
+    pg_t   = w_t * L_policy(logp_t, old_logp_t, A)        w_t = TIS weight, or 1 when TIS is off
+    loss   = agg(pg) + kl_coef * agg(kl(logp, ref_logp)) - entropy_coef * agg(entropy)
+
+``agg`` is :func:`miles.algos.losses.aggregate` with the *global* token / sequence counts of the
+mini-batch (summed over data-parallel ranks), so the value here is this rank's share: the sum over
+ranks equals the loss of one rank holding the whole mini-batch. Metrics follow the same rule (each
+is a token mean over the global loss-mask tokens), so one all-reduce SUM makes them global.
+
+This module is pure tensor math: no process group, no model, testable on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from miles.algos.losses import aggregate, kl_penalty, tis_weights
+from miles.config.schema import AlgoConfig
+
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+"""``(logp [B,T], old_logp [B,T], advantages [B]) -> (loss [B,T], {metric name: 0/1 indicator [B,T]})``."""
+
+
+def policy_objective(
+    *,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    entropy: torch.Tensor,
+    policy_loss_fn: PolicyLossFn,
+    algo: AlgoConfig,
+    tis_clip: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    global_tokens: torch.Tensor | float | None = None,
+    global_seqs: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's share of the loss (scalar, differentiable) and of each metric (detached scalars).
+
+    logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B].
+    Metrics: ``train/loss``, ``train/pg_loss``, one ``train/<name>`` per indicator of the policy loss
+    (``clip_frac_low``, ``clip_frac_high``), ``train/entropy``, ``train/logp_mismatch_abs_mean``,
+    ``train/kl`` when ``ref_logp`` is given, ``train/tis_clip_frac`` when ``tis_clip`` is set.
+    """
+    if algo.kl_coef > 0 and ref_logp is None:
+        raise ValueError("policy_objective: algo.kl_coef > 0 needs ref_logp from the reference model")
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return aggregate(x, loss_mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return aggregate(x.detach().float(), loss_mask, "token_mean", global_tokens=global_tokens)
+
+    pg_tok, indicators = policy_loss_fn(logp, old_logp, advantages)
+    metrics: dict[str, torch.Tensor] = {}
+    if tis_clip is not None:
+        w = tis_weights(old_logp, rollout_logp, tis_clip)
+        pg_tok = pg_tok * w
+        metrics["train/tis_clip_frac"] = token_mean((w >= tis_clip).float())
+    pg_loss = agg(pg_tok)
+    loss = pg_loss
+    if ref_logp is not None:
+        kl_tok = kl_penalty(logp, ref_logp, algo.kl_estimator)
+        metrics["train/kl"] = token_mean(kl_tok)
+        if algo.kl_coef > 0:
+            loss = loss + algo.kl_coef * agg(kl_tok)
+    if algo.entropy_coef != 0:
+        loss = loss - algo.entropy_coef * agg(entropy)
+
+    metrics["train/loss"] = loss.detach()
+    metrics["train/pg_loss"] = pg_loss.detach()
+    for name, indicator in indicators.items():
+        metrics[f"train/{name}"] = token_mean(indicator)
+    metrics["train/entropy"] = token_mean(entropy)
+    metrics["train/logp_mismatch_abs_mean"] = token_mean((rollout_logp - old_logp).abs())
+    return loss, dict(sorted(metrics.items()))
