@@ -1,0 +1,52 @@
+"""Sampling math: top-k / top-p masks on hand-computed examples, and the exponential race's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles.rollout.sampling import check_sampling, filter_logits, sample_tokens
+
+NEG = float("-inf")
+
+
+def test_top_k_and_top_p_masks_by_hand() -> None:
+    # probs of [log .5, log .3, log .15, log .05] are exactly [.5, .3, .15, .05]
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    keep = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    assert keep(filter_logits(logits, top_k=2)) == [True, True, False, False]
+    assert keep(filter_logits(logits, top_p=0.5)) == [True, False, False, False]  # .5 reaches .5
+    assert keep(filter_logits(logits, top_p=0.51)) == [True, True, False, False]
+    assert keep(filter_logits(logits, top_p=0.9)) == [True, True, True, False]  # .8 < .9 <= .95
+    assert keep(filter_logits(logits, top_p=0.01)) == [True, False, False, False]  # at least one token
+    assert keep(filter_logits(logits, top_k=3, top_p=0.6)) == [True, True, False, False]
+    assert keep(filter_logits(logits)) == [True] * 4
+    # Unsorted input: the mask follows the values, not the positions.
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert keep(filter_logits(shuffled, top_p=0.75)) == [False, True, False, True]
+    kept = filter_logits(logits, top_k=2)
+    assert torch.equal(kept[0, :2], logits[0, :2])  # survivors are not changed
+
+
+def test_exponential_race_matches_filtered_softmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).expand(40_000, 5)
+    noise = torch.empty(40_000, 5).exponential_()
+    t = 0.7
+    tokens = sample_tokens(logits, noise, temperature=t, top_k=4, top_p=0.95)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    expected = filter_logits(logits[:1] / t, 4, 0.95).softmax(-1)[0]
+    assert freq[expected == 0].sum().item() == 0.0
+    # 40k draws: standard error <= 0.0025; 0.01 is 4 sigma
+    torch.testing.assert_close(freq, expected, atol=0.01, rtol=0)
+
+
+def test_greedy_is_argmax_and_bad_params_raise() -> None:
+    logits = torch.randn(6, 11)
+    assert torch.equal(sample_tokens(logits, None), logits.argmax(-1))
+    for bad in (dict(temperature=-1.0, top_p=1.0, top_k=0), dict(temperature=1.0, top_p=1.5, top_k=0),
+                dict(temperature=1.0, top_p=1.0, top_k=-2)):
+        with pytest.raises(ValueError):
+            check_sampling(**bad)
