@@ -9,7 +9,12 @@ starts, with the full key, a suggestion and the valid options.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+
+# Library progress bars (checkpoint loading, shard writing) would drown the run's own progress.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hydra
 from omegaconf import DictConfig, OmegaConf

@@ -29,7 +29,7 @@ def start_ray(run: MilesConfig) -> bool:
     """Start a local Ray cluster (dashboard off) or join ``cluster.address``. Returns True if we started it."""
     if ray.is_initialized():
         return False
-    env = {"TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     if run.cluster.address:
         ray.init(address=run.cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
