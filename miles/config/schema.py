@@ -53,9 +53,9 @@ class WarmStartConfig:
 
     steps: int = 200
     """SFT optimizer steps (0 disables the warm start)."""
-    batch_size: int = 32
+    batch_size: int = 128
     """Examples per SFT step."""
-    lr: float = 3e-3
+    lr: float = 5e-3
     """AdamW learning rate for the warm start."""
     cache_dir: str = "~/.cache/miles/checkpoints"
     """Where built checkpoints are cached, keyed by a hash of everything that shapes them."""

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from miles.core.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
+from miles.models.tokenizer import encode_prompt
 
 
 class RolloutManager:
@@ -31,10 +32,7 @@ class RolloutManager:
         """Chat-templated prompt ids (cached: the same prompt text always gives the same ids)."""
         ids = self._prompt_cache.get(prompt)
         if ids is None:
-            out = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = tuple(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+            ids = tuple(encode_prompt(self.tokenizer, prompt))
             self._prompt_cache[prompt] = ids
         return ids
 

@@ -1,0 +1,81 @@
+"""The arithmetic task: held-out split, determinism, reward, and the SFT loss."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from miles.tasks.arithmetic import ArithmeticTask, Problem, exact_answer_reward
+from miles.train.sft import sft_loss
+
+
+def test_eval_set_is_deterministic_and_distinct() -> None:
+    a, b = ArithmeticTask().eval_problems(128), ArithmeticTask().eval_problems(128)
+    assert a == b
+    assert len(set(a)) == 128
+    assert ArithmeticTask(eval_seed=7).eval_problems(128) != a
+
+
+def test_training_samples_never_hit_the_eval_split() -> None:
+    task = ArithmeticTask()
+    heldout = {p.prompt for p in task.eval_problems(128)}
+    train = task.sample(5000, random.Random(0))
+    assert not heldout & {p.prompt for p in train}
+    prompts = {p for p, _ in task.sft_examples(2000, random.Random(1))}
+    assert not heldout & prompts
+
+
+def test_problems_are_correct_and_mixed_in_difficulty() -> None:
+    problems = ArithmeticTask().sample(2000, random.Random(0))
+    for p in problems:
+        a, op, b = p.prompt.removeprefix("What is ").removesuffix("?").split()
+        assert int(p.label) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+    one_digit = sum(len(p.prompt) == len("What is 3 + 4?") for p in problems) / len(problems)
+    assert 0.15 < one_digit < 0.35  # both operands 1-digit in about a quarter of problems
+
+
+def test_sampling_is_reproducible_under_a_seed() -> None:
+    task = ArithmeticTask()
+    assert task.sample(50, random.Random(3)) == task.sample(50, random.Random(3))
+    assert task.sample(50, random.Random(3)) != task.sample(50, random.Random(4))
+
+
+def test_bad_task_arguments_are_rejected() -> None:
+    with pytest.raises(ValueError, match="ops"):
+        ArithmeticTask(ops=("/",))
+    with pytest.raises(ValueError, match="eval_problems"):
+        ArithmeticTask(max_operand=3).eval_problems(128)
+
+
+def test_corpus_covers_prompts_and_digits() -> None:
+    corpus = ArithmeticTask().corpus()
+    assert any(t.startswith("What is") for t in corpus)
+    assert set("0123456789+-?") <= set("".join(corpus))
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [("82", 1.0), (" 82\n", 1.0), ("81", 0.0), ("82 82", 0.0), ("082", 0.0), ("", 0.0), ("?!x", 0.0)],
+)
+def test_exact_answer_reward(text: str, reward: float) -> None:
+    assert exact_answer_reward(text, Problem(prompt="What is 37 + 45?", label="82").label) == reward
+
+
+def test_sft_loss_matches_hand_computation() -> None:
+    # One sequence of 3 tokens, vocab 2; position 0 predicts labels[1], position 1 predicts labels[2].
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [5.0, 5.0]]])
+    labels = torch.tensor([[-100, 1, 0]])
+    # position 0: uniform -> -log(1/2); position 1: p(token 0) = 3 / (3 + 1) -> -log(3/4); mean of the two.
+    expected = (-math.log(0.5) - math.log(0.75)) / 2
+    assert sft_loss(logits, labels).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_sft_loss_ignores_masked_tokens() -> None:
+    logits = torch.randn(2, 5, 7)
+    labels = torch.full((2, 5), -100)
+    labels[0, 2] = 3
+    manual = -torch.log_softmax(logits[0, 1], -1)[3]
+    assert sft_loss(logits, labels).item() == pytest.approx(manual.item(), abs=1e-6)
