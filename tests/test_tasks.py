@@ -79,3 +79,37 @@ def test_sft_loss_ignores_masked_tokens() -> None:
     labels[0, 2] = 3
     manual = -torch.log_softmax(logits[0, 1], -1)[3]
     assert sft_loss(logits, labels).item() == pytest.approx(manual.item(), abs=1e-6)
+
+
+# --- the largest-number task ---------------------------------------------------------------
+
+def test_largest_task_answers_and_split() -> None:
+    from miles.tasks.largest import LargestNumberTask
+
+    task = LargestNumberTask(list_len=4, max_value=20)
+    rng = random.Random(1)
+    for p in task.sample(200, rng):
+        numbers = [int(x) for x in p.prompt.split(":")[1].strip(" ?").split()]
+        assert len(numbers) == 4 and p.label == str(max(numbers))
+        assert not task.is_heldout(tuple(numbers))
+    evals = task.eval_problems(50)
+    assert evals == task.eval_problems(50) and len({p.prompt for p in evals}) == 50
+    assert all(task.is_heldout(tuple(int(x) for x in p.prompt.split(":")[1].strip(" ?").split())) for p in evals)
+
+
+def test_largest_task_rejects_bad_arguments() -> None:
+    from miles.tasks.largest import LargestNumberTask
+
+    for kwargs in ({"list_len": 1}, {"max_value": 0}, {"heldout_fraction": 1.0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            LargestNumberTask(**kwargs)
+
+
+def test_heldout_hash_is_stable_and_near_its_fraction() -> None:
+    from miles.tasks.arithmetic import in_heldout
+
+    keys = [f"k{i}" for i in range(4000)]
+    share = sum(in_heldout(k, 7, 0.25) for k in keys) / len(keys)
+    assert 0.22 < share < 0.28
+    assert [in_heldout(k, 7, 0.25) for k in keys[:50]] == [in_heldout(k, 7, 0.25) for k in keys[:50]]
+    assert [in_heldout(k, 7, 0.25) for k in keys[:200]] != [in_heldout(k, 8, 0.25) for k in keys[:200]]

@@ -163,6 +163,8 @@ class TrainerConfig:
     """RL steps (rollout -> train -> sync) in the run."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly to ``lr`` (0: none)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)

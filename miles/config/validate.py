@@ -172,6 +172,7 @@ def check_semantics(run: MilesConfig) -> None:
         if v < 1:
             raise ConfigError(f"{k}: must be at least 1, found {v}")
     for k, v in {"trainer.num_steps": run.trainer.num_steps, "warm_start.steps": run.warm_start.steps,
+                 "trainer.lr_warmup_steps": run.trainer.lr_warmup_steps,
                  "trainer.eval_every": run.trainer.eval_every}.items():
         if v < 0:
             raise ConfigError(f"{k}: must be 0 or more, found {v}")

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,17 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     }
 
 
-def run_job(run: MilesConfig, *, resolved_yaml: str, overrides: list[str]) -> dict[str, float]:
-    """Run one training job end to end; returns the final metrics."""
+def run_job(
+    run: MilesConfig,
+    *,
+    resolved_yaml: str,
+    overrides: list[str],
+    on_metrics: Callable[[dict[str, float], int], None] | None = None,
+) -> dict[str, float]:
+    """Run one training job end to end; returns the final metrics.
+
+    ``on_metrics(metrics, step)`` is called with every step's metrics after the tracker got them.
+    """
     import ray
     from transformers import AutoTokenizer
 
@@ -60,7 +70,7 @@ def run_job(run: MilesConfig, *, resolved_yaml: str, overrides: list[str]) -> di
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=RolloutManager(actors.engines, tokenizer, parts["reward_fn"]),
             trainers=actors.trainers, engines=actors.engines, advantage_fn=parts["advantage_fn"],
-            log_metrics=tracker.log_metrics,
+            log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
         final = train(ctx)
         final["perf/wall_time_s"] = time.perf_counter() - t_start
@@ -77,3 +87,11 @@ def run_job(run: MilesConfig, *, resolved_yaml: str, overrides: list[str]) -> di
             actors.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, float], int], None]:
+    def call(metrics: dict[str, float], step: int) -> None:
+        for fn in fns:
+            fn(metrics, step)
+
+    return call

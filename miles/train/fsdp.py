@@ -109,6 +109,10 @@ class FSDPTrainer:
         t = run.trainer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
+        # linear warmup over the first optimizer steps: Adam's first updates are ~lr * sign(g) in every
+        # coordinate, which on a noisy policy gradient undoes part of what the warm start taught
+        warmup = max(1, t.lr_warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
     # --- forward helpers -------------------------------------------------------------------------
 
@@ -170,6 +174,7 @@ class FSDPTrainer:
             global_loss = self._all_reduce(loss.detach().clone())
             if torch.isfinite(global_loss) and torch.isfinite(grad_norm):
                 self.optimizer.step()
+                self.scheduler.step()
             else:
                 skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -182,6 +187,7 @@ class FSDPTrainer:
         out = {k: float(v) for k, v in zip(names, reduced.tolist(), strict=True)}
         out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
         out["train/nonfinite_skipped"] = float(skipped)
+        out["train/lr"] = self.scheduler.get_last_lr()[0]
         out["train/num_tokens"] = float(counts[:, 0].sum())
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
