@@ -67,7 +67,7 @@ class AlgoConfig:
 
     name: str = "grpo"
     """Name shown in logs and MLflow."""
-    num_prompts_per_step: int = 16
+    num_prompts_per_step: int = 32
     """Prompts drawn from the task per step."""
     num_samples_per_prompt: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
@@ -149,8 +149,10 @@ class RolloutConfig:
     """Top-k sampling (0 disables)."""
     max_new_tokens: int = 8
     """Cap on generated tokens per response."""
-    eval_temperature: float = 0.0
-    """Temperature for evaluation (0 is greedy)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of ``eval/accuracy`` (0: greedy, one sample per prompt)."""
+    eval_samples_per_prompt: int = 4
+    """Samples per held-out prompt; ``eval/accuracy`` is their mean reward (pass@1 estimated from k samples)."""
 
 
 @dataclass(**_frozen)
@@ -159,11 +161,11 @@ class TrainerConfig:
 
     backend: Literal["fsdp"] = "fsdp"
     """Trainer backend (``fsdp``: FSDP2 over a torch.distributed group)."""
-    num_steps: int = 40
+    num_steps: int = 300
     """RL steps (rollout -> train -> sync) in the run."""
-    lr: float = 1e-3
+    lr: float = 5e-4
     """AdamW learning rate."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = 20
     """Optimizer steps over which the learning rate rises linearly to ``lr`` (0: none)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -171,7 +173,7 @@ class TrainerConfig:
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip (0 disables)."""
-    eval_every: int = 10
+    eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
 
 
@@ -179,10 +181,12 @@ class TrainerConfig:
 class TaskConfig:
     """Where prompts come from and how responses are scored."""
 
-    name: str = "arithmetic"
+    name: str = "largest"
     """Task name shown in logs."""
     source: TargetConfig = field(
-        default_factory=lambda: TargetConfig(target="miles.tasks.arithmetic.ArithmeticTask")
+        default_factory=lambda: TargetConfig(
+            target="miles.tasks.largest.LargestNumberTask", kwargs={"list_len": 5, "max_value": 99}
+        )
     )
     """Task object (prompts, references, tokenizer corpus)."""
     reward: TargetConfig = field(

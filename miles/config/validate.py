@@ -164,6 +164,7 @@ def check_semantics(run: MilesConfig) -> None:
         "placement.num_engines": run.placement.num_engines,
         "placement.trainer_world_size": run.placement.trainer_world_size,
         "rollout.max_new_tokens": run.rollout.max_new_tokens,
+        "rollout.eval_samples_per_prompt": run.rollout.eval_samples_per_prompt,
         "precision.quant_block_size": run.precision.quant_block_size,
         "warm_start.batch_size": run.warm_start.batch_size,
         "task.num_eval_prompts": run.task.num_eval_prompts,
@@ -183,6 +184,8 @@ def check_semantics(run: MilesConfig) -> None:
             f"rollout.temperature: must be > 0 for RL sampling, found {run.rollout.temperature} "
             "(use rollout.eval_temperature=0 for greedy evaluation)"
         )
+    if run.rollout.eval_temperature < 0:
+        raise ConfigError(f"rollout.eval_temperature: must be >= 0 (0 is greedy), found {run.rollout.eval_temperature}")
     if run.algo.num_samples_per_prompt < 2 and "group" in run.algo.advantage.target:
         raise ConfigError(
             "algo.num_samples_per_prompt: group-normalized advantages need at least 2 samples per prompt, "

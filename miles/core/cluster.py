@@ -88,12 +88,24 @@ def reserve(run: MilesConfig) -> PlacementGroup:
     return pg
 
 
+def auto_threads(run: MilesConfig, num_bundles: int) -> int:
+    """torch threads per actor: the CPUs available / the actors busy at once.
+
+    Colocated engines and trainer ranks take turns, so at most max(engines, ranks) actors compute at
+    once. On a local cluster they may use the whole machine; on a joined cluster, their bundles.
+    """
+    p = run.placement
+    busy = max(p.num_engines, p.trainer_world_size)
+    cpus = (run.cluster.num_cpus or os.cpu_count() or 1) if not run.cluster.address else p.cpus_per_bundle * num_bundles
+    return max(1, math.floor(cpus / busy))
+
+
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
     """Engines and trainer ranks on the placement group's bundles."""
     p = run.placement
     pg = reserve(run)
     num_bundles = len(pg.bundle_specs)
-    threads = p.torch_threads_per_actor or max(1, math.floor(p.cpus_per_bundle * num_bundles / max(p.num_engines, p.trainer_world_size)))
+    threads = p.torch_threads_per_actor or auto_threads(run, num_bundles)
     # colocated: an engine and a trainer share a bundle, each holding half of it
     cpus_per_actor = p.cpus_per_bundle / 2
 

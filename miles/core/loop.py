@@ -31,7 +31,7 @@ import torch
 
 from miles.config.schema import MilesConfig
 from miles.core.progress import Progress
-from miles.core.types import Problem, Sample, SamplingParams, TrainBatch
+from miles.core.types import Problem, SamplingParams, TrainBatch
 from miles.rollout.manager import RolloutManager
 from miles.weights.object_store import sync_weights
 
@@ -64,7 +64,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
     metrics = evaluate(ctx, eval_set)
     ctx.log_metrics(metrics, 0)
-    log.info("step 0: eval/accuracy %.3f", metrics["eval/accuracy"])
+    log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
     progress = Progress(run.trainer.num_steps)
     for step in range(1, run.trainer.num_steps + 1):
         t0 = time.perf_counter()
@@ -108,16 +108,26 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
 
 def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
-    """Greedy (or ``rollout.eval_temperature``) answers to the held-out prompts, scored by the task reward."""
-    t = ctx.run.rollout.eval_temperature
-    sampling = SamplingParams(temperature=t if t > 0 else 1.0, greedy=t == 0,
-                              max_new_tokens=ctx.run.rollout.max_new_tokens)
-    groups, m = ctx.rollout.rollout(problems, 1, sampling, seed=ctx.run.seed, first_group_id=0)
-    samples: list[Sample] = [g[0] for g in groups]
-    return {
-        "eval/accuracy": sum(s.reward for s in samples) / len(samples),
-        "eval/response_len_mean": m["rollout/response_len_mean"],
-    }
+    """Held-out prompts, scored by the task reward.
+
+    ``eval/accuracy`` is pass@1 estimated from ``rollout.eval_samples_per_prompt`` samples per prompt at
+    ``rollout.eval_temperature`` (the mean reward; greedy with one sample when the temperature is 0);
+    ``eval/greedy_accuracy`` is greedy decoding, logged alongside.
+    """
+    r = ctx.run.rollout
+    greedy = SamplingParams(greedy=True, max_new_tokens=r.max_new_tokens)
+    out = {}
+    if r.eval_temperature > 0:
+        sampling = SamplingParams(temperature=r.eval_temperature, max_new_tokens=r.max_new_tokens)
+        groups, m = ctx.rollout.rollout(problems, r.eval_samples_per_prompt, sampling, seed=ctx.run.seed)
+        out["eval/accuracy"] = sum(s.reward for g in groups for s in g) / sum(len(g) for g in groups)
+        out[f"eval/pass_at_{r.eval_samples_per_prompt}"] = sum(max(s.reward for s in g) > 0 for g in groups) / len(groups)
+        out["eval/response_len_mean"] = m["rollout/response_len_mean"]
+    groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=ctx.run.seed)
+    out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
+    out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])
+    out.setdefault("eval/response_len_mean", m["rollout/response_len_mean"])
+    return out
 
 
 def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:

@@ -76,7 +76,8 @@ def run_job(
         final["perf/wall_time_s"] = time.perf_counter() - t_start
         tracker.log_metrics({"perf/wall_time_s": final["perf/wall_time_s"]}, run.trainer.num_steps)
         status = "FINISHED"
-        log.info("done in %.1fs: eval/accuracy %.3f", final["perf/wall_time_s"], final.get("eval/accuracy", float("nan")))
+        log.info("done in %.1fs: eval/accuracy %.3f (greedy %.3f)", final["perf/wall_time_s"],
+                 final.get("eval/accuracy", float("nan")), final.get("eval/greedy_accuracy", float("nan")))
         return final
     except KeyboardInterrupt:
         status = "KILLED"
