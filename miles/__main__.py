@@ -37,7 +37,11 @@ def _run(cfg: DictConfig) -> float | None:
 
     overrides = list(HydraConfig.get().overrides.task)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
-    result = run_job(run, resolved_yaml=resolved, overrides=overrides)
+    try:
+        result = run_job(run, resolved_yaml=resolved, overrides=overrides)
+    except ConfigError as e:  # e.g. a placement the cluster cannot hold
+        log.error("config error: %s", e)
+        raise SystemExit(2) from None
     return result.get("eval/accuracy")
 
 

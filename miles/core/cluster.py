@@ -67,11 +67,31 @@ class Actors:
         remove_placement_group(self.placement)
 
 
+def placement_request(run: MilesConfig) -> tuple[int, float]:
+    """(bundles, CPUs per bundle) that ``run``'s placement asks for."""
+    p = run.placement
+    return max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle
+
+
+def check_fits_locally(run: MilesConfig) -> None:
+    """For a cluster we start ourselves, fail before any work if the placement cannot fit in it."""
+    if run.cluster.address:
+        return  # a joined cluster may grow; reserve() waits ready_timeout_s for it
+    n, cpus = placement_request(run)
+    have = run.cluster.num_cpus or os.cpu_count() or 1
+    if n * cpus > have:
+        raise ConfigError(
+            f"placement '{run.placement.name}' asks for {n} bundle(s) x {cpus:g} CPU = {n * cpus:g} CPU, but the "
+            f"local Ray cluster has {have} CPU (cluster.num_cpus). Lower placement.cpus_per_bundle, "
+            "placement.num_engines or placement.trainer_world_size, or join a bigger cluster (cluster.address)."
+        )
+
+
 def reserve(run: MilesConfig) -> PlacementGroup:
     """A placement group with one bundle per engine/trainer slot; fail within the timeout if it cannot fit."""
     p = run.placement
-    num_bundles = max(p.num_engines, p.trainer_world_size)
-    bundles = [{"CPU": p.cpus_per_bundle} for _ in range(num_bundles)]
+    num_bundles, cpus = placement_request(run)
+    bundles = [{"CPU": cpus} for _ in range(num_bundles)]
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=p.ready_timeout_s)
@@ -80,7 +100,7 @@ def reserve(run: MilesConfig) -> PlacementGroup:
         avail = ray.available_resources().get("CPU", 0.0)
         total = ray.cluster_resources().get("CPU", 0.0)
         raise ConfigError(
-            f"placement '{p.name}' asked for {num_bundles} bundle(s) x {p.cpus_per_bundle} CPU "
+            f"placement '{p.name}' asked for {num_bundles} bundle(s) x {p.cpus_per_bundle:g} CPU "
             f"= {num_bundles * p.cpus_per_bundle:g} CPU, but the cluster has {avail:g} of {total:g} CPU "
             f"available (waited {p.ready_timeout_s:g} s). Lower placement.cpus_per_bundle, "
             "placement.num_engines or placement.trainer_world_size, or add nodes."

@@ -46,7 +46,7 @@ def run_job(
     import ray
     from transformers import AutoTokenizer
 
-    from miles.core.cluster import create_actors, start_ray
+    from miles.core.cluster import check_fits_locally, create_actors, start_ray
     from miles.core.loop import LoopContext, train
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rollout.manager import RolloutManager
@@ -55,6 +55,7 @@ def run_job(
     t_start = time.perf_counter()
     random.seed(run.seed)
     torch.manual_seed(run.seed)
+    check_fits_locally(run)
     parts = build_components(run)
     checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
