@@ -97,3 +97,6 @@ def test_short_seeded_run_improves(ray_cluster, tmp_path: Path) -> None:
           f"reward (20-step means) {first:.3f} -> {last:.3f}")
     assert final["eval/accuracy"] > start["eval/accuracy"] + 0.03
     assert last > first + 0.03
+    lrs = {s: m["train/lr"] for s, m in seen if s > 0}  # linear warmup over trainer.lr_warmup_steps
+    assert lrs[1] == pytest.approx(run.trainer.lr / run.trainer.lr_warmup_steps)
+    assert lrs[run.trainer.lr_warmup_steps] == pytest.approx(run.trainer.lr) == lrs[80]

@@ -87,7 +87,7 @@ def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: t
     # lr 1e-4: Adam's first update is lr * g / (|g| + eps), about lr * sign(g), so a gradient entry
     # that is ~0 up to summation-order noise can differ by up to ~lr between world sizes (seen:
     # 1.9e-5 on one of 8192 entries at lr 1e-3). Gradient scale is checked through train/grad_norm.
-    run = validate({"trainer": {"lr": 1e-4}, "algo": {"kl_coef": 0.05, "entropy_coef": 0.01, "num_minibatches": 2, "clip_high": 0.28,
+    run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0}, "algo": {"kl_coef": 0.05, "entropy_coef": 0.01, "num_minibatches": 2, "clip_high": 0.28,
                              "loss_agg": "seq_mean_token_mean"},
                     "precision": {"tis_clip": 2.0}})
     batch = _batch(hf_model)
@@ -136,7 +136,7 @@ def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: t
 
 
 def test_bf16_train_step(ray_cluster, tiny_qwen3_dir: Path, hf_model: torch.nn.Module):
-    run = validate({"precision": {"train_dtype": "bfloat16", "tis_clip": 2.0}})
+    run = validate({"precision": {"train_dtype": "bfloat16", "tis_clip": 2.0}, "trainer": {"lr": 1e-3, "lr_warmup_steps": 0}})
     batch = _batch(hf_model)
     two = _Group(ray_cluster, 2, tiny_qwen3_dir, run)
     try:

@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 def _pair(ckpt: str, precision: str, lr: float = 1e-3):
-    run = validate({"precision": _precision(precision), "trainer": {"lr": lr}, "rollout": {"max_new_tokens": 6}})
+    run = validate({"precision": _precision(precision), "trainer": {"lr": lr, "lr_warmup_steps": 0}, "rollout": {"max_new_tokens": 6}})
     engine = ray.remote(TorchEngine).options(**ACTOR).remote(ckpt, run.precision, seed=0, num_threads=1)
     trainer = ray.remote(FSDPTrainer).options(**ACTOR).remote(
         rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(), checkpoint_dir=ckpt, run=run,

@@ -153,6 +153,7 @@ class FSDPTrainer:
             old_logps = [self._logp(self.model, p) for p in mbs] if num_mb > 1 else [None]
             ref_logps = [self._logp(self.ref_model, p) for p in mbs] if self.ref_model else [None] * num_mb
 
+        lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
         skipped, grad_norms = 0, []
         max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
@@ -187,7 +188,7 @@ class FSDPTrainer:
         out = {k: float(v) for k, v in zip(names, reduced.tolist(), strict=True)}
         out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
         out["train/nonfinite_skipped"] = float(skipped)
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        out["train/lr"] = lr_used
         out["train/num_tokens"] = float(counts[:, 0].sum())
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
