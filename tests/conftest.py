@@ -9,7 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-torch.set_num_threads(2)
+# One intra-op thread in the test process: on 2 shared cores, 2 OpenMP threads ran the tiny
+# models up to 16x slower whenever anything else was running.
+torch.set_num_threads(1)
 
 
 def _save_tiny(path: Path, moe: bool, seed: int = 0) -> Path:

@@ -19,15 +19,6 @@ FP32 = PrecisionConfig()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread: on 2 shared cores, 2 OpenMP threads ran these tiny models up to 16x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _requests(lengths: list[int], n: int = 2, seed0: int | None = 0) -> list[GenerateRequest]:
     """Prompts of the given lengths, token ids in [3, 90)."""
     return [

@@ -19,15 +19,6 @@ from miles.precision.fp8 import (
 FP32_SLACK = 1e-6  # fp32 rounding of w / s and q * s, relative
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread: on 2 shared cores, 2 OpenMP threads ran these tiny models up to 16x slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _block_view(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per-element tile scale broadcast back to [M, N] (test helper)."""
     return x.repeat_interleave(block, 0).repeat_interleave(block, 1)

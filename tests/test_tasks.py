@@ -106,7 +106,7 @@ def test_largest_task_rejects_bad_arguments() -> None:
 
 
 def test_heldout_hash_is_stable_and_near_its_fraction() -> None:
-    from miles.tasks.arithmetic import in_heldout
+    from miles.tasks.procedural import in_heldout
 
     keys = [f"k{i}" for i in range(4000)]
     share = sum(in_heldout(k, 7, 0.25) for k in keys) / len(keys)

@@ -190,7 +190,7 @@ class TaskConfig:
     )
     """Task object (prompts, references, tokenizer corpus)."""
     reward: TargetConfig = field(
-        default_factory=lambda: TargetConfig(target="miles.tasks.arithmetic.exact_answer_reward", partial=True)
+        default_factory=lambda: TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
     )
     """Reward function ``(response_text, label) -> float``."""
     num_eval_prompts: int = 128

@@ -1,0 +1,101 @@
+"""What every procedurally generated task shares: a hashed held-out split and the exact-answer reward.
+
+A task draws problem *keys* (``(37, "+", 45)``, a tuple of numbers, ...) from a
+seeded ``random.Random`` and turns a key into a :class:`Problem`. Each key
+belongs to the evaluation split or to the training split by a sha256 of
+``(eval_seed, key)``: stable across processes and runs, and the same mix of
+easy and hard problems on both sides. ``sample`` only returns training keys;
+``eval_problems`` is the first ``n`` distinct evaluation keys of a fixed
+stream, so no training prompt is ever an evaluation problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and its reference answer (the exact text of a correct response)."""
+
+    prompt: str
+    label: str
+
+
+def in_heldout(key: str, eval_seed: int, fraction: float) -> bool:
+    """Whether the problem named ``key`` is in the evaluation split: a stable hash, the same in every process."""
+    digest = hashlib.sha256(f"{eval_seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def exact_answer_reward(response_text: str, label: str) -> float:
+    """1.0 if the response is exactly the answer (surrounding whitespace ignored), else 0.0.
+
+    ``response_text`` is decoded without special tokens, so a response ``82<|im_end|>`` reads ``"82"``.
+    Anything else (``"82 82"``, ``"The answer is 82"``, ``"082"``) scores 0: the task teaches the format.
+    """
+    return 1.0 if response_text.strip() == str(label).strip() else 0.0
+
+
+class ProceduralTask:
+    """Base of the built-in tasks: subclasses define :meth:`draw`, :meth:`key_text` and :meth:`problem`."""
+
+    heldout_fraction: float
+    eval_seed: int
+
+    def __init__(self, *, heldout_fraction: float, eval_seed: int) -> None:
+        if not 0.0 < heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction: must be in (0, 1), found {heldout_fraction}")
+        self.heldout_fraction, self.eval_seed = heldout_fraction, eval_seed
+
+    def draw(self, rng: random.Random) -> Hashable:
+        """One random problem key."""
+        raise NotImplementedError
+
+    def key_text(self, key: Hashable) -> str:
+        """The text the split hash is taken of (stable: no reprs of floats or sets)."""
+        raise NotImplementedError
+
+    def problem(self, key: Hashable) -> Problem:
+        raise NotImplementedError
+
+    def is_heldout_key(self, key: Hashable) -> bool:
+        return in_heldout(self.key_text(key), self.eval_seed, self.heldout_fraction)
+
+    def sample(self, n: int, rng: random.Random) -> list[Problem]:
+        """``n`` training problems (with repeats), never from the evaluation split."""
+        out: list[Problem] = []
+        while len(out) < n:
+            key = self.draw(rng)
+            if not self.is_heldout_key(key):
+                out.append(self.problem(key))
+        return out
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        """The first ``n`` distinct problems of the evaluation split: the same list on every call."""
+        rng = random.Random(self.eval_seed)
+        seen: set[Hashable] = set()
+        out: list[Problem] = []
+        for _ in range(1000 * n + 10_000):
+            if len(out) == n:
+                return out
+            key = self.draw(rng)
+            if key not in seen and self.is_heldout_key(key):
+                seen.add(key)
+                out.append(self.problem(key))
+        raise ValueError(
+            f"eval_problems: found only {len(out)} distinct held-out problems, asked for {n}; lower "
+            "task.num_eval_prompts or make the task's problem space larger (or heldout_fraction higher)"
+        )
+
+    def corpus(self) -> list[str]:
+        """Text to train the tokenizer on: prompts and answers of a fixed sample of problems."""
+        problems = self.sample(2000, random.Random(0))
+        return [p.prompt for p in problems] + [p.label for p in problems] + ["0123456789"]
+
+    def sft_examples(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
+        """``n`` (prompt, target response) pairs from the training split."""
+        return [(p.prompt, p.label) for p in self.sample(n, rng)]
