@@ -10,6 +10,32 @@ lower and upper clip ranges ("clip-higher", Yu et al. 2025, DAPO)::
     r_t   = exp(logp_t - old_logp_t)
     L_t   = -min(r_t * A,  clip(r_t, 1 - eps_low, 1 + eps_high) * A)
 
+Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+Learning", eq. 5) also bounds the loss of a negative-advantage token whose ratio has run far above 1
+(PPO-clip leaves ``-r_t * A`` unbounded there)::
+
+    A < 0:  L_t = min(-min(r_t A, clip(r_t) A),  -c * A)        c > 1 (default 3)
+
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7) clips one *sequence-level*
+ratio, the geometric mean of the token ratios over the sequence's trained tokens ``m_it = 1``::
+
+    s_i   = exp( sum_t m_it (logp_it - old_logp_it) / sum_t m_it )
+    L_i   = -min(s_i * A_i,  clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)
+
+The paper's objective is the mean over sequences of ``L_i``; here ``L_i`` is broadcast to every token
+of sequence ``i`` so the loss has the usual [B, T] shape: ``loss_agg: seq_mean_token_mean`` then gives
+exactly the paper's objective (``token_mean`` weights each sequence by its token count). Its clip
+ranges are ~1e3 times smaller than PPO's (paper: 3e-4 / 4e-4) because ``s_i`` is a mean of logs.
+
+CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+eq. 4-5) clips the importance-sampling *weight* instead of the update, and never zeroes a token's
+gradient (the clipped tokens, often rare "fork" tokens, keep contributing)::
+
+    L_t   = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * logp_t           sg = stop-gradient
+
+Its gradient at ``r_t = 1`` equals PPO's; its *value* is not comparable with PPO's loss. The paper
+sets no lower bound in practice (a large ``eps_low``).
+
 KL estimators (Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html),
 tokens sampled from pi_theta, ``d = ref_logp - logp = log(pi_ref / pi_theta)``::
 
@@ -49,18 +75,17 @@ def ppo_clip_loss(
     *,
     clip_low: float,
     clip_high: float,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip per-token loss with asymmetric clip range.
 
-    logp, old_logp: [B, T]; advantages: [B] (one per sequence) or [B, T].
+    logp, old_logp: [B, T]; advantages: [B] (one per sequence) or [B, T]; ``loss_mask`` is accepted
+    for the loss protocol and ignored (a token-level loss needs no mask; aggregation applies it).
     Returns ``(loss [B, T], indicators)``: float 0/1 tensors [B, T] named after the metric their
     token mean becomes, ``clip_frac_low`` (ratio < 1 - clip_low and A < 0) and ``clip_frac_high``
     (ratio > 1 + clip_high and A > 0): the tokens where the clip is active and the gradient is zero.
     """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    if advantages.shape[0] != logp.shape[0]:
-        raise ValueError(f"ppo_clip_loss: advantages {tuple(advantages.shape)} do not match logp {tuple(logp.shape)}")
+    advantages = _per_token_shape("ppo_clip_loss", advantages, logp)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
@@ -71,6 +96,108 @@ def ppo_clip_loss(
             "clip_frac_high": ((ratio > 1.0 + clip_high) & (advantages > 0)).float(),
         }
     return loss, indicators
+
+
+def _per_token_shape(name: str, advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """advantages [B] or [B, T] -> broadcastable against logp [B, T]."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    if advantages.shape[0] != logp.shape[0]:
+        raise ValueError(f"{name}: advantages {tuple(advantages.shape)} do not match logp {tuple(logp.shape)}")
+    return advantages
+
+
+def dual_clip_ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float = 3.0,
+    loss_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dual-clip PPO per-token loss: PPO-clip, and for A < 0 the loss is at most ``-c * A``.
+
+    logp, old_logp: [B, T]; advantages: [B] or [B, T]; ``loss_mask`` ignored (as in
+    :func:`ppo_clip_loss`); ``dual_clip_c > 1`` (the paper uses 3). Returns ``(loss [B, T],
+    indicators)``: ``clip_frac_low``, ``clip_frac_high`` as in :func:`ppo_clip_loss`, and
+    ``dual_clip_frac`` (A < 0 and the PPO loss above ``-c * A``, i.e. ratio > c when
+    c > 1 + clip_high: the bound is active and the gradient is zero).
+    """
+    if dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_ppo_loss: dual_clip_c must be > 1, found {dual_clip_c}")
+    loss, indicators = ppo_clip_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high)
+    advantages = _per_token_shape("dual_clip_ppo_loss", advantages, logp)
+    bound = -dual_clip_c * advantages
+    with torch.no_grad():
+        active = (advantages < 0) & (loss > bound)
+        indicators["dual_clip_frac"] = active.float()
+    return torch.where(active, bound.expand_as(loss), loss), indicators
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO loss: PPO-clip on the sequence ratio, broadcast to every token.
+
+    logp, old_logp, loss_mask: [B, T]; advantages: [B] (one per sequence). ``s_i`` is the geometric
+    mean of the token ratios over tokens with ``loss_mask == 1`` (a sequence with none has ``s_i = 1``).
+    Returns ``(loss [B, T], indicators)``: ``loss[i, t] = L_i`` for every t; ``clip_frac_low`` /
+    ``clip_frac_high`` are 1 on every token of a sequence whose clip is active (as in PPO-clip).
+    """
+    if advantages.shape != logp.shape[:1] or loss_mask.shape != logp.shape:
+        raise ValueError(
+            f"gspo_loss: expected advantages [B] and loss_mask [B, T] for logp {tuple(logp.shape)}, "
+            f"found {tuple(advantages.shape)} and {tuple(loss_mask.shape)}"
+        )
+    m = loss_mask.to(logp.dtype)
+    log_ratio = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)  # [B]
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).float()
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).float()
+    shape = logp.shape
+    return loss.unsqueeze(-1).expand(shape), {
+        "clip_frac_low": low.unsqueeze(-1).expand(shape),
+        "clip_frac_high": high.unsqueeze(-1).expand(shape),
+    }
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO per-token loss ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``.
+
+    logp, old_logp: [B, T]; advantages: [B] or [B, T]; ``loss_mask`` ignored. Returns
+    ``(loss [B, T], indicators)``: ``clip_frac_low`` (ratio < 1 - clip_low) and ``clip_frac_high``
+    (ratio > 1 + clip_high), whatever the sign of A: the tokens whose weight is clipped (their
+    gradient is scaled, not zeroed).
+    """
+    advantages = _per_token_shape("cispo_loss", advantages, logp)
+    with torch.no_grad():
+        ratio = torch.exp(logp - old_logp)
+        weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        indicators = {
+            "clip_frac_low": (ratio < 1.0 - clip_low).float(),
+            "clip_frac_high": (ratio > 1.0 + clip_high).float(),
+        }
+    return -weight * advantages * logp, indicators
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
