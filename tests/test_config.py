@@ -120,8 +120,6 @@ def test_wrong_types_are_named() -> None:
 def test_impossible_combinations() -> None:
     with pytest.raises(ConfigError, match="must divide evenly"):
         validate({"algo": {"num_prompts_per_step": 3, "num_samples_per_prompt": 3}, "placement": {"trainer_world_size": 2}})
-    with pytest.raises(ConfigError, match="at least 2 samples per prompt"):
-        validate({"algo": {"num_samples_per_prompt": 1}})
     with pytest.raises(ConfigError, match="model.path: no config.json"):
         validate({"model": {"path": "/nonexistent/checkpoint"}})
 
@@ -183,3 +181,12 @@ def test_torch_optim_is_allowed() -> None:
 
     opt = build(TargetConfig(target="torch.optim.SGD", kwargs={"lr": 0.1}), params=[torch.nn.Parameter(torch.zeros(1))])
     assert isinstance(opt, torch.optim.SGD)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_baselines_refuse_one_sample_per_prompt_before_anything_runs(algo: str) -> None:
+    from miles.core.run import build_components
+
+    run = validate(compose_cfg([f"algo={algo}", "algo.num_samples_per_prompt=1"]))
+    with pytest.raises(ConfigError, match=r"algo.advantage: .*needs at least 2 samples per group, found 1"):
+        build_components(run)

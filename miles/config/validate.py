@@ -186,11 +186,6 @@ def check_semantics(run: MilesConfig) -> None:
         )
     if run.rollout.eval_temperature < 0:
         raise ConfigError(f"rollout.eval_temperature: must be >= 0 (0 is greedy), found {run.rollout.eval_temperature}")
-    if run.algo.num_samples_per_prompt < 2 and "group" in run.algo.advantage.target:
-        raise ConfigError(
-            "algo.num_samples_per_prompt: group-normalized advantages need at least 2 samples per prompt, "
-            f"found {run.algo.num_samples_per_prompt}"
-        )
     samples = run.algo.num_prompts_per_step * run.algo.num_samples_per_prompt
     ws = run.placement.trainer_world_size
     if samples % (ws * run.algo.num_minibatches):

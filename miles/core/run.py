@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles.config import MilesConfig, TargetConfig, build
+from miles.config import ConfigError, MilesConfig, TargetConfig, build
 from miles.config.schema import to_yaml_dict
 
 log = logging.getLogger("miles")
@@ -24,12 +24,19 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     """
     allow = run.plugins.allow
     model_node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
-    return {
+    parts = {
         "spec": build(model_node, allow=allow, key="model._target_"),
         "task": build(run.task.source, allow=allow, key="task.source._target_"),
         "reward_fn": build(run.task.reward, allow=allow, key="task.reward._target_"),
         "advantage_fn": build(run.algo.advantage, allow=allow, key="algo.advantage._target_"),
     }
+    # let the estimator reject the batch shape now (e.g. a group baseline with one sample per
+    # prompt), before any model is built or Ray starts
+    try:
+        parts["advantage_fn"](torch.zeros(run.algo.num_prompts_per_step, run.algo.num_samples_per_prompt))
+    except ValueError as e:
+        raise ConfigError(f"algo.advantage: {e}") from None
+    return parts
 
 
 def run_job(

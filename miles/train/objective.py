@@ -15,17 +15,24 @@ This module is pure tensor math: no process group, no model, testable on its own
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from miles.algos.losses import aggregate, kl_penalty, tis_weights
 from miles.config.schema import AlgoConfig
 
-PolicyLossFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]
-]
-"""``(logp [B,T], old_logp [B,T], advantages [B]) -> (loss [B,T], {metric name: 0/1 indicator [B,T]})``."""
+
+class PolicyLossFn(Protocol):
+    """``(logp [B,T], old_logp [B,T], advantages [B], *, loss_mask [B,T]) -> (loss [B,T], {name: 0/1 [B,T]})``.
+
+    ``loss_mask`` is 1 on trained tokens; token-level losses ignore it, sequence-level ones (GSPO)
+    need it for their ratio. Each indicator's token mean becomes the metric ``train/<name>``.
+    """
+
+    def __call__(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 def policy_objective(
@@ -59,7 +66,7 @@ def policy_objective(
     def token_mean(x: torch.Tensor) -> torch.Tensor:
         return aggregate(x.detach().float(), loss_mask, "token_mean", global_tokens=global_tokens)
 
-    pg_tok, indicators = policy_loss_fn(logp, old_logp, advantages)
+    pg_tok, indicators = policy_loss_fn(logp, old_logp, advantages, loss_mask=loss_mask)
     metrics: dict[str, torch.Tensor] = {}
     if tis_clip is not None:
         w = tis_weights(old_logp, rollout_logp, tis_clip)
