@@ -42,6 +42,12 @@ tokens sampled from pi_theta, ``d = ref_logp - logp = log(pi_ref / pi_theta)``::
     k1 = -d                 unbiased, high variance, can be negative
     k2 = d^2 / 2            biased, low variance, >= 0
     k3 = exp(d) - d - 1     unbiased, low variance, >= 0   (GRPO's choice)
+    low_var_kl = clamp(exp(d') - d' - 1, -10, 10),  d' = clamp(d, -20, 20)
+
+``low_var_kl`` is verl's name for k3 with its numerical guards (``verl/trainer/ppo/core_algos.py``,
+``kl_penalty``): the log-ratio is clamped to [-20, 20] before ``exp`` and the estimate to [-10, 10]
+(k3 >= 0, so only the upper bound bites). Where a clamp is active the gradient is zero, so a token
+whose policy has drifted far from the reference contributes at most 10 and no gradient.
 
 Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
 Off-Policy RL Training"): the engine samples from pi_rollout, not pi_old (different kernels,
@@ -49,10 +55,28 @@ precision, quantization), so the policy gradient is re-weighted per token by::
 
     w_t = min(exp(old_logp_t - rollout_logp_t), C)       (no gradient)
 
+Masked importance sampling (MIS; Liu et al. 2025, "When Speed Kills Stability: Demystifying RL
+Collapse from the Training-Inference Mismatch") drops a token whose ratio exceeds ``C`` instead of
+truncating it, so an outlier contributes nothing rather than a capped amount::
+
+    w_t = exp(old_logp_t - rollout_logp_t)  if that is <= C,  else 0
+
+At sequence level both use one ratio per sequence, the product of the token ratios over its trained
+tokens, ``rho_i = exp( sum_t m_it (old_logp_it - rollout_logp_it) )``, broadcast to every token:
+TIS weights the sequence by ``min(rho_i, C)``; MIS by ``rho_i``, or drops the whole sequence when
+``rho_i > C``. The bound is one-sided (ratios below 1 are kept as they are) in both modes.
+
 Aggregation over tokens (``mask`` = 1 on trained tokens)::
 
     token_mean:           sum_{i,t} m_it L_it / N_tokens
     seq_mean_token_mean:  sum_i [ sum_t m_it L_it / sum_t m_it ] / N_seqs
+    seq_mean_token_sum:   sum_i [ sum_t m_it L_it ] / N_seqs
+    seq_mean_token_sum_norm:  sum_i [ sum_t m_it L_it / L_max ] / N_seqs
+
+``seq_mean_token_sum_norm`` is Dr. GRPO's normaliser (Liu et al. 2025, "Understanding R1-Zero-Like
+Training: A Critical Perspective", sec. 3.1): dividing by the sequence's own length biases towards
+long wrong answers, so a *constant* ``L_max`` (the maximum response length, ``norm_len``) replaces
+it. It is ``seq_mean_token_sum`` scaled by ``1 / L_max``, which keeps the loss on the scale of a mean.
 
 ``N_tokens`` / ``N_seqs`` default to this batch's counts; a data-parallel rank passes the *global*
 counts so that the per-rank results add up to the single-rank value (sum over ranks, not mean).
@@ -64,8 +88,10 @@ from typing import Literal
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
-AggMode = Literal["token_mean", "seq_mean_token_mean"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+MismatchMode = Literal["tis", "mis"]
+MismatchLevel = Literal["token", "sequence"]
 
 
 def ppo_clip_loss(
@@ -203,7 +229,8 @@ def cispo_loss(
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta.
 
-    logp, ref_logp: [B, T] -> [B, T]. ``estimator`` is ``k1``, ``k2`` or ``k3`` (module docstring).
+    logp, ref_logp: [B, T] -> [B, T]. ``estimator`` is ``k1``, ``k2``, ``k3`` or ``low_var_kl``
+    (k3 with verl's clamps; module docstring).
     """
     d = ref_logp - logp
     if estimator == "k1":
@@ -212,7 +239,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
         return 0.5 * d.square()
     if estimator == "k3":
         return torch.exp(d) - d - 1.0
-    raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; valid options: k1, k2, k3")
+    if estimator == "low_var_kl":
+        d = d.clamp(min=-20.0, max=20.0)
+        return (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+    raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; valid options: k1, k2, k3, low_var_kl")
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: float) -> torch.Tensor:
@@ -226,6 +256,43 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: float)
         return torch.exp(old_logp.float() - rollout_logp.float()).clamp(max=clip)
 
 
+def mismatch_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    mode: MismatchMode,
+    level: MismatchLevel,
+    clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout/train mismatch weights, TIS (truncate at ``clip``) or MIS (drop above ``clip``), detached.
+
+    old_logp, rollout_logp, loss_mask: [B, T]. ``level="token"`` uses each token's ratio
+    ``exp(old_logp - rollout_logp)``; ``level="sequence"`` one ratio per sequence, the product of its
+    token ratios over ``loss_mask == 1`` (module docstring), broadcast to every token. ``clip >= 1``.
+    Returns ``(weights [B, T], indicator [B, T])``: float32, no gradient; the indicator is 1 on the
+    trained tokens whose (token or sequence) ratio exceeds ``clip``, i.e. truncated (TIS) or dropped
+    (MIS). Positions with ``loss_mask == 0`` at token level get weight 1 (aggregation ignores them).
+    The sequence ratio is compared in log space, so a huge product neither overflows nor gives NaN.
+    """
+    if clip < 1.0:
+        raise ValueError(f"mismatch_weights: clip must be >= 1, found {clip}")
+    if mode not in ("tis", "mis"):
+        raise ValueError(f"mismatch_weights: unknown mode {mode!r}; valid options: mis, tis")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"mismatch_weights: unknown level {level!r}; valid options: sequence, token")
+    with torch.no_grad():
+        m = loss_mask.bool()
+        log_ratio = torch.where(m, old_logp.float() - rollout_logp.float(), 0.0)
+        if level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        log_clip = torch.tensor(clip, dtype=torch.float32).log()
+        over = log_ratio > log_clip
+        capped = torch.exp(log_ratio.clamp(max=log_clip))
+        weights = capped if mode == "tis" else torch.where(over, 0.0, capped)
+        return weights, (over & m).float()
+
+
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -233,21 +300,35 @@ def aggregate(
     *,
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
+    norm_len: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token quantity to a scalar.
 
     loss, mask: [B, T] (mask 1 on tokens that count) -> scalar. ``global_tokens`` (token_mean) and
-    ``global_seqs`` (seq_mean_token_mean: sequences with at least one masked-in token) override the
-    local counts; with the global counts, summing the per-rank results gives the global value.
-    Counts are clamped to at least 1, so an all-masked batch gives 0, not NaN.
+    ``global_seqs`` (the ``seq_mean_*`` modes: sequences with at least one masked-in token) override
+    the local counts; with the global counts, summing the per-rank results gives the global value.
+    Counts are clamped to at least 1, so an all-masked batch gives 0, not NaN. ``norm_len`` is the
+    constant ``L_max`` of ``seq_mean_token_sum_norm`` (required there, ignored elsewhere).
     """
     mask = mask.to(loss.dtype)
     if mode == "token_mean":
         denom = mask.sum() if global_tokens is None else global_tokens
         return (loss * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=loss.dtype), min=1.0)
-    if mode == "seq_mean_token_mean":
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
         tokens_per_seq = mask.sum(-1)
-        per_seq = (loss * mask).sum(-1) / tokens_per_seq.clamp(min=1.0)
+        per_seq = (loss * mask).sum(-1)
+        if mode == "seq_mean_token_mean":
+            per_seq = per_seq / tokens_per_seq.clamp(min=1.0)
+        elif mode == "seq_mean_token_sum_norm":
+            if norm_len is None or norm_len < 1:
+                raise ValueError(
+                    f"aggregate: seq_mean_token_sum_norm needs norm_len >= 1 (the maximum response length), "
+                    f"found {norm_len}"
+                )
+            per_seq = per_seq / norm_len
         denom = (tokens_per_seq > 0).sum() if global_seqs is None else global_seqs
         return per_seq.sum() / torch.clamp(torch.as_tensor(denom, dtype=loss.dtype), min=1.0)
-    raise ValueError(f"aggregate: unknown mode {mode!r}; valid options: seq_mean_token_mean, token_mean")
+    raise ValueError(
+        f"aggregate: unknown mode {mode!r}; valid options: seq_mean_token_mean, seq_mean_token_sum, "
+        "seq_mean_token_sum_norm, token_mean"
+    )

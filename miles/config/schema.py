@@ -87,12 +87,14 @@ class AlgoConfig:
     """PPO ratio clip above 1 (ratio <= 1 + clip_high)."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference term in the loss (0 keeps no reference model)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3; low_var_kl is k3 clamped to [-10, 10] as in verl)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """How per-token losses become one number."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How per-token losses become one number (*_norm divides by rollout.max_new_tokens, Dr. GRPO)."""
     num_minibatches: int = 1
     """Optimizer steps per rollout: the batch is split into this many mini-batches."""
 
@@ -112,7 +114,11 @@ class PrecisionConfig:
     quant_block_size: int = 128
     """Block edge of block-wise weight quantization (128 x 128 blocks)."""
     tis_clip: float | None = None
-    """Truncated importance sampling: cap of exp(train_logp - rollout_logp); None disables."""
+    """Mismatch correction threshold C on exp(train_logp - rollout_logp), for both modes; None disables."""
+    mismatch_mode: Literal["tis", "mis"] = "tis"
+    """Ratios above tis_clip are truncated to it (tis) or their tokens / sequences dropped (mis)."""
+    mismatch_level: Literal["token", "sequence"] = "token"
+    """Ratio per token, or one per sequence (product of its token ratios)."""
 
 
 @dataclass(**_frozen)

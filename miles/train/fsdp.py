@@ -166,8 +166,9 @@ class FSDPTrainer:
             loss, metrics = policy_objective(
                 logp=logp, old_logp=old_logp, rollout_logp=p.rollout_logp, advantages=p.advantages,
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                tis_clip=self.run.precision.tis_clip, ref_logp=ref_logps[m],
-                global_tokens=counts[m, 0], global_seqs=counts[m, 1],
+                tis_clip=self.run.precision.tis_clip, mismatch_mode=self.run.precision.mismatch_mode,
+                mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[m],
+                global_tokens=counts[m, 0], global_seqs=counts[m, 1], norm_len=self.run.rollout.max_new_tokens,
             )
             (loss * ws).backward()  # FSDP divides the reduced gradient by ws; loss is a share of a sum
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

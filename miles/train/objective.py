@@ -2,13 +2,15 @@
 
 Per token (see :mod:`miles.algos.losses` for the formulas and citations)::
 
-    pg_t   = w_t * L_policy(logp_t, old_logp_t, A)        w_t = TIS weight, or 1 when TIS is off
+    pg_t   = w_t * L_policy(logp_t, old_logp_t, A)        w_t = TIS / MIS weight, or 1 when off
     loss   = agg(pg) + kl_coef * agg(kl(logp, ref_logp)) - entropy_coef * agg(entropy)
 
-``agg`` is :func:`miles.algos.losses.aggregate` with the *global* token / sequence counts of the
-mini-batch (summed over data-parallel ranks), so the value here is this rank's share: the sum over
-ranks equals the loss of one rank holding the whole mini-batch. Metrics follow the same rule (each
-is a token mean over the global loss-mask tokens), so one all-reduce SUM makes them global.
+``w_t`` is :func:`miles.algos.losses.mismatch_weights` (token or sequence level, threshold
+``tis_clip``). ``agg`` is :func:`miles.algos.losses.aggregate` with the *global* token / sequence
+counts of the mini-batch (summed over data-parallel ranks), so the value here is this rank's share:
+the sum over ranks equals the loss of one rank holding the whole mini-batch. Metrics follow the same
+rule (each is a token mean over the global loss-mask tokens), so one all-reduce SUM makes them
+global.
 
 This module is pure tensor math: no process group, no model, testable on its own.
 """
@@ -19,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from miles.algos.losses import aggregate, kl_penalty, tis_weights
+from miles.algos.losses import MismatchLevel, MismatchMode, aggregate, kl_penalty, mismatch_weights
 from miles.config.schema import AlgoConfig
 
 
@@ -46,22 +48,30 @@ def policy_objective(
     policy_loss_fn: PolicyLossFn,
     algo: AlgoConfig,
     tis_clip: float | None = None,
+    mismatch_mode: MismatchMode = "tis",
+    mismatch_level: MismatchLevel = "token",
     ref_logp: torch.Tensor | None = None,
     global_tokens: torch.Tensor | float | None = None,
     global_seqs: torch.Tensor | float | None = None,
+    norm_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the loss (scalar, differentiable) and of each metric (detached scalars).
 
     logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B].
     Metrics: ``train/loss``, ``train/pg_loss``, one ``train/<name>`` per indicator of the policy loss
     (``clip_frac_low``, ``clip_frac_high``), ``train/entropy``, ``train/logp_mismatch_abs_mean``,
-    ``train/kl`` when ``ref_logp`` is given, ``train/tis_clip_frac`` when ``tis_clip`` is set.
+    ``train/kl`` when ``ref_logp`` is given, and when ``tis_clip`` is set ``train/tis_clip_frac``
+    (``mismatch_mode="tis"``: truncated tokens) or ``train/mis_masked_frac`` ("mis": dropped tokens).
+    ``norm_len`` is the constant of ``loss_agg: seq_mean_token_sum_norm`` (the maximum response length).
     """
     if algo.kl_coef > 0 and ref_logp is None:
         raise ValueError("policy_objective: algo.kl_coef > 0 needs ref_logp from the reference model")
 
     def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate(x, loss_mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs)
+        return aggregate(
+            x, loss_mask, algo.loss_agg,
+            global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len,
+        )
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
         return aggregate(x.detach().float(), loss_mask, "token_mean", global_tokens=global_tokens)
@@ -69,9 +79,12 @@ def policy_objective(
     pg_tok, indicators = policy_loss_fn(logp, old_logp, advantages, loss_mask=loss_mask)
     metrics: dict[str, torch.Tensor] = {}
     if tis_clip is not None:
-        w = tis_weights(old_logp, rollout_logp, tis_clip)
+        w, over = mismatch_weights(
+            old_logp, rollout_logp, loss_mask, mode=mismatch_mode, level=mismatch_level, clip=tis_clip
+        )
         pg_tok = pg_tok * w
-        metrics["train/tis_clip_frac"] = token_mean((w >= tis_clip).float())
+        name = "train/tis_clip_frac" if mismatch_mode == "tis" else "train/mis_masked_frac"
+        metrics[name] = token_mean(over)
     pg_loss = agg(pg_tok)
     loss = pg_loss
     if ref_logp is not None:
