@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from objective_inputs import objective_inputs
 
 from miles.algos.losses import aggregate, kl_penalty, mismatch_weights, ppo_clip_loss
 from miles.config.validate import ConfigError, validate
@@ -111,22 +112,6 @@ def test_config_accepts_the_new_options_and_names_bad_ones():
         validate({"precision": {"mismatch_level": "batch"}})
 
 
-def _inputs(seed: int, b: int = 6, t: int = 5) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    mask = (torch.rand(b, t, generator=g) > 0.3).float()
-    mask[-1] = 0.0  # one sequence with no trained tokens
-    old = -torch.rand(b, t, generator=g) * 2
-    return dict(
-        logp=(old + 0.3 * torch.randn(b, t, generator=g)).requires_grad_(True),
-        old_logp=old,
-        rollout_logp=old + 0.3 * torch.randn(b, t, generator=g),
-        ref_logp=old + 0.1 * torch.randn(b, t, generator=g),
-        advantages=torch.randn(b, generator=g),
-        loss_mask=mask,
-        entropy=torch.rand(b, t, generator=g).requires_grad_(True),
-    )
-
-
 @pytest.mark.parametrize(
     ("mode", "level", "loss_agg"),
     [("mis", "token", "seq_mean_token_sum"), ("mis", "sequence", "seq_mean_token_sum_norm"),
@@ -138,7 +123,7 @@ def test_objective_with_mismatch_and_token_sums_shares_sum_to_the_whole(mode, le
     fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2)
     common = dict(policy_loss_fn=fn, algo=run.algo, tis_clip=1.3, mismatch_mode=mode, mismatch_level=level,
                   norm_len=7)
-    x = _inputs(3)
+    x = objective_inputs(3, rollout_noise=0.3)
     whole, whole_m = policy_objective(**x, **common)
     whole.backward()
     grad_whole = x["logp"].grad.clone()

@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from objective_inputs import objective_inputs
 
 from miles.algos.losses import aggregate, kl_penalty, ppo_clip_loss
 from miles.config.validate import validate
@@ -60,28 +61,12 @@ def test_pad_batch_errors_name_the_problem():
         pad_batch(dataclasses.replace(b, prompt_ids=[[5], []]))
 
 
-def _inputs(seed: int, b: int = 6, t: int = 5) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    mask = (torch.rand(b, t, generator=g) > 0.3).float()
-    mask[-1] = 0.0  # one sequence with no trained tokens
-    old = -torch.rand(b, t, generator=g) * 2
-    return dict(
-        logp=(old + 0.3 * torch.randn(b, t, generator=g)).requires_grad_(True),
-        old_logp=old,
-        rollout_logp=old + 0.2 * torch.randn(b, t, generator=g),
-        ref_logp=old + 0.1 * torch.randn(b, t, generator=g),
-        advantages=torch.randn(b, generator=g),
-        loss_mask=mask,
-        entropy=torch.rand(b, t, generator=g).requires_grad_(True),
-    )
-
-
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
 def test_objective_shares_sum_to_the_whole(loss_agg: str):
     run = validate({"algo": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": loss_agg, "clip_high": 0.28},
                     "precision": {"tis_clip": 1.5}})
     loss_fn = functools.partial(ppo_clip_loss, clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
-    x = _inputs(0)
+    x = objective_inputs(0)
     common = dict(policy_loss_fn=loss_fn, algo=run.algo, tis_clip=run.precision.tis_clip)
     whole, whole_m = policy_objective(**x, **common)
     whole.backward()
@@ -120,7 +105,7 @@ def test_objective_shares_sum_to_the_whole(loss_agg: str):
 
 def test_objective_without_reference_refuses_kl():
     run = validate({"algo": {"kl_coef": 0.1}})
-    x = _inputs(1)
+    x = objective_inputs(1)
     x.pop("ref_logp")
     loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2)
     with pytest.raises(ValueError, match="ref_logp"):
