@@ -100,3 +100,18 @@ def test_short_seeded_run_improves(ray_cluster, tmp_path: Path) -> None:
     lrs = {s: m["train/lr"] for s, m in seen if s > 0}  # linear warmup over trainer.lr_warmup_steps
     assert lrs[1] == pytest.approx(run.trainer.lr / run.trainer.lr_warmup_steps)
     assert lrs[run.trainer.lr_warmup_steps] == pytest.approx(run.trainer.lr) == lrs[80]
+
+
+def test_rendezvous_is_on_the_node_of_rank_0(ray_cluster) -> None:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from miles.core.cluster import rendezvous
+
+    pg = placement_group([{"CPU": 0.5}])
+    ray_cluster.get(pg.ready(), timeout=30)
+    try:
+        assert rendezvous(validate({}), pg)[0] == "127.0.0.1"
+        addr, port = rendezvous(validate({"cluster": {"address": "auto"}}), pg)
+        assert addr == ray_cluster.util.get_node_ip_address() and 0 < port < 65536
+    finally:
+        remove_placement_group(pg)

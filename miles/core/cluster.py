@@ -42,10 +42,29 @@ def start_ray(run: MilesConfig) -> bool:
     return True
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _node_rendezvous() -> tuple[str, int]:
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port(ip)
+
+
+def rendezvous(run: MilesConfig, pg: PlacementGroup) -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT of the trainer group: the node that holds trainer rank 0's bundle.
+
+    A local cluster is this machine (loopback). On a joined cluster a zero-CPU task on bundle 0 reads
+    that node's address and a free port there, so the ranks can meet across nodes.
+    """
+    if not run.cluster.address:
+        return "127.0.0.1", free_port()
+    probe = ray.remote(num_cpus=0)(_node_rendezvous).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    )
+    return ray.get(probe.remote(), timeout=run.placement.ready_timeout_s)
 
 
 @dataclass
@@ -146,10 +165,10 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
         for i in range(p.num_engines)
     ]
     trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
-    port = free_port()
+    addr, port = rendezvous(run, pg)
     trainers = [
         trainer_cls.options(**on_bundle(r)).remote(
-            rank=r, world_size=p.trainer_world_size, master_addr="127.0.0.1", master_port=port,
+            rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
             checkpoint_dir=checkpoint_dir, run=run, num_threads=threads,
         )
         for r in range(p.trainer_world_size)
