@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.algos.advantages import group_normalized
-from miles.algos.losses import aggregate, kl_penalty, ppo_clip_loss, tis_weights
+from miles.algos.losses import aggregate, kl_penalty, mismatch_weights, ppo_clip_loss
 
 
 def test_group_normalized_hand_computed():
@@ -80,12 +80,13 @@ def test_k1_and_k3_are_unbiased_estimators_of_kl():
 def test_tis_weights_truncate_and_are_detached():
     old = torch.zeros(1, 3, requires_grad=True)
     rollout = torch.tensor([[math.log(2.0), 0.0, -math.log(4.0)]])
-    w = tis_weights(old, rollout, clip=2.0)
+    ones = torch.ones(1, 3)
+    w, _ = mismatch_weights(old, rollout, ones, mode="tis", level="token", clip=2.0)
     # exp(old - rollout) = [0.5, 1, 4] -> min(., 2) = [0.5, 1, 2]
     torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 2.0]]))
     assert not w.requires_grad
     with pytest.raises(ValueError, match=">= 1"):
-        tis_weights(old, rollout, clip=0.5)
+        mismatch_weights(old, rollout, ones, mode="tis", level="token", clip=0.5)
 
 
 def test_aggregate_modes_and_global_normalisers():

@@ -91,10 +91,10 @@ def test_largest_task_answers_and_split() -> None:
     for p in task.sample(200, rng):
         numbers = [int(x) for x in p.prompt.split(":")[1].strip(" ?").split()]
         assert len(numbers) == 4 and p.label == str(max(numbers))
-        assert not task.is_heldout(tuple(numbers))
+        assert not task.is_heldout_key(tuple(numbers))
     evals = task.eval_problems(50)
     assert evals == task.eval_problems(50) and len({p.prompt for p in evals}) == 50
-    assert all(task.is_heldout(tuple(int(x) for x in p.prompt.split(":")[1].strip(" ?").split())) for p in evals)
+    assert all(task.is_heldout_key(tuple(int(x) for x in p.prompt.split(":")[1].strip(" ?").split())) for p in evals)
 
 
 def test_largest_task_rejects_bad_arguments() -> None:

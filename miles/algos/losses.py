@@ -245,17 +245,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimato
     raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; valid options: k1, k2, k3, low_var_kl")
 
 
-def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: float) -> torch.Tensor:
-    """Truncated importance weights ``min(exp(old_logp - rollout_logp), clip)``, detached.
-
-    old_logp, rollout_logp: [B, T] -> [B, T].
-    """
-    if clip < 1.0:
-        raise ValueError(f"tis_weights: clip must be >= 1, found {clip}")
-    with torch.no_grad():
-        return torch.exp(old_logp.float() - rollout_logp.float()).clamp(max=clip)
-
-
 def mismatch_weights(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,

@@ -290,13 +290,7 @@ def _schema_node(cls: type) -> dict[str, Any]:
     """A plain dict of a schema's defaults with YAML key names (``_target_``), for ConfigStore."""
     from dataclasses import asdict
 
-    return to_yaml_dict(asdict(cls()) if not _has_required(cls) else {})
-
-
-def _has_required(cls: type) -> bool:
-    from dataclasses import MISSING, fields
-
-    return any(f.default is MISSING and f.default_factory is MISSING for f in fields(cls))
+    return to_yaml_dict(asdict(cls()))
 
 
 def to_yaml_dict(d: Any) -> Any:

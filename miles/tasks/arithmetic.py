@@ -69,10 +69,6 @@ class ArithmeticTask(ProceduralTask):
         a, op, b = key
         return f"{a}{op}{b}"
 
-    def is_heldout(self, a: int, op: str, b: int) -> bool:
-        """Whether ``a op b`` belongs to the evaluation split (stable across processes and runs)."""
-        return self.is_heldout_key((a, op, b))
-
     def problem(self, key: tuple[int, str, int]) -> Problem:
         a, op, b = key
         value = {"+": a + b, "-": a - b, "*": a * b}[op]

@@ -38,8 +38,5 @@ class LargestNumberTask(ProceduralTask):
     def key_text(self, key: tuple[int, ...]) -> str:
         return " ".join(map(str, key))
 
-    def is_heldout(self, numbers: tuple[int, ...]) -> bool:
-        return self.is_heldout_key(numbers)
-
     def problem(self, key: tuple[int, ...]) -> Problem:
         return Problem(prompt=f"Which is largest: {' '.join(map(str, key))}?", label=str(max(key)))
