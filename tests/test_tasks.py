@@ -113,3 +113,81 @@ def test_heldout_hash_is_stable_and_near_its_fraction() -> None:
     assert 0.22 < share < 0.28
     assert [in_heldout(k, 7, 0.25) for k in keys[:50]] == [in_heldout(k, 7, 0.25) for k in keys[:50]]
     assert [in_heldout(k, 7, 0.25) for k in keys[:200]] != [in_heldout(k, 8, 0.25) for k in keys[:200]]
+
+
+# --- reasoning-gym tasks -------------------------------------------------------------------
+
+GYM_ARITHMETIC = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
+                      allow_parentheses=False, allow_negation=False)
+GYM_COUNTDOWN = dict(min_numbers=3, max_numbers=3, min_value=1, max_value=20, min_target=10, max_target=99)
+
+
+@pytest.fixture(scope="module")
+def gym_tasks():
+    from miles.tasks.gym import ReasoningGymTask
+
+    return (ReasoningGymTask(dataset="basic_arithmetic", config=GYM_ARITHMETIC, pool_size=3000),
+            ReasoningGymTask(dataset="countdown", config=GYM_COUNTDOWN, pool_size=600,
+                             prompt_template="Make {target} from {numbers}"))
+
+
+def test_gym_splits_never_overlap(gym_tasks) -> None:
+    for task in gym_tasks:
+        evals = task.eval_problems(40)
+        assert evals == task.eval_problems(40)  # the same list every call
+        heldout = {p.prompt for p in evals}
+        assert len(heldout) == 40
+        train = {p.prompt for p in task.sample(3000, random.Random(0))}
+        assert len(train) > 100 and not heldout & train
+        assert not heldout & {prompt for prompt, _ in task.sft_examples(500, random.Random(1))}
+
+
+def test_gym_problems_score_with_reasoning_gyms_scorer(gym_tasks) -> None:
+    from miles.rewards.gym import gym_reward
+
+    arithmetic, countdown = gym_tasks
+    for p in arithmetic.sample(50, random.Random(2)):
+        a, op, b = p.prompt.removeprefix("Calculate ").removesuffix(".").split()
+        answer = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert arithmetic.reference_response(p) == str(answer)
+        assert gym_reward(f" {answer}\n", p.label) == 1.0
+        assert gym_reward(str(answer + 1), p.label) == 0.0
+    for p in countdown.sample(20, random.Random(3)):
+        target, numbers = p.prompt.removeprefix("Make ").split(" from ")
+        assert sorted(map(int, numbers.split())) == sorted(p.label["entry"]["metadata"]["numbers"])
+        assert gym_reward(countdown.reference_response(p), p.label) == 1.0
+        assert gym_reward(" + ".join(numbers.split()) + " + 1000", p.label) < 1.0  # right numbers, wrong value
+
+
+def test_gym_prompts_fit_the_tiny_model(gym_tasks) -> None:
+    from miles.models.qwen3 import QWEN3_FLAVORS
+    from miles.models.tokenizer import encode_prompt, train_tokenizer
+
+    for task in gym_tasks:
+        tok = train_tokenizer(task.corpus(), 320)
+        longest = max(len(encode_prompt(tok, p)) + len(tok.encode(r)) + 1 for p, r in task.sft_examples(300, random.Random(0)))
+        assert longest < QWEN3_FLAVORS["tiny"]["max_position_embeddings"] // 4
+
+
+def test_gym_task_rejects_bad_arguments() -> None:
+    from miles.tasks.gym import ReasoningGymTask
+
+    with pytest.raises(ValueError, match="did you mean 'countdown'"):
+        ReasoningGymTask(dataset="countdwn")
+    with pytest.raises(ValueError, match="config.seed"):
+        ReasoningGymTask(dataset="countdown", config={"seed": 3})
+    with pytest.raises(ValueError, match="config: reasoning-gym 'countdown' rejected"):
+        ReasoningGymTask(dataset="countdown", config={"min_numbers": 1})
+    with pytest.raises(ValueError, match="prompt_template.*available fields: .*numbers"):
+        ReasoningGymTask(dataset="countdown", config=GYM_COUNTDOWN, prompt_template="Make {goal} from {numbers}")
+
+
+def test_countdown_scorer_hang_is_stopped_by_the_runner() -> None:
+    from miles.config import TargetConfig
+    from miles.rewards.runner import RewardItem, RewardRunner
+    from miles.tasks.gym import ReasoningGymTask
+
+    p = ReasoningGymTask(dataset="countdown", config=GYM_COUNTDOWN, pool_size=50).sample(1, random.Random(0))[0]
+    with RewardRunner(TargetConfig(target="miles.rewards.gym.gym_reward", partial=True), timeout_s=1.0) as r:
+        out = r.score([RewardItem("9**9**9**9", p.label), RewardItem(p.label["entry"]["answer"], p.label)])
+    assert out[0].failure == "timeout after 1s" and out[1].reward == 1.0

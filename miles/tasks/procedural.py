@@ -3,10 +3,11 @@
 A task draws problem *keys* (``(37, "+", 45)``, a tuple of numbers, ...) from a
 seeded ``random.Random`` and turns a key into a :class:`Problem`. Each key
 belongs to the evaluation split or to the training split by a sha256 of
-``(eval_seed, key)``: stable across processes and runs, and the same mix of
-easy and hard problems on both sides. ``sample`` only returns training keys;
-``eval_problems`` is the first ``n`` distinct evaluation keys of a fixed
-stream, so no training prompt is ever an evaluation problem.
+``(eval_seed, key_text(key))``: stable across processes and runs, and the same
+mix of easy and hard problems on both sides. ``sample`` only returns training
+keys; ``eval_problems`` is the first ``n`` distinct evaluation keys of a fixed
+stream, so no training prompt is ever an evaluation problem (keys with the
+same ``key_text`` are one problem).
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ import hashlib
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt and its reference answer (the exact text of a correct response)."""
+    """One prompt and the reference its reward compares against.
+
+    The built-in tasks' label is the exact text of a correct response; other tasks carry what their
+    reward needs (a reasoning-gym entry, a dataset row's label column).
+    """
 
     prompt: str
-    label: str
+    label: Any
 
 
 def in_heldout(key: str, eval_seed: int, fraction: float) -> bool:
@@ -77,25 +83,30 @@ class ProceduralTask:
     def eval_problems(self, n: int) -> list[Problem]:
         """The first ``n`` distinct problems of the evaluation split: the same list on every call."""
         rng = random.Random(self.eval_seed)
-        seen: set[Hashable] = set()
+        seen: set[str] = set()
         out: list[Problem] = []
         for _ in range(1000 * n + 10_000):
             if len(out) == n:
                 return out
             key = self.draw(rng)
-            if key not in seen and self.is_heldout_key(key):
-                seen.add(key)
+            text = self.key_text(key)
+            if text not in seen and self.is_heldout_key(key):
+                seen.add(text)
                 out.append(self.problem(key))
         raise ValueError(
             f"eval_problems: found only {len(out)} distinct held-out problems, asked for {n}; lower "
             "task.num_eval_prompts or make the task's problem space larger (or heldout_fraction higher)"
         )
 
+    def reference_response(self, problem: Problem) -> str:
+        """The text of a correct response (the warm start's target): the label itself by default."""
+        return str(problem.label)
+
     def corpus(self) -> list[str]:
         """Text to train the tokenizer on: prompts and answers of a fixed sample of problems."""
         problems = self.sample(2000, random.Random(0))
-        return [p.prompt for p in problems] + [p.label for p in problems] + ["0123456789"]
+        return [p.prompt for p in problems] + [self.reference_response(p) for p in problems] + ["0123456789"]
 
     def sft_examples(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
         """``n`` (prompt, target response) pairs from the training split."""
-        return [(p.prompt, p.label) for p in self.sample(n, rng)]
+        return [(p.prompt, self.reference_response(p)) for p in self.sample(n, rng)]

@@ -1,0 +1,44 @@
+"""Built-in task: count from one number to another.
+
+``"Count from 37 to 45."`` -> ``"37 38 39 40 41 42 43 44 45"``. The answer's
+length is the span of the count, drawn uniformly from ``[1, max_span]``, so
+response lengths vary widely within one batch: the workload on which padded
+static batching wastes most of its work and continuous batching pays off
+(``python -m miles.bench e2e`` uses it as its ``long`` workload). Counting is one
+skill shared by every problem, so RL gains carry to held-out problems; a long
+count must be right in every number to score 1.
+
+Held-out evaluation: a hashed split of ``(start, span)`` (:mod:`miles.tasks.procedural`).
+"""
+
+from __future__ import annotations
+
+import random
+
+from miles.tasks.procedural import Problem, ProceduralTask
+
+__all__ = ["CountTask"]
+
+
+class CountTask(ProceduralTask):
+    """Counts of ``span`` in ``[1, max_span]`` consecutive integers starting in ``[0, max_start]``."""
+
+    def __init__(self, *, max_start: int = 99, max_span: int = 64, heldout_fraction: float = 0.1,
+                 eval_seed: int = 12345) -> None:
+        super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed)
+        if max_start < 0:
+            raise ValueError(f"max_start: must be >= 0, found {max_start}")
+        if max_span < 1:
+            raise ValueError(f"max_span: must be >= 1, found {max_span}")
+        self.max_start, self.max_span = max_start, max_span
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        return rng.randint(0, self.max_start), rng.randint(1, self.max_span)
+
+    def key_text(self, key: tuple[int, int]) -> str:
+        return f"{key[0]} {key[1]}"
+
+    def problem(self, key: tuple[int, int]) -> Problem:
+        start, span = key
+        end = start + span - 1
+        return Problem(prompt=f"Count from {start} to {end}.", label=" ".join(map(str, range(start, end + 1))))
