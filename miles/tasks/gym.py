@@ -43,11 +43,8 @@ class ReasoningGymTask(ProceduralTask):
         eval_seed: int = 12345,
     ) -> None:
         super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed)
-        try:
-            import reasoning_gym
-            from reasoning_gym.factory import DATASETS
-        except ImportError as e:
-            raise ImportError(f"ReasoningGymTask needs reasoning-gym: pip install 'miles-rl[gym]' ({e})") from e
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
 
         if dataset not in DATASETS:
             raise ValueError(f"dataset: reasoning-gym has no dataset '{dataset}'{suggest(dataset, list(DATASETS))}; "
