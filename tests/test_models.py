@@ -86,7 +86,7 @@ def test_moe_tiny_is_4_experts_top2_every_layer_sparse() -> None:
 
 
 def test_unknown_flavor_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"did you mean 'tiny'.*Valid flavors: tiny, 0\.6b"):
+    with pytest.raises(ValueError, match=r"did you mean 'tiny'.*Valid flavors: tiny, 20m, 0\.6b"):
         qwen3_spec("tinny")
     with pytest.raises(ValueError, match="30b_a3b"):
         qwen3_moe_spec("30b")

@@ -57,13 +57,23 @@ def checkpoint_key(run: MilesConfig, spec: ModelSpec) -> str:
         "format": FORMAT_VERSION,
         "transformers": transformers.__version__,
         "spec": {"name": spec.name, "flavor": spec.flavor, "hf_config": spec.hf_config.to_dict()},
-        "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
+        "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs),
+                 "files": _file_digests(run.task.source.kwargs)},
         "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
         "warm_start": {"steps": ws.steps, "batch_size": ws.batch_size, "lr": ws.lr},
         "seed": run.seed,
     }
     blob = json.dumps(payload, sort_keys=True, default=_jsonable)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_digests(kwargs: object) -> dict[str, str]:
+    """sha256 of every task argument that names an existing file: editing a data file rebuilds."""
+    out: dict[str, str] = {}
+    for k, v in dict(kwargs).items():  # type: ignore[call-overload]
+        if isinstance(v, str) and v and Path(v).expanduser().is_file():
+            out[k] = hashlib.sha256(Path(v).expanduser().read_bytes()).hexdigest()
+    return out
 
 
 def _jsonable(x: object) -> object:

@@ -36,6 +36,11 @@ _TINY_COMMON: dict[str, Any] = dict(
 
 QWEN3_FLAVORS: dict[str, dict[str, Any]] = {
     "tiny": dict(_TINY_COMMON),
+    # About 19M parameters (with the 320-token built vocabulary): the long-output benchmark model.
+    "20m": dict(
+        _TINY_COMMON, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
+    ),
     # Qwen/Qwen3-0.6B (GPU only).
     "0.6b": dict(
         vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -65,7 +70,7 @@ QWEN3_MOE_FLAVORS: dict[str, dict[str, Any]] = {
 
 
 def qwen3_spec(flavor: str = "tiny", path: str | None = None) -> ModelSpec:
-    """The dense Qwen3 spec at ``flavor`` (``tiny`` or ``0.6b``), or read from the checkpoint at ``path``."""
+    """The dense Qwen3 spec at ``flavor`` (``tiny``, ``20m`` or ``0.6b``), or read from the checkpoint at ``path``."""
     hf_config = _config("qwen3", flavor, path, QWEN3_FLAVORS, Qwen3Config)
     return ModelSpec(name="qwen3", flavor=flavor, hf_config=hf_config, source_path=path)
 

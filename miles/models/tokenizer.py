@@ -75,8 +75,14 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokeniz
     return hf
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, content: str) -> list[int]:
-    """Token ids of one user turn plus the assistant header: exactly what a rollout engine is fed."""
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, content: str, chat_template: bool = True) -> list[int]:
+    """Token ids of one user turn plus the assistant header: exactly what a rollout engine is fed.
+
+    With ``chat_template=False`` the text is encoded as it is (no special tokens added): for datasets
+    whose prompts are already formatted.
+    """
+    if not chat_template:
+        return list(tokenizer.encode(content, add_special_tokens=False))
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
     )

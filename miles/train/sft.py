@@ -42,7 +42,7 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def collate_sft(
-    tokenizer: PreTrainedTokenizerBase, examples: list[tuple[str, str]]
+    tokenizer: PreTrainedTokenizerBase, examples: list[tuple[str, str]], chat_template: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids [B, T], attention_mask [B, T], labels [B, T])`` for (prompt, response) pairs.
 
@@ -50,7 +50,7 @@ def collate_sft(
     """
     rows: list[tuple[list[int], int]] = []
     for prompt, response in examples:
-        prompt_ids = encode_prompt(tokenizer, prompt)
+        prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
         response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((prompt_ids + response_ids, len(prompt_ids)))
     width = max(len(ids) for ids, _ in rows)
@@ -93,7 +93,8 @@ def warm_start(
     losses: list[float] = []
     log_every = max(1, steps // 4)
     for step in range(steps):
-        input_ids, attention_mask, labels = collate_sft(tokenizer, task.sft_examples(batch_size, rng))
+        input_ids, attention_mask, labels = collate_sft(
+            tokenizer, task.sft_examples(batch_size, rng), getattr(task, "chat_template", True))
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         loss = sft_loss(logits, labels)
         optimizer.zero_grad(set_to_none=True)
