@@ -1,17 +1,20 @@
-"""Weight sync through the Ray object store (the CPU default transport).
+"""Weight sync through the Ray object store (``weight_sync.transport=object_store``, the default).
 
-Trainer rank 0 gathers the full state dict and puts it in the object store
-once; every engine reads the same object and applies it between requests as
-one version. Time and bytes are measured per sync.
+Trainer rank 0 puts the full state dict in the object store once per version (each tensor as its
+raw bytes); every engine gets the same object as zero-copy views and applies it as one version.
+Works wherever Ray does. :func:`sync_weights` here is the pre-transport path (``publish_weights`` +
+``update_weights``), kept until the loop calls :func:`miles.weights.sync.sync_weights`.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+import torch
 
 
 def sync_weights(trainers: Sequence[Any], engines: Sequence[Any], version: int) -> dict[str, float]:
@@ -31,3 +34,60 @@ def sync_weights(trainers: Sequence[Any], engines: Sequence[Any], version: int) 
         "weight_sync/bytes_per_s": num_bytes * len(engines) / max(seconds, 1e-9),
         "weight_sync/version": float(version),
     }
+
+
+class ObjectStoreSender:
+    """Runs on trainer rank 0: one ``ray.put`` per version.
+
+    Each tensor goes in as its raw bytes (a uint8 numpy view, no copy), which Ray stores out of
+    band and hands back as zero-copy read-only views; pickled torch tensors are copied on both
+    ends instead (measured 3.3 s vs 0.08 s for 380 MiB).
+    """
+
+    def send(self, state_dict: dict[str, Any], version: int) -> Any:
+        from miles.weights.sync import Sent
+
+        t0 = time.perf_counter()
+        raw = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                   t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+               for k, t in state_dict.items()}
+        ref = ray.put(raw)
+        nbytes = sum(a.nbytes for _, _, a in raw.values())
+        # in a list, so that Ray passes the ref on instead of resolving it
+        return Sent(handle=[ref], bytes=nbytes, send_s=time.perf_counter() - t0)
+
+
+class ObjectStoreReceiver:
+    """Runs in an engine: the version's tensors as read-only views of the object store (no copy)."""
+
+    def __init__(self, refs: list) -> None:
+        self.refs = refs
+
+    def receive(self, engine: Any) -> dict[str, torch.Tensor]:
+        raw = ray.get(self.refs[0])
+        with warnings.catch_warnings():  # read-only views: update_weights only reads them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return {k: torch.from_numpy(a).view(getattr(torch, dtype)).view(shape)
+                    for k, (shape, dtype, a) in raw.items()}
+
+
+class ObjectStoreTransport:
+    """``weight_sync.transport=object_store``: no state between syncs."""
+
+    name = "object_store"
+    concurrent = False
+
+    def sender(self, version: int) -> ObjectStoreSender:
+        return ObjectStoreSender()
+
+    def receiver(self, engine_index: int, version: int, sent: Any) -> ObjectStoreReceiver:
+        return ObjectStoreReceiver(sent.handle)
+
+    def begin(self, trainers: Any, engines: Any) -> None:
+        pass
+
+    def failed(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
