@@ -1,8 +1,22 @@
-"""Ray: start or join the cluster, reserve a placement group, create engine and trainer actors.
+"""Ray: start or join the cluster, reserve placement groups, create engine and trainer actors.
 
-Every long-lived process is a Ray actor. ``placement=colocate`` puts one
-engine and one trainer rank on each bundle; they take turns (rollout, then
-train), so each actor may use all of its bundle's CPUs for torch threads.
+Every long-lived process is a Ray actor, placed on a bundle of a placement group.
+
+``placement=colocate``: one placement group of ``max(num_engines, trainer_world_size)`` shared
+bundles of ``cpus_per_bundle`` CPUs; engine ``i`` and trainer rank ``i`` sit on bundle ``i``, each
+holding half of it. They take turns (rollout, then train), so each actor may use the CPUs of all
+the actors that are idle meanwhile for torch threads, and the engines can release their memory
+while the trainer trains (:meth:`Actors.offload_engines`).
+
+``placement=disaggregated``: two pools, one placement group each: ``num_engines`` bundles of
+``cpus_per_engine`` and ``trainer_world_size`` bundles of ``cpus_per_trainer_rank``. Engines and
+trainer ranks run at the same time, so each actor's threads come from its own bundle. One group per
+pool rather than one group with typed bundles: each pool is placed (and, when it cannot be, reported)
+on its own, and a pool can later be resized or replaced (engine restarts) without releasing the
+other. The cost is that the two reservations are not atomic; a timeout releases both.
+
+Custom Ray resources (``engine_resources``, ``trainer_resources``, e.g. ``{node2: 1}``) pin a pool
+to the nodes that offer them.
 """
 
 from __future__ import annotations
@@ -11,18 +25,35 @@ import logging
 import math
 import os
 import socket
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.config import ConfigError, MilesConfig, check_allowed, locate
+from miles.config.schema import PlacementConfig
 
 log = logging.getLogger(__name__)
 
 TRAINER_BACKENDS = {"fsdp": "miles.train.fsdp.FSDPTrainer"}
+ENGINE_MAX_CONCURRENCY = 32  # engines are threaded actors: several generate calls share one batch
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# placement keys that only one mode reads: setting them in the other mode is a mistake
+_ONLY_FOR = {"cpus_per_bundle": "colocate", "cpus_per_engine": "disaggregated", "cpus_per_trainer_rank": "disaggregated"}
+_HINT = {
+    "colocate": "placement.cpus_per_bundle, placement.num_engines or placement.trainer_world_size",
+    "disaggregated": "placement.cpus_per_engine, placement.cpus_per_trainer_rank, placement.num_engines "
+                     "or placement.trainer_world_size",
+}
 
 
 def start_ray(run: MilesConfig) -> bool:
@@ -67,68 +98,148 @@ def rendezvous(run: MilesConfig, pg: PlacementGroup) -> tuple[str, int]:
     return ray.get(probe.remote(), timeout=run.placement.ready_timeout_s)
 
 
-@dataclass
-class Actors:
-    """Handles to everything the loop talks to."""
+# ---- what the placement asks for ----------------------------------------------------------------
 
-    engines: list[Any]
-    trainers: list[Any]
-    placement: PlacementGroup
-    num_threads: int
+@dataclass(frozen=True)
+class Pool:
+    """``num_bundles`` identical bundles of one placement group."""
 
-    def shutdown(self) -> None:
-        try:
-            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
-        except Exception as e:  # a dead rank must not keep the driver from exiting
-            log.warning("trainer shutdown failed: %s", e)
-        for a in self.engines + self.trainers:
-            ray.kill(a)
-        remove_placement_group(self.placement)
+    name: str
+    """``shared`` (colocate), ``engine`` or ``trainer`` (disaggregated)."""
+    num_bundles: int
+    cpus_per_bundle: float
+    resources: Mapping[str, float]
+    """Custom Ray resources per bundle."""
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus_per_bundle, **self.resources}
+
+    @property
+    def cpus(self) -> float:
+        return self.num_bundles * self.cpus_per_bundle
+
+    def describe(self) -> str:
+        """E.g. ``2 bundle(s) x 1 CPU (+ node2: 1 per bundle) = 2 CPU``."""
+        extra = ", ".join(f"{k}: {v:g}" for k, v in self.resources.items())
+        extra = f" (+ {extra} per bundle)" if extra else ""
+        return f"{self.num_bundles} bundle(s) x {self.cpus_per_bundle:g} CPU{extra} = {self.cpus:g} CPU"
 
 
-def placement_request(run: MilesConfig) -> tuple[int, float]:
-    """(bundles, CPUs per bundle) that ``run``'s placement asks for."""
+def _check_resources(key: str, resources: Mapping[str, float] | None) -> None:
+    for name, amount in (resources or {}).items():
+        if name in _BUILTIN_RESOURCES:
+            raise ConfigError(f"{key}.{name}: CPUs and memory are sized by the cpus_* keys; list only custom "
+                              f"Ray resources here (those a node was started with, e.g. --resources='{{\"node2\": 1}}')")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount > 0:
+            raise ConfigError(f"{key}.{name}: expected a positive number, found {amount!r}")
+
+
+def check_placement(p: PlacementConfig) -> None:
+    """Values the schema cannot rule out: non-positive CPUs, keys of the other mode, bad resources."""
+    defaults = PlacementConfig()
+    for key, mode in _ONLY_FOR.items():
+        if mode != p.name and getattr(p, key) != getattr(defaults, key):
+            raise ConfigError(f"placement.{key} applies to placement={mode} only, but placement.name is "
+                              f"'{p.name}'. Size its bundles with {_HINT[p.name]}.")
+    for key in (k for k, mode in _ONLY_FOR.items() if mode == p.name):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"placement.{key}: must be > 0 CPUs, found {getattr(p, key)}")
+    if p.torch_threads_per_actor < 0:
+        raise ConfigError(f"placement.torch_threads_per_actor: must be >= 0 (0: automatic), found {p.torch_threads_per_actor}")
+    if not p.ready_timeout_s > 0:
+        raise ConfigError(f"placement.ready_timeout_s: must be > 0 seconds, found {p.ready_timeout_s}")
+    _check_resources("placement.engine_resources", p.engine_resources)
+    _check_resources("placement.trainer_resources", p.trainer_resources)
+
+
+def placement_pools(run: MilesConfig) -> list[Pool]:
+    """The pools ``run``'s placement asks for: one shared pool (colocate) or engine + trainer pools."""
     p = run.placement
-    return max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle
+    check_placement(p)
+    engine_res = {k: float(v) for k, v in (p.engine_resources or {}).items()}
+    trainer_res = {k: float(v) for k, v in (p.trainer_resources or {}).items()}
+    if p.name == "colocate":  # a shared bundle hosts an engine and a trainer rank: it needs both
+        both = {k: engine_res.get(k, 0.0) + trainer_res.get(k, 0.0) for k in engine_res | trainer_res}
+        return [Pool("shared", max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle, both)]
+    return [Pool("engine", p.num_engines, p.cpus_per_engine, engine_res),
+            Pool("trainer", p.trainer_world_size, p.cpus_per_trainer_rank, trainer_res)]
+
+
+def describe_request(name: str, pools: list[Pool]) -> str:
+    if len(pools) == 1:
+        return f"placement '{name}' asks for {pools[0].describe()}"
+    total = sum(pool.cpus for pool in pools)
+    parts = " + ".join(f"{pool.name} pool {pool.describe()}" for pool in pools)
+    return f"placement '{name}' asks for {parts} = {total:g} CPU in all"
 
 
 def check_fits_locally(run: MilesConfig) -> None:
     """For a cluster we start ourselves, fail before any work if the placement cannot fit in it."""
+    pools = placement_pools(run)  # also checks the placement keys, for joined clusters too
     if run.cluster.address:
         return  # a joined cluster may grow; reserve() waits ready_timeout_s for it
-    n, cpus = placement_request(run)
-    have = run.cluster.num_cpus or os.cpu_count() or 1
-    if n * cpus > have:
+    custom = sorted({k for pool in pools for k in pool.resources})
+    if custom:
         raise ConfigError(
-            f"placement '{run.placement.name}' asks for {n} bundle(s) x {cpus:g} CPU = {n * cpus:g} CPU, but the "
-            f"local Ray cluster has {have} CPU (cluster.num_cpus). Lower placement.cpus_per_bundle, "
-            "placement.num_engines or placement.trainer_world_size, or join a bigger cluster (cluster.address)."
+            f"{describe_request(run.placement.name, pools)}, which needs custom Ray resource(s) "
+            f"{', '.join(custom)}, but a local Ray cluster started by miles has CPUs only. Join a cluster whose "
+            "nodes offer them (cluster.address=HOST:PORT), or clear placement.engine_resources / trainer_resources."
+        )
+    have = run.cluster.num_cpus or os.cpu_count() or 1
+    need = sum(pool.cpus for pool in pools)
+    if need > have:
+        raise ConfigError(
+            f"{describe_request(run.placement.name, pools)}, but the local Ray cluster has {have} CPU "
+            f"(cluster.num_cpus). Lower {_HINT[run.placement.name]}, or join a bigger cluster (cluster.address)."
         )
 
 
-def reserve(run: MilesConfig) -> PlacementGroup:
-    """A placement group with one bundle per engine/trainer slot; fail within the timeout if it cannot fit."""
-    p = run.placement
-    num_bundles, cpus = placement_request(run)
-    bundles = [{"CPU": cpus} for _ in range(num_bundles)]
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=p.ready_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        avail = ray.available_resources().get("CPU", 0.0)
-        total = ray.cluster_resources().get("CPU", 0.0)
-        raise ConfigError(
-            f"placement '{p.name}' asked for {num_bundles} bundle(s) x {p.cpus_per_bundle:g} CPU "
-            f"= {num_bundles * p.cpus_per_bundle:g} CPU, but the cluster has {avail:g} of {total:g} CPU "
-            f"available (waited {p.ready_timeout_s:g} s). Lower placement.cpus_per_bundle, "
-            "placement.num_engines or placement.trainer_world_size, or add nodes."
-        ) from None
-    return pg
+# ---- reserving ------------------------------------------------------------------------------------
 
+def reserve(run: MilesConfig) -> list[PlacementGroup]:
+    """One placement group per pool (see :func:`placement_pools`), in order; fail within the timeout.
+
+    If any pool is not placed after ``placement.ready_timeout_s``, every group is released and a
+    :class:`ConfigError` says what each pool asked for, which were not placed, and what the cluster has.
+    """
+    p = run.placement
+    pools = placement_pools(run)
+    groups = [placement_group([pool.bundle() for _ in range(pool.num_bundles)], strategy="PACK") for pool in pools]
+    ready = [g.ready() for g in groups]
+    done, _ = ray.wait(ready, num_returns=len(ready), timeout=p.ready_timeout_s)
+    if len(done) == len(ready):
+        return groups
+    placed = {i for i, r in enumerate(ready) if r in done}
+    for g in groups:
+        remove_placement_group(g)
+    time.sleep(0.2)  # let the released bundles show up as available again
+    avail, total = ray.available_resources(), ray.cluster_resources()
+    have = f"{avail.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPU"
+    for k in sorted({k for pool in pools for k in pool.resources}):
+        have += f", {avail.get(k, 0.0):g} of {total.get(k, 0.0):g} {k}"
+    if len(pools) == 1:
+        asked = f"{pools[0].describe()}"
+        missing = ""
+    else:
+        asked = " + ".join(f"{pool.name} pool {pool.describe()}" for pool in pools)
+        missing = "; not placed: " + ", ".join(f"{pool.name} pool" for i, pool in enumerate(pools) if i not in placed)
+    raise ConfigError(
+        f"placement '{p.name}' asked for {asked}, but the cluster has {have} available "
+        f"(waited {p.ready_timeout_s:g} s{missing}). Lower {_HINT[p.name]}, or add nodes"
+        + (" that offer the custom resources." if any(pool.resources for pool in pools) else ".")
+    )
+
+
+def bundle_nodes(pg: PlacementGroup) -> list[str]:
+    """Node id of each bundle of a ready placement group, in bundle order."""
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    return [table[i] for i in sorted(table)]
+
+
+# ---- threads ------------------------------------------------------------------------------------
 
 def auto_threads(run: MilesConfig, num_bundles: int) -> int:
-    """torch threads per actor: the CPUs available / the actors busy at once.
+    """colocate: torch threads per actor = the CPUs available / the actors busy at once.
 
     Colocated engines and trainer ranks take turns, so at most max(engines, ranks) actors compute at
     once. On a local cluster they may use the whole machine; on a joined cluster, their bundles.
@@ -139,40 +250,147 @@ def auto_threads(run: MilesConfig, num_bundles: int) -> int:
     return max(1, math.floor(cpus / busy))
 
 
-def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
-    """Engines and trainer ranks on the placement group's bundles."""
-    p = run.placement
-    pg = reserve(run)
-    num_bundles = len(pg.bundle_specs)
-    threads = p.torch_threads_per_actor or auto_threads(run, num_bundles)
-    # colocated: an engine and a trainer share a bundle, each holding half of it
-    cpus_per_actor = p.cpus_per_bundle / 2
+def threads_per_actor(run: MilesConfig) -> tuple[int, int]:
+    """(engine, trainer rank) torch threads.
 
-    def on_bundle(i: int) -> dict[str, Any]:
+    ``placement.torch_threads_per_actor`` wins when set. Otherwise colocate shares the CPUs among the
+    actors busy at once (:func:`auto_threads`); disaggregated engines and ranks compute at the same
+    time, so each gets the whole CPUs of its own bundle (at least 1).
+    """
+    p = run.placement
+    if p.torch_threads_per_actor:
+        return p.torch_threads_per_actor, p.torch_threads_per_actor
+    if p.name == "colocate":
+        n = auto_threads(run, max(p.num_engines, p.trainer_world_size))
+        return n, n
+    return max(1, math.floor(p.cpus_per_engine)), max(1, math.floor(p.cpus_per_trainer_rank))
+
+
+# ---- actors -------------------------------------------------------------------------------------
+
+@dataclass
+class Actors:
+    """Handles to everything the loop talks to."""
+
+    engines: list[Any]
+    trainers: list[Any]
+    placement_groups: list[PlacementGroup]
+    engine_threads: int
+    trainer_threads: int
+    offload: bool = False
+    """Whether :meth:`offload_engines` / :meth:`restore_engines` do anything (colocate + offload_engines)."""
+    nodes: Mapping[str, list[str]] | None = None
+    """Node id of each engine and trainer rank: ``{"engine": [...], "trainer": [...]}``."""
+
+    @property
+    def num_threads(self) -> int:
+        """torch threads per actor (the larger of the engine and trainer counts)."""
+        return max(self.engine_threads, self.trainer_threads)
+
+    def offload_engines(self) -> dict[str, float]:
+        """colocate: every engine releases its memory (KV cache, weights) so the trainer has it.
+
+        Call after the rollout (and any evaluation) and before the train step; generating while
+        released is an error. A no-op (empty metrics) for disaggregated or ``offload_engines=false``.
+        """
+        if not self.offload:
+            return {}
+        t0 = time.perf_counter()
+        ray.get([e.release_memory.remote() for e in self.engines])
+        return {"perf/engine_offload_s": time.perf_counter() - t0}
+
+    def restore_engines(self) -> dict[str, float]:
+        """colocate: undo :meth:`offload_engines`, bit-exactly. No-op when not offloading.
+
+        Call after the train step and *before* the weight sync: a released engine refuses
+        ``update_weights`` as well as ``generate``.
+        """
+        if not self.offload:
+            return {}
+        t0 = time.perf_counter()
+        ray.get([e.resume_memory.remote() for e in self.engines])
+        return {"perf/engine_restore_s": time.perf_counter() - t0}
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
+        except Exception as e:  # a dead rank must not keep the driver from exiting
+            log.warning("trainer shutdown failed: %s", e)
+        for a in self.engines + self.trainers:
+            ray.kill(a)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+
+
+def _engine_class(run: MilesConfig) -> Any:
+    check_allowed(run.rollout.engine, run.plugins.allow, key="rollout.engine")
+    cls = locate(run.rollout.engine)
+    if run.placement.name == "colocate" and run.placement.offload_engines:
+        lacking = [m for m in ("release_memory", "resume_memory") if not callable(getattr(cls, m, None))]
+        if lacking:
+            raise ConfigError(
+                f"placement.offload_engines=true, but rollout.engine {run.rollout.engine} has no "
+                f"{' / '.join(lacking)}(). Set placement.offload_engines=false or use an engine that can offload."
+            )
+    return cls
+
+
+def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
+    """Engines and trainer ranks on the placement groups' bundles (see the module docstring)."""
+    p = run.placement
+    engine_cls = ray.remote(_engine_class(run))
+    trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
+    groups = reserve(run)
+    engine_threads, trainer_threads = threads_per_actor(run)
+    if p.name == "colocate":
+        shared = groups[0]
+        engine_pg = trainer_pg = shared
+        # an engine and a trainer rank share a bundle, each holding half of it
+        engine_cpus = trainer_cpus = p.cpus_per_bundle / 2
+    else:
+        engine_pg, trainer_pg = groups
+        engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
+
+    def on_bundle(pg: PlacementGroup, i: int, cpus: float, threads: int) -> dict[str, Any]:
         return dict(
-            num_cpus=cpus_per_actor,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i % num_bundles),
+            num_cpus=cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i % len(pg.bundle_specs)),
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}},
         )
 
-    allow = run.plugins.allow
-    check_allowed(run.rollout.engine, allow, key="rollout.engine")
-    engine_cls = ray.remote(locate(run.rollout.engine))
     engines = [
-        engine_cls.options(**on_bundle(i)).remote(
-            checkpoint_dir, run.precision, seed=run.seed + 1000 * i, num_threads=threads, engine_id=i
+        engine_cls.options(max_concurrency=ENGINE_MAX_CONCURRENCY,
+                           **on_bundle(engine_pg, i, engine_cpus, engine_threads)).remote(
+            checkpoint_dir, run.precision, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i
         )
         for i in range(p.num_engines)
     ]
-    trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
-    addr, port = rendezvous(run, pg)
+    addr, port = rendezvous(run, trainer_pg)
     trainers = [
-        trainer_cls.options(**on_bundle(r)).remote(
+        trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads)).remote(
             rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
-            checkpoint_dir=checkpoint_dir, run=run, num_threads=threads,
+            checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads,
         )
         for r in range(p.trainer_world_size)
     ]
-    # surface construction errors now, with the actor's traceback
-    ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers])
-    return Actors(engines=engines, trainers=trainers, placement=pg, num_threads=threads)
+    actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
+                    trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines)
+    try:
+        # surface construction errors now, with the actor's traceback
+        ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers])
+    except BaseException:
+        actors.shutdown()
+        raise
+    engine_nodes, trainer_nodes = bundle_nodes(engine_pg), bundle_nodes(trainer_pg)
+    actors.nodes = {"engine": [engine_nodes[i % len(engine_nodes)] for i in range(p.num_engines)],
+                    "trainer": [trainer_nodes[r % len(trainer_nodes)] for r in range(p.trainer_world_size)]}
+    pools = "; ".join(f"{pool.name} pool {pool.describe()}" for pool in placement_pools(run))
+    log.info("placement '%s': %s; engines on node(s) %s with %d thread(s) each, trainer ranks on node(s) %s "
+             "with %d thread(s) each", p.name, pools, _short(actors.nodes["engine"]), engine_threads,
+             _short(actors.nodes["trainer"]), trainer_threads)
+    return actors
+
+
+def _short(node_ids: list[str]) -> str:
+    return ",".join(n[:8] for n in node_ids)
