@@ -1,4 +1,4 @@
-"""The algorithm family (RLOO, REINFORCE++, dual-clip PPO, GSPO, CISPO) against hand-computed numbers."""
+"""The algorithm family (RLOO, REINFORCE++, dual-clip PPO, GSPO, CISPO, DAPO shaping, RFT) against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from miles.algos.advantages import reinforce_pp, reinforce_pp_baseline, rloo
-from miles.algos.losses import aggregate, cispo_loss, dual_clip_ppo_loss, gspo_loss, ppo_clip_loss
+from miles.algos.advantages import reinforce_pp, reinforce_pp_baseline, rejection_sampling, rloo
+from miles.algos.losses import aggregate, cispo_loss, dual_clip_ppo_loss, gspo_loss, ppo_clip_loss, sft_loss
+from miles.algos.shaping import overlong_penalty, shape_overlong_rewards
 from miles.config import build, validate
 from miles.config.validate import group_options
 from miles.train.objective import policy_objective
@@ -181,3 +182,67 @@ def test_every_algo_option_builds_an_advantage_and_a_loss_that_run(option: str):
     logp = torch.full((6, 4), -1.0)
     loss, _ = loss_fn(logp + 0.01, logp, adv, loss_mask=torch.ones(6, 4))
     assert loss.shape == (6, 4) and torch.isfinite(loss).all()
+
+
+# --- DAPO overlong shaping, rejection-sampling SFT ------------------------------------------------
+
+def test_overlong_penalty_hand_computed():
+    # L_max 10, buffer 4: no penalty up to 6 tokens, then (6 - L) / 4, -1 beyond the cap
+    lengths = torch.tensor([0, 5, 6, 7, 8, 10, 11])
+    expected = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4), expected)
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, penalty=0.5), 0.5 * expected)
+    with pytest.raises(ValueError, match="0 < algo.overlong_buffer_len < rollout.max_new_tokens"):
+        overlong_penalty(lengths, 4, 4)
+
+
+def test_shape_overlong_rewards_adds_the_penalty_and_can_be_off():
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    lengths = torch.tensor([[3, 8], [7, 2]])
+    shaped = shape_overlong_rewards(rewards, lengths, max_len=8, buffer_len=2, penalty_factor=1.0)
+    torch.testing.assert_close(shaped, torch.tensor([[1.0, -1.0], [0.5, 1.0]]))
+    assert torch.equal(rewards, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))  # input untouched
+    for off in ({"buffer_len": 0, "penalty_factor": 1.0}, {"buffer_len": 2, "penalty_factor": 0.0}):
+        torch.testing.assert_close(shape_overlong_rewards(rewards, lengths, max_len=8, **off), rewards)
+    with pytest.raises(ValueError, match="same \\[G, n\\] shape"):
+        shape_overlong_rewards(rewards, lengths.flatten(), max_len=8, buffer_len=2, penalty_factor=1.0)
+
+
+def test_dapo_config_is_clip_higher_token_mean_no_kl_with_overlong_shaping():
+    with initialize_config_module("miles.conf", version_base="1.3"):
+        run = validate(compose("config", overrides=["algo=dapo"]))
+    a = run.algo
+    assert (a.clip_low, a.clip_high, a.loss_agg, a.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
+    assert 0 < a.overlong_buffer_len < run.rollout.max_new_tokens and a.overlong_penalty_factor == 1.0
+    assert a.estimator == "group"
+    # dynamic sampling: the override documented in dapo.yaml composes
+    overrides = ["algo=dapo", "rollout.filters=[{_target_: miles.rollout.filters.nonzero_reward_std, _partial_: true}]"]
+    with initialize_config_module("miles.conf", version_base="1.3"):
+        run = validate(compose("config", overrides=overrides))
+    assert [f.target for f in run.rollout.filters] == ["miles.rollout.filters.nonzero_reward_std"]
+
+
+def test_rejection_sampling_weights_and_sft_loss():
+    w = rejection_sampling(torch.tensor([[1.0, 0.0, 0.5], [0.7, 0.2, 1.0]]), threshold=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]))
+    logp = torch.tensor([[-0.5, -2.0], [-1.0, -3.0]], requires_grad=True)
+    old = torch.tensor([[-5.0, 0.0], [-1.0, -1.0]])  # ratios far from 1: ignored, nothing is clipped
+    loss, ind = sft_loss(logp, old, torch.tensor([1.0, 0.0]), clip_low=0.2, clip_high=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[0.5, 2.0], [0.0, 0.0]]))  # NLL of the accepted sample only
+    torch.testing.assert_close(ind["sft_weighted_frac"], torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    aggregate(loss, torch.ones(2, 2)).backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, -0.25], [0.0, 0.0]]))
+    # through the objective: train/loss is the mean NLL over all trained tokens, the metric is reported
+    run = validate({"algo": {"policy_loss": {"_target_": "miles.algos.losses.sft_loss", "_partial_": True}}})
+    fn = build(run.algo.policy_loss, clip_low=0.2, clip_high=0.2)
+    total, metrics = policy_objective(logp=logp.detach(), old_logp=old, rollout_logp=old, advantages=torch.tensor([1.0, 0.0]),
+                                      loss_mask=torch.ones(2, 2), entropy=torch.zeros(2, 2), policy_loss_fn=fn,
+                                      algo=run.algo)
+    assert total.item() == pytest.approx(2.5 / 4) and metrics["train/sft_weighted_frac"].item() == 0.5
+
+
+def test_sft_config_learns_only_from_rewarded_samples():
+    with initialize_config_module("miles.conf", version_base="1.3"):
+        run = validate(compose("config", overrides=["algo=sft", "algo.advantage.threshold=0.9"]))
+    weights = build(run.algo.advantage)(torch.tensor([[1.0, 0.5, 0.95]]))
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 0.0, 1.0]]))

@@ -39,6 +39,14 @@ baseline, then batch std); ``mean_batch c`` is 0 because every group is centred,
 per-token KL penalty into the return before normalising; here KL is a loss term (``algo.kl_coef``),
 so the normalised quantity is the sequence reward; (2) OpenRLHF whitens over *tokens* (a long
 response counts once per token); here each response counts once. Stds are population stds, as above.
+
+Rejection sampling (for ``algo=sft``, rejection-sampling fine-tuning) is not an advantage estimator
+in the policy-gradient sense: it turns each reward into a 0/1 *weight* for the supervised loss
+:func:`miles.algos.losses.sft_loss`, ``w = 1[r > threshold]``, so only accepted (correct) responses
+are learned from and the rest contribute nothing. With ``loss_agg: token_mean`` the denominator
+still counts the rejected responses' tokens: the step size scales with the accepted share of
+tokens, which shrinks updates when few responses pass (RAFT/ReST instead drop the rejected samples
+from the batch; here the batch keeps its shape so it still splits evenly over ranks).
 """
 
 from __future__ import annotations
@@ -98,3 +106,12 @@ def reinforce_pp_baseline(rewards: torch.Tensor, *, eps: float = 1e-6) -> torch.
     r = _check_groups("reinforce_pp_baseline", rewards, min_samples=2)
     centered = r - r.mean(dim=1, keepdim=True)
     return (centered - centered.mean()) / (centered.std(unbiased=False) + eps)
+
+
+def rejection_sampling(rewards: torch.Tensor, *, threshold: float = 0.5) -> torch.Tensor:
+    """Rejection-sampling weights. rewards: [G, n] -> [G, n] fp32, 1 where ``r > threshold`` else 0.
+
+    Used with :func:`miles.algos.losses.sft_loss` (module docstring); groups may have any size.
+    """
+    r = _check_groups("rejection_sampling", rewards)
+    return (r > threshold).float()

@@ -36,6 +36,14 @@ gradient (the clipped tokens, often rare "fork" tokens, keep contributing)::
 Its gradient at ``r_t = 1`` equals PPO's; its *value* is not comparable with PPO's loss. The paper
 sets no lower bound in practice (a large ``eps_low``).
 
+Rejection-sampling fine-tuning (RFT; Yuan et al. 2023, "Scaling Relationship on Learning
+Mathematical Reasoning with Large Language Models", sec. 3.3; the "filtered" SFT of ReST/RAFT)
+trains with the supervised loss on the policy's own sampled responses whose reward passed a
+threshold; :func:`sft_loss` is ``-w_i * logp_t`` with the sample weight ``w_i`` in place of the
+advantage (no ratio, no clip)::
+
+    L_t = -w_i * logp_t            w_i = 1[r_i > threshold]   (advantages.rejection_sampling)
+
 KL estimators (Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html),
 tokens sampled from pi_theta, ``d = ref_logp - logp = log(pi_ref / pi_theta)``::
 
@@ -224,6 +232,31 @@ def cispo_loss(
             "clip_frac_high": (ratio > 1.0 + clip_high).float(),
         }
     return -weight * advantages * logp, indicators
+
+
+def sft_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    loss_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised (weighted negative log-likelihood) per-token loss ``-A * logp``, no ratio.
+
+    logp: [B, T]; advantages: [B] or [B, T], used as per-sample *weights* (with
+    :func:`miles.algos.advantages.rejection_sampling`: 1 for accepted responses, 0 otherwise).
+    ``old_logp``, ``clip_low``, ``clip_high`` and ``loss_mask`` are accepted for the loss protocol
+    and ignored: the gradient is the plain NLL gradient ``-A`` per token, at any ratio. Returns
+    ``(loss [B, T], indicators)`` with ``sft_weighted_frac`` (A != 0): the share of trained tokens
+    that are learned from. Unlike :func:`miles.train.sft.sft_loss` (the warm start's cross-entropy
+    over logits) this takes the trainer's log-probs, so the RL trainer calls it unchanged.
+    """
+    advantages = _per_token_shape("sft_loss", advantages, logp)
+    with torch.no_grad():
+        indicators = {"sft_weighted_frac": (advantages != 0).float().expand_as(logp).clone()}
+    return -advantages * logp, indicators
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
