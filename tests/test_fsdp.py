@@ -4,82 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from fsdp_ranks import TIMEOUT_S, Group, hf_model_from, rl_batch
 
-from miles.algos.advantages import group_normalized
-from miles.algos.logprobs import token_logprobs
-from miles.config.schema import MilesConfig
 from miles.config.validate import validate
-from miles.core.types import TrainBatch
-from miles.train.fsdp import FSDPTrainer
-
-TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _hf_model(ckpt: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-    """Plain HF forward, one sequence at a time (no padding involved)."""
-    out = []
-    for p, r in zip(prompts, responses, strict=True):
-        ids = torch.tensor([p + r])
-        logits = model(input_ids=ids).logits[0, len(p) - 1 : -1]
-        out.append(token_logprobs(logits, torch.tensor(r)).tolist())
-    return out
-
-
-def _batch(model: torch.nn.Module, n: int = 8) -> TrainBatch:
-    """n samples of varied lengths; rollout log-probs are the fp32 HF ones (so mismatch is ~0 in fp32)."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 96, (3 + i % 4,), generator=g).tolist() for i in range(n)]
-    responses = [torch.randint(3, 96, (2 + (3 * i) % 5,), generator=g).tolist() for i in range(n)]
-    loss_mask = [[0 if (i % 3 == 0 and j == 1) else 1 for j in range(len(r))] for i, r in enumerate(responses)]
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(n)]).view(2, n // 2)
-    return TrainBatch(prompt_ids=prompts, response_ids=responses,
-                      rollout_logprobs=_hf_logprobs(model, prompts, responses), loss_mask=loss_mask,
-                      advantages=group_normalized(rewards).flatten().tolist())
-
-
-class _Group:
-    """``world_size`` trainer actors forming one gloo group."""
-
-    def __init__(self, ray, world_size: int, ckpt: Path, run: MilesConfig) -> None:
-        self.ray = ray
-        actor_cls = ray.remote(num_cpus=0.5)(FSDPTrainer)
-        port = _free_port()
-        self.actors = [actor_cls.remote(rank=r, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                                        checkpoint_dir=str(ckpt), run=run, num_threads=1)
-                       for r in range(world_size)]
-
-    def call(self, method: str, *args):
-        return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=TIMEOUT_S)
-
-    def close(self) -> None:
-        try:
-            self.call("shutdown")
-        finally:
-            for a in self.actors:
-                self.ray.kill(a)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_qwen3_dir: Path) -> torch.nn.Module:
-    return _hf_model(tiny_qwen3_dir)
+    return hf_model_from(tiny_qwen3_dir)
 
 
 def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: torch.nn.Module):
@@ -90,8 +26,10 @@ def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: t
     run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0}, "algo": {"kl_coef": 0.05, "entropy_coef": 0.01, "num_minibatches": 2, "clip_high": 0.28,
                              "loss_agg": "seq_mean_token_mean"},
                     "precision": {"tis_clip": 2.0}})
-    batch = _batch(hf_model)
-    one, two = _Group(ray_cluster, 1, tiny_qwen3_dir, run), _Group(ray_cluster, 2, tiny_qwen3_dir, run)
+    batch = rl_batch(hf_model)
+    # world size 2 also splits each rank's mini-batch into micro-batches of at most 12 padded tokens
+    run2 = dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, max_tokens_per_microbatch=12))
+    one, two = Group(ray_cluster, 1, tiny_qwen3_dir, run), Group(ray_cluster, 2, tiny_qwen3_dir, run2)
     try:
         # log-probs under the initial weights equal a plain HF forward, on every rank
         for lp in one.call("compute_logprobs", batch) + two.call("compute_logprobs", batch):
@@ -116,6 +54,7 @@ def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: t
         assert m1["train/num_tokens"] == sum(map(sum, batch.loss_mask))
         assert m1["train/logp_mismatch_abs_mean"] < 1e-5  # fp32 trainer vs fp32 HF "rollout"
         assert m1["train/nonfinite_skipped"] == 0 and m1["perf/train_tokens_per_s"] > 0
+        assert m1["train/num_microbatches"] == 2 and m2a["train/num_microbatches"] > 2
         assert m1["train/kl"] > 0  # the second mini-batch moved away from the reference
 
         (sd1,) = one.call("full_state_dict")
@@ -137,8 +76,8 @@ def test_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, hf_model: t
 
 def test_bf16_train_step(ray_cluster, tiny_qwen3_dir: Path, hf_model: torch.nn.Module):
     run = validate({"precision": {"train_dtype": "bfloat16", "tis_clip": 2.0}, "trainer": {"lr": 1e-3, "lr_warmup_steps": 0}})
-    batch = _batch(hf_model)
-    two = _Group(ray_cluster, 2, tiny_qwen3_dir, run)
+    batch = rl_batch(hf_model)
+    two = Group(ray_cluster, 2, tiny_qwen3_dir, run)
     try:
         ma, mb = two.call("train_step", batch)
         assert ma == mb

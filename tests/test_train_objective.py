@@ -110,3 +110,36 @@ def test_objective_without_reference_refuses_kl():
     loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2)
     with pytest.raises(ValueError, match="ref_logp"):
         policy_objective(**x, policy_loss_fn=loss_fn, algo=run.algo)
+
+
+def test_pad_batch_token_advantages():
+    b = dataclasses.replace(_batch(), token_advantages=[[0.1, 0.2], [1.0, 2.0, 3.0]])
+    p = pad_batch(b, pad_id=0)
+    torch.testing.assert_close(p.advantages, torch.tensor([[0.1, 0.2, 0.0], [1.0, 2.0, 3.0]]))
+    assert pad_batch(_batch()).advantages.shape == (2,)
+    with pytest.raises(ValueError, match="sample 1 has 3 response tokens but 2 token advantages"):
+        pad_batch(dataclasses.replace(b, token_advantages=[[0.1, 0.2], [1.0, 2.0]]))
+    with pytest.raises(ValueError, match="token_advantages has 1 entries, expected 2"):
+        pad_batch(dataclasses.replace(b, token_advantages=[[0.1, 0.2]]))
+    # sharding and selecting keep per-token advantages with their samples
+    assert b.select([1]).token_advantages == [[1.0, 2.0, 3.0]] and b.shard(0, 2).token_advantages == [[0.1, 0.2]]
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_objective_token_advantages(loss_agg: str):
+    run = validate({"algo": {"loss_agg": loss_agg}})
+    loss_fn = functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2)
+    x = objective_inputs(2)
+    x.pop("ref_logp")
+    per_sample, _ = policy_objective(**x, policy_loss_fn=loss_fn, algo=run.algo)
+    # the per-sample advantage broadcast over the tokens is the same objective
+    broadcast = dict(x, advantages=x["advantages"].unsqueeze(-1).expand_as(x["logp"]))
+    per_token, _ = policy_objective(**broadcast, policy_loss_fn=loss_fn, algo=run.algo)
+    torch.testing.assert_close(per_token, per_sample)
+    # varying advantages along the sequence: hand-computed at ratio 1 (logp == old_logp), L_t = -A_t
+    adv = torch.randn(x["logp"].shape, generator=torch.Generator().manual_seed(3))
+    at_old = dict(x, logp=x["old_logp"].clone().requires_grad_(True), advantages=adv)
+    loss, _ = policy_objective(**at_old, policy_loss_fn=loss_fn, algo=run.algo)
+    torch.testing.assert_close(loss, aggregate(-adv, x["loss_mask"], loss_agg))
+    with pytest.raises(ValueError, match=r"advantages must be \[B\] or \[B, T\]"):
+        policy_objective(**dict(x, advantages=adv[:, :2]), policy_loss_fn=loss_fn, algo=run.algo)

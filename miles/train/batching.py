@@ -12,7 +12,16 @@ Response-side tensors are ``[B, Tr]`` with ``Tr = max_i R_i``. Response token ``
 Gathering before the softmax keeps the log-softmax off prompt positions.
 
 ``response_mask`` marks real response tokens; ``loss_mask`` is that times the sample's own loss
-mask (0 for environment/tool tokens), and is what losses and metrics average over.
+mask (0 for environment/tool tokens), and is what losses and metrics average over. ``advantages``
+is ``[B]`` (one per sample), or ``[B, Tr]`` when the batch carries per-token advantages (PPO/GAE),
+0 on padding.
+
+Micro-batches: a rank's share of a mini-batch may be too large for one forward pass. Its samples are
+sorted by length (longest first) and cut into groups whose *padded* size (rows x longest row) stays
+within a token budget (:func:`count_microbatches`, :func:`split_microbatches`); each group is padded
+only to its own longest sequence, so sorting keeps padding low. A sequence longer than the budget
+gets a micro-batch of its own. The split never changes the loss: the objective normalizes by the
+mini-batch's global token / sequence counts, so micro-batch shares add up to the whole.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ class PaddedBatch:
     response_mask: torch.Tensor  # [B, Tr] fp32: 1 on real response tokens
     loss_mask: torch.Tensor  # [B, Tr] fp32: response_mask * sample loss mask
     rollout_logp: torch.Tensor  # [B, Tr] fp32: engine log-probs (0 on padding)
-    advantages: torch.Tensor  # [B] fp32
+    advantages: torch.Tensor  # [B] fp32, or [B, Tr] fp32 with per-token advantages (0 on padding)
     response_lengths: tuple[int, ...]  # R_i
 
     def to(self, device: torch.device | str) -> PaddedBatch:
@@ -50,9 +59,11 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
     n = len(batch)
     if n == 0:
         raise ValueError("pad_batch: the batch is empty")
-    for name in ("response_ids", "rollout_logprobs", "loss_mask", "advantages"):
-        if len(getattr(batch, name)) != n:
-            raise ValueError(f"pad_batch: batch.{name} has {len(getattr(batch, name))} entries, expected {n}")
+    token_adv = batch.token_advantages
+    for name in ("response_ids", "rollout_logprobs", "loss_mask", "advantages", "token_advantages"):
+        value = getattr(batch, name)
+        if value is not None and len(value) != n:
+            raise ValueError(f"pad_batch: batch.{name} has {len(value)} entries, expected {n}")
     for i, (p, r, lp, m) in enumerate(
         zip(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, batch.loss_mask, strict=True)
     ):
@@ -63,25 +74,29 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
                 f"pad_batch: sample {i} has {len(r)} response tokens but {len(lp)} rollout log-probs and "
                 f"{len(m)} loss-mask entries; all three must match"
             )
+        if token_adv is not None and len(token_adv[i]) != len(r):
+            raise ValueError(f"pad_batch: sample {i} has {len(r)} response tokens but {len(token_adv[i])} "
+                             "token advantages; token_advantages needs one per response token")
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True))
     resp_len = max(1, max(len(r) for r in batch.response_ids))
 
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, seq_len), dtype=torch.long)
-    logit_index = torch.zeros((n, resp_len), dtype=torch.long)
-    targets = torch.full((n, resp_len), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, resp_len))
-    loss_mask = torch.zeros((n, resp_len))
-    rollout_logp = torch.zeros((n, resp_len))
-    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids, strict=True)):
-        total, nr = len(p) + len(r), len(r)
-        input_ids[i, :total] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention_mask[i, :total] = 1
-        logit_index[i, :nr] = torch.arange(len(p) - 1, total - 1)
-        targets[i, :nr] = torch.tensor(r, dtype=torch.long)
-        response_mask[i, :nr] = 1.0
-        loss_mask[i, :nr] = torch.tensor(batch.loss_mask[i], dtype=torch.float32)
-        rollout_logp[i, :nr] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+    def rows(values: list, width: int, fill: float) -> list[list]:
+        """Right-padded rows (one torch.tensor call per field is much cheaper than one per sample)."""
+        return [list(v) + [fill] * (width - len(v)) for v in values]
+
+    prompt_lens = torch.tensor([len(p) for p in batch.prompt_ids])
+    resp_lens = torch.tensor([len(r) for r in batch.response_ids])
+    input_ids = torch.tensor(rows([list(p) + list(r) for p, r in zip(batch.prompt_ids, batch.response_ids,
+                                                                     strict=True)], seq_len, pad_id))
+    attention_mask = (torch.arange(seq_len) < (prompt_lens + resp_lens).unsqueeze(-1)).long()
+    real = torch.arange(resp_len) < resp_lens.unsqueeze(-1)  # [n, resp_len] bool
+    logit_index = torch.where(real, prompt_lens.unsqueeze(-1) - 1 + torch.arange(resp_len), 0)
+    targets = torch.tensor(rows(batch.response_ids, resp_len, pad_id), dtype=torch.long)
+    response_mask = real.float()
+    loss_mask = torch.tensor(rows(batch.loss_mask, resp_len, 0.0), dtype=torch.float32)
+    rollout_logp = torch.tensor(rows(batch.rollout_logprobs, resp_len, 0.0), dtype=torch.float32)
+    advantages = (torch.tensor(batch.advantages, dtype=torch.float32) if token_adv is None
+                  else torch.tensor(rows(token_adv, resp_len, 0.0), dtype=torch.float32))
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -91,7 +106,7 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
         response_mask=response_mask,
         loss_mask=loss_mask * response_mask,
         rollout_logp=rollout_logp,
-        advantages=torch.tensor(batch.advantages, dtype=torch.float32),
+        advantages=advantages,
         response_lengths=tuple(len(r) for r in batch.response_ids),
     )
 
@@ -106,3 +121,48 @@ def unpad_response(values: torch.Tensor, response_lengths: tuple[int, ...]) -> l
     """Per-sample lists from a padded [B, Tr] tensor, cut to each response length."""
     rows = values.detach().float().cpu().tolist()
     return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
+
+
+def count_microbatches(lengths: list[int], max_tokens: int) -> int:
+    """How many micro-batches of at most ``max_tokens`` padded tokens the sequences need (0: one).
+
+    ``lengths``: the full length (prompt + response) of each sequence. Greedy over the lengths sorted
+    longest first, which is optimal for contiguous groups of sorted lengths.
+    """
+    return len(_greedy_groups(lengths, max_tokens))
+
+
+def split_microbatches(lengths: list[int], max_tokens: int, num_microbatches: int) -> list[list[int]]:
+    """Sample indices of exactly ``num_microbatches`` micro-batches, each within ``max_tokens`` if it can be.
+
+    Starts from the greedy groups of :func:`count_microbatches` and halves the group with the most
+    padded tokens until there are ``num_microbatches`` (data-parallel ranks must run the same number
+    of passes, so a rank may split finer than its budget needs). Groups are in order of length,
+    longest first; ``num_microbatches`` must be between that greedy count and ``len(lengths)``.
+    """
+    groups = _greedy_groups(lengths, max_tokens)
+    if not len(groups) <= num_microbatches <= len(lengths):
+        raise ValueError(f"split_microbatches: {len(lengths)} sequences cannot form {num_microbatches} "
+                         f"micro-batches of at most {max_tokens} tokens (need {len(groups)} to {len(lengths)})")
+    while len(groups) < num_microbatches:
+        splittable = [k for k, g in enumerate(groups) if len(g) > 1]
+        k = max(splittable, key=lambda k: len(groups[k]) * lengths[groups[k][0]])
+        g = groups[k]
+        groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups
+
+
+def _greedy_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens_per_microbatch: must be 0 (off) or positive, found {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep batch order
+    if max_tokens == 0:
+        return [order] if order else []
+    groups: list[list[int]] = []
+    for i in order:
+        # sorted longest first, so a group's padded size is its row count times its first length
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -5,17 +5,31 @@ The model is an HF causal LM loaded in fp32. ``fully_shard`` is applied to every
 of every parameter and of the AdamW state; weights are all-gathered per layer for compute. With
 ``precision.train_dtype=bfloat16`` the compute copies are bf16 and gradients are reduced in fp32;
 master weights and optimizer state stay fp32 either way. Backend: gloo on CPU, NCCL on CUDA.
+A single fp32 rank skips ``fully_shard`` (sharding over one rank is the identity; FSDP2 there cost
+~19% of a tiny model's CPU step in copies and DTensor dispatch, ``python -m miles.bench train``).
 
 One ``train_step`` (every rank is called with the same full batch):
 
 1. split the batch into ``algo.num_minibatches`` contiguous mini-batches, and each mini-batch into
-   W contiguous rank shards (mini-batch first, so the updates do not depend on W);
+   W contiguous rank shards (mini-batch first, so the updates do not depend on W); each rank shard
+   into micro-batches of at most ``trainer.max_tokens_per_microbatch`` padded tokens (sorted by
+   length, padded per micro-batch; every rank runs the same number, the largest any rank needs);
 2. ``old_logp``: with one mini-batch the current weights *are* the proximal policy, so
    ``logp.detach()`` (same numbers); otherwise a no-grad pass before the first update;
-3. per mini-batch: forward, :func:`miles.train.objective.policy_objective` with the global token
-   counts (one all-reduce), backward of ``W * loss`` (FSDP averages gradients over ranks; the
-   objective is already this rank's share of a sum), grad-norm clip, AdamW step, unless the
-   loss or the grad norm is not finite (then the step is skipped and counted).
+3. per mini-batch: per micro-batch forward, :func:`miles.train.objective.policy_objective` with the
+   mini-batch's global token counts (one all-reduce), backward of ``W * loss`` (FSDP averages
+   gradients over ranks; the objective is already this micro-batch's share of a sum), gradients
+   accumulated (reduced once, after the last micro-batch); then grad-norm clip, AdamW step, unless
+   the loss or the grad norm is not finite (then the step is skipped and counted). The learning
+   rate follows :func:`miles.train.optim.lr_multiplier` (warmup, then constant / linear / cosine).
+
+``trainer.activation_checkpointing`` wraps each decoder layer's forward in non-reentrant
+``torch.utils.checkpoint`` before ``fully_shard`` (HF's own switch is a no-op in eval mode): the
+backward recomputes the layer inside FSDP's unsharded window, with identical gradients.
+
+``save_state`` / ``load_state`` write and read the model, AdamW state and scheduler counters as
+safetensors + JSON (:mod:`miles.train.optim`); a loaded trainer continues exactly where the saved
+one stopped.
 
 Reference model (``algo.kl_coef > 0``): a second copy of the initial checkpoint, frozen, and
 FSDP-sharded like the policy, so it costs 1/W of a model per rank instead of a whole one; its
@@ -27,21 +41,49 @@ as its own no-grad passes. Every method that runs the model is collective: all r
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 import os
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from miles.algos.logprobs import entropy_from_logits, token_logprobs
+from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
 from miles.config.validate import ConfigError
 from miles.core.types import TrainBatch
-from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
+from miles.train.batching import (
+    PaddedBatch,
+    count_microbatches,
+    pad_batch,
+    response_logits,
+    split_microbatches,
+    unpad_response,
+)
 from miles.train.objective import policy_objective
+from miles.train.optim import SCHEDULES, flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
+
+
+def checkpoint_activations(layer: torch.nn.Module) -> None:
+    """Make ``layer`` recompute its activations in the backward pass (non-reentrant checkpoint).
+
+    Wraps the instance's ``forward``, so module hooks (FSDP's unshard/reshard) stay outside the
+    checkpointed region, as with torch's ``checkpoint_wrapper`` but keeping parameter names.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    forward = layer.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
 
 
 class FSDPTrainer:
@@ -66,6 +108,13 @@ class FSDPTrainer:
         if not run.algo.policy_loss.partial:
             raise ConfigError("algo.policy_loss._partial_: must be true (the trainer calls the loss per "
                               f"mini-batch), found false for '{run.algo.policy_loss.target}'")
+        t = run.trainer
+        if t.max_tokens_per_microbatch < 0:
+            raise ConfigError("trainer.max_tokens_per_microbatch: must be 0 (one pass per mini-batch) or "
+                              f"positive, found {t.max_tokens_per_microbatch}")
+        if t.lr_schedule not in SCHEDULES or not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise ConfigError(f"trainer.lr_schedule / min_lr_ratio: need one of {', '.join(SCHEDULES)} and a "
+                              f"ratio in [0, 1], found {t.lr_schedule!r} and {t.min_lr_ratio}")
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
@@ -85,7 +134,11 @@ class FSDPTrainer:
         if run.precision.train_dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-        def load_sharded() -> torch.nn.Module:
+        # one fp32 rank: sharding is the identity, and FSDP would only add copies and DTensor dispatch
+        # (~20% of a tiny model's step on CPU); bf16 keeps FSDP for its mixed-precision policy
+        self.sharded = world_size > 1 or run.precision.train_dtype != "float32"
+
+        def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
             layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -94,41 +147,134 @@ class FSDPTrainer:
                 raise ValueError(f"FSDPTrainer: {type(model).__name__} names no decoder layer classes "
                                  "(_no_split_modules); cannot shard it per layer")
             for layer in layers:
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                if trainable and t.activation_checkpointing:
+                    checkpoint_activations(layer)
+                if self.sharded:
+                    fully_shard(layer, mp_policy=mp)
+            if self.sharded:
+                fully_shard(model, mp_policy=mp)
             return model
 
-        self.model = load_sharded()
+        self.model = load_sharded(trainable=True)
         cfg = self.model.config
         eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
         self.pad_id = next(i for i in (cfg.pad_token_id, eos, 0) if i is not None)  # padding is masked anyway
         self.ref_model = None
         if run.algo.kl_coef > 0:
-            self.ref_model = load_sharded()
+            self.ref_model = load_sharded(trainable=False)
             self.ref_model.requires_grad_(False)
-        t = run.trainer
+        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
+        # faster on a sharded tiny model); plain tensors on CPU keep torch's default
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
-                                           weight_decay=t.weight_decay)
+                                           weight_decay=t.weight_decay, foreach=True if self.sharded else None)
         # linear warmup over the first optimizer steps: Adam's first updates are ~lr * sign(g) in every
         # coordinate, which on a noisy policy gradient undoes part of what the warm start taught
-        warmup = max(1, t.lr_warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        total = t.num_steps * run.algo.num_minibatches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(
+            s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
+            min_lr_ratio=t.min_lr_ratio))
 
     # --- forward helpers -------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, p: PaddedBatch) -> torch.Tensor:
-        """Logits at the positions that predict each response token: [B, Tr, V]."""
+        """Logits at the positions that predict each response token: [B, Tr, V].
+
+        Only the positions from the earliest predicting one on reach the LM head (``logits_to_keep``):
+        prompt positions need no logits.
+        """
+        first = int(p.logit_index[:, 0].min()) if self.keeps_logits else 0
+        kwargs = {"logits_to_keep": p.input_ids.shape[1] - first} if first > 0 else {}
         out = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
-                    use_cache=False)
-        return response_logits(out.logits, p.logit_index)
+                    use_cache=False, **kwargs)
+        return response_logits(out.logits, (p.logit_index - first).clamp(min=0))
 
     def _logp(self, model: torch.nn.Module, p: PaddedBatch) -> torch.Tensor:
         return token_logprobs(self._logits(model, p), p.targets, temperature=self.run.rollout.temperature)
+
+    def _logp_and_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token log-probs and entropies [B, Tr] from one log-softmax of logits [B, Tr, V].
+
+        The same operations as :func:`~miles.algos.logprobs.token_logprobs` and
+        :func:`~miles.algos.logprobs.entropy_from_logits`, sharing the log-softmax. The entropy has
+        a gradient only when ``algo.entropy_coef != 0``.
+        """
+        z = logits.float()
+        if self.run.rollout.temperature != 1.0:
+            z = z / self.run.rollout.temperature
+        logp_all = torch.log_softmax(z, dim=-1)
+        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        with torch.set_grad_enabled(self.run.algo.entropy_coef != 0 and torch.is_grad_enabled()):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
 
     def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(t, op=op)
         return t
+
+    def _microbatches(self, shards: list[TrainBatch]) -> list[list[tuple[list[int], PaddedBatch]]]:
+        """Each shard as (sample indices, padded micro-batch) pairs; all ranks get the same counts. Collective."""
+        budget = self.run.trainer.max_tokens_per_microbatch
+        lengths = [[len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)] for s in shards]
+        need = self._all_reduce(torch.tensor([count_microbatches(n, budget) for n in lengths], device=self.device),
+                                op=dist.ReduceOp.MAX).tolist()
+        return [[(g, pad_batch(s.select(g), pad_id=self.pad_id).to(self.device))
+                 for g in split_microbatches(n, budget, k)] for s, n, k in zip(shards, lengths, need, strict=True)]
+
+    def _sync_gradients(self, sync: bool) -> None:
+        """Reduce gradients in this backward (the last micro-batch) or only accumulate them locally."""
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(sync)
+
+    # --- public API --------------------------------------------------------------------------------
+
+    def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[list[PaddedBatch]], torch.Tensor, list, list]:
+        """This rank's micro-batches per mini-batch, global counts, and the no-grad log-probs. Collective.
+
+        Returns ``(micro, counts [num_mb, 2] (global loss tokens, sequences), old_logps, ref_logps)``;
+        the log-prob lists are indexed ``[mini-batch][micro-batch]`` and hold None where not needed.
+        """
+        ws = self.world_size
+        if len(batch) == 0 or len(batch) % (num_mb * ws):
+            raise ValueError(f"train_step: {len(batch)} samples do not split evenly into "
+                             f"algo.num_minibatches ({num_mb}) x world size ({ws})")
+        micro = [[p for _, p in mbs] for mbs in
+                 self._microbatches([batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)])]
+        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in mbs),
+                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in mbs)] for mbs in micro],
+                              dtype=torch.float64, device=self.device)
+        counts = self._all_reduce(counts).float()
+        with torch.no_grad():
+            old_logps = [[self._logp(self.model, p) if num_mb > 1 else None for p in mbs] for mbs in micro]
+            ref_logps = [[self._logp(self.ref_model, p) if self.ref_model else None for p in mbs] for mbs in micro]
+        return micro, counts, old_logps, ref_logps
+
+    def _backward(self, mbs: list[PaddedBatch], counts: torch.Tensor, old_logps: list, ref_logps: list,
+                  sums: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+        """Forward + backward of one mini-batch's micro-batches, gradients accumulated; returns the loss share.
+
+        ``counts``: [2] global loss tokens and sequences of the mini-batch. Metrics are added to
+        ``sums`` times ``weight``.
+        """
+        algo = self.run.algo
+        loss_sum = torch.zeros((), device=self.device)
+        for j, p in enumerate(mbs):
+            self._sync_gradients(j == len(mbs) - 1)
+            logp, entropy = self._logp_and_entropy(self._logits(self.model, p), p.targets)
+            loss, metrics = policy_objective(
+                logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
+                rollout_logp=p.rollout_logp, advantages=p.advantages,
+                loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
+                tis_clip=self.run.precision.tis_clip, mismatch_mode=self.run.precision.mismatch_mode,
+                mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[j],
+                global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
+            )
+            (loss * self.world_size).backward()  # FSDP divides the reduced gradient by W; loss is a share of a sum
+            loss_sum += loss.detach()
+            for k, v in metrics.items():  # shares of the mini-batch value: they add up over micro-batches
+                sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+        return loss_sum
 
     # --- public API --------------------------------------------------------------------------------
 
@@ -138,42 +284,17 @@ class FSDPTrainer:
         Returns the same metrics dict on every rank (all-reduced; mini-batch values averaged).
         """
         start = time.perf_counter()
-        algo, temp = self.run.algo, self.run.rollout.temperature
-        num_mb, ws = algo.num_minibatches, self.world_size
-        if len(batch) == 0 or len(batch) % (num_mb * ws):
-            raise ValueError(f"train_step: {len(batch)} samples do not split evenly into "
-                             f"algo.num_minibatches ({num_mb}) x world size ({ws})")
-        mbs = [pad_batch(batch.shard(m, num_mb).shard(self.rank, ws), pad_id=self.pad_id).to(self.device)
-               for m in range(num_mb)]
-        counts = torch.tensor([[p.loss_mask.sum().item(), (p.loss_mask.sum(-1) > 0).sum().item()] for p in mbs],
-                              dtype=torch.float64, device=self.device)
-        counts = self._all_reduce(counts).float()  # [num_mb, 2]: global loss tokens, sequences
-
-        with torch.no_grad():
-            old_logps = [self._logp(self.model, p) for p in mbs] if num_mb > 1 else [None]
-            ref_logps = [self._logp(self.ref_model, p) for p in mbs] if self.ref_model else [None] * num_mb
-
+        num_mb = self.run.algo.num_minibatches
+        micro, counts, old_logps, ref_logps = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
         skipped, grad_norms = 0, []
         max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
-        for m, p in enumerate(mbs):
-            logits = self._logits(self.model, p)
-            logp = token_logprobs(logits, p.targets, temperature=temp)
-            with torch.set_grad_enabled(algo.entropy_coef != 0):
-                entropy = entropy_from_logits(logits, temperature=temp)
-            old_logp = old_logps[m] if old_logps[m] is not None else logp.detach()
-            loss, metrics = policy_objective(
-                logp=logp, old_logp=old_logp, rollout_logp=p.rollout_logp, advantages=p.advantages,
-                loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                tis_clip=self.run.precision.tis_clip, mismatch_mode=self.run.precision.mismatch_mode,
-                mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[m],
-                global_tokens=counts[m, 0], global_seqs=counts[m, 1], norm_len=self.run.rollout.max_new_tokens,
-            )
-            (loss * ws).backward()  # FSDP divides the reduced gradient by ws; loss is a share of a sum
+        for m, mbs in enumerate(micro):
+            loss_sum = self._backward(mbs, counts[m], old_logps[m], ref_logps[m], sums, 1.0 / num_mb)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            global_loss = self._all_reduce(loss.detach().clone())
+            global_loss = self._all_reduce(loss_sum)
             if torch.isfinite(global_loss) and torch.isfinite(grad_norm):
                 self.optimizer.step()
                 self.scheduler.step()
@@ -181,8 +302,6 @@ class FSDPTrainer:
                 skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm.detach().float())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float() / num_mb
 
         names = sorted(sums)
         reduced = self._all_reduce(torch.stack([sums[k] for k in names]))
@@ -191,6 +310,7 @@ class FSDPTrainer:
         out["train/nonfinite_skipped"] = float(skipped)
         out["train/lr"] = lr_used
         out["train/num_tokens"] = float(counts[:, 0].sum())
+        out["train/num_microbatches"] = float(sum(len(mbs) for mbs in micro))
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
         out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
@@ -203,8 +323,11 @@ class FSDPTrainer:
         Collective (the FSDP forward all-gathers weights): every rank must call it; each returns
         the same lists.
         """
-        p = pad_batch(batch, pad_id=self.pad_id).to(self.device)
-        return unpad_response(self._logp(self.model, p), p.response_lengths)
+        out: list[list[float]] = [[] for _ in range(len(batch))]
+        for g, p in self._microbatches([batch])[0]:
+            for i, row in zip(g, unpad_response(self._logp(self.model, p), p.response_lengths), strict=True):
+                out[i] = row
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective. Rank 0 gets the full fp32 CPU state dict with HF parameter names; others None."""
@@ -225,6 +348,102 @@ class FSDPTrainer:
         import ray
 
         return [ray.put(sd)]
+
+    def send_weights(self, sender: Any, version: int) -> Any:
+        """Collective. Rank 0 hands the full state dict to ``sender.send(state_dict, version)`` and returns
+        what it returns (:mod:`miles.weights.sync`); other ranks return None."""
+        sd = self.full_state_dict()
+        return None if sd is None else sender.send(sd, version)
+
+    def compute_gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
+        """Collective. The gradient of the objective on ``batch`` as one mini-batch, without an update.
+
+        For checks and diagnostics: the same forward/backward path as :meth:`train_step` (micro-batches,
+        accumulation, reduction over ranks; the proximal policy is the current one), no clipping, no
+        optimizer step, gradients cleared afterwards. Rank 0 gets ``{parameter name: full fp32 CPU
+        gradient}``, other ranks None.
+        """
+        micro, counts, old_logps, ref_logps = self._prepare(batch, 1)
+        self._backward(micro[0], counts[0], old_logps[0], ref_logps[0], {}, 1.0)
+        grads = {}
+        for name, param in self.model.named_parameters():
+            g = param.grad if param.grad is not None else torch.zeros_like(param)
+            g = g.full_tensor() if hasattr(g, "full_tensor") else g
+            grads[name] = g.detach().float().cpu()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads if self.rank == 0 else None
+
+    def save_state(self, directory: str) -> None:
+        """Collective. Write model, optimizer and scheduler state to ``directory`` (safetensors + JSON).
+
+        Rank 0 writes everything into ``<directory>.tmp`` and renames it into place, so a crash leaves
+        either the previous state or the new one. Layout in :mod:`miles.train.optim`.
+        """
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(self.model, options=opts)
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if self.rank == 0:
+            final = Path(directory)
+            tmp = final.with_name(final.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            seen: set[int] = set()  # tied weights share storage, which safetensors refuses: save a copy
+            model_sd = {k: v.clone() if v.data_ptr() in seen or seen.add(v.data_ptr()) else v.contiguous()
+                        for k, v in model_sd.items()}
+            save_file(model_sd, str(tmp / "model.safetensors"))
+            tensors, groups = flatten_optimizer_state(optim_sd)
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+            (tmp / "trainer_state.json").write_text(json.dumps(
+                {"format": 1, "world_size": self.world_size, "param_groups": groups, "scheduler": sched}, indent=1))
+            if final.exists():
+                old = final.with_name(final.name + ".old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+        self._barrier()
+
+    def load_state(self, directory: str) -> None:
+        """Collective. Restore what :meth:`save_state` wrote (any world size); rank 0 reads and broadcasts.
+
+        The reference model is not part of the state: it is the initial checkpoint, reloaded by the
+        constructor.
+        """
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(directory)
+        meta = json.loads((path / "trainer_state.json").read_text())
+        if meta.get("format") != 1:
+            raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; expected 1")
+        model_sd: dict[str, torch.Tensor] = {}
+        optim_sd: dict[str, Any] = {}
+        if self.rank == 0:
+            model_sd = load_file(str(path / "model.safetensors"))
+            optim_sd = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["param_groups"])
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=self.world_size > 1)
+        set_model_state_dict(self.model, model_sd, options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+        self.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)})
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
 
     def shutdown(self) -> None:
         """Barrier, then destroy the process group (gloo can abort at exit without the barrier)."""

@@ -26,7 +26,7 @@ from miles.config.schema import AlgoConfig
 
 
 class PolicyLossFn(Protocol):
-    """``(logp [B,T], old_logp [B,T], advantages [B], *, loss_mask [B,T]) -> (loss [B,T], {name: 0/1 [B,T]})``.
+    """``(logp [B,T], old_logp [B,T], advantages [B] or [B,T], *, loss_mask [B,T]) -> (loss [B,T], {name: 0/1 [B,T]})``.
 
     ``loss_mask`` is 1 on trained tokens; token-level losses ignore it, sequence-level ones (GSPO)
     need it for their ratio. Each indicator's token mean becomes the metric ``train/<name>``.
@@ -57,13 +57,17 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the loss (scalar, differentiable) and of each metric (detached scalars).
 
-    logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B].
+    logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B] (one
+    per sequence, broadcast over its tokens) or [B, T] (per-token advantages, e.g. PPO/GAE).
     Metrics: ``train/loss``, ``train/pg_loss``, one ``train/<name>`` per indicator of the policy loss
     (``clip_frac_low``, ``clip_frac_high``), ``train/entropy``, ``train/logp_mismatch_abs_mean``,
     ``train/kl`` when ``ref_logp`` is given, and when ``tis_clip`` is set ``train/tis_clip_frac``
     (``mismatch_mode="tis"``: truncated tokens) or ``train/mis_masked_frac`` ("mis": dropped tokens).
     ``norm_len`` is the constant of ``loss_agg: seq_mean_token_sum_norm`` (the maximum response length).
     """
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"policy_objective: advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
+                         f"found {tuple(advantages.shape)}")
     if algo.kl_coef > 0 and ref_logp is None:
         raise ValueError("policy_objective: algo.kl_coef > 0 needs ref_logp from the reference model")
 

@@ -1,0 +1,86 @@
+"""Trainer ranks for tests: Ray actors in one gloo group, or one in-process rank; a small RL batch."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from miles.algos.advantages import group_normalized
+from miles.algos.logprobs import token_logprobs
+from miles.config.schema import MilesConfig
+from miles.core.types import TrainBatch
+from miles.train.fsdp import FSDPTrainer
+
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_model_from(ckpt: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    """Plain HF forward, one sequence at a time (no padding involved)."""
+    out = []
+    for p, r in zip(prompts, responses, strict=True):
+        ids = torch.tensor([p + r])
+        logits = model(input_ids=ids).logits[0, len(p) - 1 : -1]
+        out.append(token_logprobs(logits, torch.tensor(r)).tolist())
+    return out
+
+
+def rl_batch(model: torch.nn.Module, n: int = 8) -> TrainBatch:
+    """n samples of varied lengths; rollout log-probs are the fp32 HF ones (so mismatch is ~0 in fp32)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (3 + i % 4,), generator=g).tolist() for i in range(n)]
+    responses = [torch.randint(3, 96, (2 + (3 * i) % 5,), generator=g).tolist() for i in range(n)]
+    loss_mask = [[0 if (i % 3 == 0 and j == 1) else 1 for j in range(len(r))] for i, r in enumerate(responses)]
+    rewards = torch.tensor([float(i % 3 == 0) for i in range(n)]).view(2, n // 2)
+    return TrainBatch(prompt_ids=prompts, response_ids=responses,
+                      rollout_logprobs=hf_logprobs(model, prompts, responses), loss_mask=loss_mask,
+                      advantages=group_normalized(rewards).flatten().tolist())
+
+
+class Group:
+    """``world_size`` trainer actors forming one gloo group."""
+
+    def __init__(self, ray, world_size: int, ckpt: Path, run: MilesConfig) -> None:
+        self.ray = ray
+        actor_cls = ray.remote(num_cpus=0.5)(FSDPTrainer)
+        port = free_port()
+        self.actors = [actor_cls.remote(rank=r, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+                                        checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                       for r in range(world_size)]
+
+    def call(self, method: str, *args):
+        return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=TIMEOUT_S)
+
+    def close(self) -> None:
+        try:
+            self.call("shutdown")
+        finally:
+            for a in self.actors:
+                self.ray.kill(a)
+
+
+@contextlib.contextmanager
+def local_trainer(ckpt: Path, run: MilesConfig) -> Iterator[FSDPTrainer]:
+    """One rank (world size 1) in this process, shut down afterwards."""
+    trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                          checkpoint_dir=str(ckpt), run=run, num_threads=1)
+    try:
+        yield trainer
+    finally:
+        trainer.shutdown()
