@@ -115,3 +115,23 @@ def test_rendezvous_is_on_the_node_of_rank_0(ray_cluster) -> None:
         assert addr == ray_cluster.util.get_node_ip_address() and 0 < port < 65536
     finally:
         remove_placement_group(pg)
+
+
+def test_two_engines_with_dynamic_sampling(tmp_path: Path) -> None:
+    """Rollout over two engines with DAPO's filter: every step trains on a full batch of groups."""
+    from mlflow.tracking import MlflowClient
+
+    _miles(["trainer.num_steps=2", "trainer.eval_every=0", "warm_start.steps=20", "task.num_eval_prompts=16",
+            f"warm_start.cache_dir={tmp_path / 'cache'}", "placement.num_engines=2", "cluster.num_cpus=2",
+            "rollout.filters=[{_target_:miles.rollout.filters.nonzero_reward_std,_partial_:true}]",
+            "rollout.max_oversample_rounds=1"], cwd=tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    (r,) = client.search_runs([client.get_experiment_by_name("miles").experiment_id])
+    m = {k: [v.value for v in client.get_metric_history(r.info.run_id, k)] for k in (
+        "rollout/engines_alive", "rollout/groups", "rollout/filtered_groups", "rollout/padded_groups",
+        "rollout/failed", "train/trainable_samples", "train/excluded_samples")}
+    assert m["rollout/engines_alive"] == [2.0, 2.0] and m["rollout/failed"] == [0.0, 0.0]
+    for step in range(2):  # 32 groups of 8 enter the batch; filtered ones that pad it are excluded
+        assert m["rollout/groups"][step] >= 32
+        assert m["train/trainable_samples"][step] + m["train/excluded_samples"][step] == 256
+        assert m["train/excluded_samples"][step] == 8 * m["rollout/padded_groups"][step]

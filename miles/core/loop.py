@@ -2,10 +2,13 @@
 
 One step, synchronously:
 
-1. **Rollout.** Draw prompts from the task; every engine samples
+1. **Rollout.** Draw prompts from the task; the engines sample
    ``num_samples_per_prompt`` responses per prompt with the current weights and
-   returns token ids plus the log-prob of each sampled token.
-2. **Reward.** The task's rule scores each decoded response.
+   return token ids plus the log-prob of each sampled token.
+2. **Reward.** The task's rule scores each decoded response. Optional filters
+   drop groups with nothing to learn from (DAPO: all rewards equal) and fresh
+   prompts replace them. A response whose generation or reward failed stays in
+   its group, marked FAILED, and is left out of everything below.
 3. **Advantages.** Each response is compared with the others for the same
    prompt (GRPO: reward minus group mean, over group std).
 4. **Train.** Trainer ranks recompute log-probs on the same tokens and take a
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +35,7 @@ import torch
 
 from miles.config.schema import MilesConfig
 from miles.core.progress import Progress
-from miles.core.types import Problem, SamplingParams, TrainBatch
+from miles.core.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.rollout.manager import RolloutManager
 from miles.weights.object_store import sync_weights
 
@@ -66,28 +70,32 @@ def train(ctx: LoopContext) -> dict[str, float]:
     ctx.log_metrics(metrics, 0)
     log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
     progress = Progress(run.trainer.num_steps)
+    next_group_id = 0
     for step in range(1, run.trainer.num_steps + 1):
         t0 = time.perf_counter()
 
-        # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task
-        problems = ctx.task.sample(algo.num_prompts_per_step, rng)
-        groups, metrics = ctx.rollout.rollout(
-            problems, algo.num_samples_per_prompt, sampling,
-            seed=run.seed * 1_000_003 + step * algo.num_prompts_per_step,
-            first_group_id=(step - 1) * algo.num_prompts_per_step,
+        # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
+        # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
+        groups, metrics = ctx.rollout.collect(
+            lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
+            seed=run.seed * 1_000_003 + next_group_id, first_group_id=next_group_id,
         )
+        next_group_id += int(metrics["rollout/groups"])
         t1 = time.perf_counter()
 
-        # 3. advantages: how much better each response is than its siblings
-        rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-        for group, advs in zip(groups, ctx.advantage_fn(rewards).tolist(), strict=True):
-            for sample, adv in zip(group, advs, strict=True):
-                sample.advantage = adv
-        metrics |= reward_metrics(rewards)
+        # 3. advantages: how much better each response is than its siblings (failed ones sit out)
+        metrics |= assign_advantages(groups, ctx.advantage_fn)
+        samples = [s for g in groups for s in g]
+        assert len(samples) % (algo.num_minibatches * run.placement.trainer_world_size) == 0
 
         # 4. train: every rank gets the batch (once, through the object store) and takes its shard
-        batch = ray.put(TrainBatch.from_samples([s for g in groups for s in g]))
-        metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+        if metrics["train/trainable_samples"] > 0:
+            batch = ray.put(TrainBatch.from_samples(samples))
+            metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+        elif all(s.status is Status.FAILED for s in samples):
+            raise RuntimeError(f"step {step}: every sample failed ({_why_untrainable(samples)}); see the log above")
+        else:  # nothing to learn from (e.g. every group filtered out): keep the weights
+            log.warning("step %d: no trainable sample (%s); skipping the update", step, _why_untrainable(samples))
         t2 = time.perf_counter()
 
         # 5. sync: the engines sample from the new weights from now on
@@ -125,18 +133,67 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
         out["eval/response_len_mean"] = m["rollout/response_len_mean"]
     groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=ctx.run.seed)
     out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
+    out["eval/failed"] = m["rollout/failed"]  # a failed response scores 0 above
     out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])
     out.setdefault("eval/response_len_mean", m["rollout/response_len_mean"])
     return out
 
 
-def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
-    """rewards: [G, n] -> mean, std, and the share of groups whose rewards are all equal (no signal)."""
+def assign_advantages(groups: Sequence[Sequence[Sample]], advantage_fn: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> dict[str, float]:
+    """Set every sample's advantage from its group's *trainable* samples; returns reward metrics.
+
+    Samples that are not trainable (failed, aborted, in a filtered group) stay in their group with
+    advantage 0 and an all-zero loss mask: out of the loss and out of their group's statistics.
+    Groups are stacked by their number ``k`` of trainable samples into ``[G_k, k]`` rewards, one
+    ``advantage_fn`` call per ``k`` (usually a single ``[G, n]`` call). A group with fewer trainable
+    samples than the estimator accepts (a group baseline needs 2) has no baseline: advantage 0 and
+    masked out too. Batch-normalised estimators (REINFORCE++) see per-``k`` statistics.
+    """
+    n = max(len(g) for g in groups)
+    by_size: dict[int, list[list[Sample]]] = {}
+    for group in groups:
+        valid = [s for s in group if s.trainable]
+        for s in group:
+            if not s.trainable:
+                s.advantage, s.loss_mask = 0.0, [0] * len(s.response_ids)
+        if valid:
+            by_size.setdefault(len(valid), []).append(valid)
+    for k, valid_groups in by_size.items():
+        rewards = torch.tensor([[s.reward for s in g] for g in valid_groups], dtype=torch.float32)
+        try:
+            advantages = advantage_fn(rewards).tolist()
+        except ValueError:
+            if k == n:
+                raise
+            advantages = [[0.0] * k for _ in valid_groups]
+            for s in (s for g in valid_groups for s in g):
+                s.loss_mask = [0] * len(s.response_ids)
+        for group, advs in zip(valid_groups, advantages, strict=True):
+            for sample, adv in zip(group, advs, strict=True):
+                sample.advantage = adv
+    return reward_metrics(groups)
+
+
+def reward_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+    """Mean and std of the trainable samples' rewards, the share of groups whose trainable rewards are
+    all equal (no signal), and how many samples are trainable / left out of the loss."""
+    rewards = [[s.reward for s in g if s.trainable] for g in groups]
+    flat = torch.tensor([r for g in rewards for r in g], dtype=torch.float32)
+    stds = [torch.tensor(g).std(unbiased=False).item() for g in rewards if g]
     return {
-        "train/reward_mean": rewards.mean().item(),
-        "train/reward_std": rewards.std(unbiased=False).item(),
-        "train/zero_std_group_frac": (rewards.std(dim=1, unbiased=False) == 0).float().mean().item(),
+        "train/reward_mean": flat.mean().item() if len(flat) else float("nan"),
+        "train/reward_std": flat.std(unbiased=False).item() if len(flat) else float("nan"),
+        "train/zero_std_group_frac": sum(s == 0 for s in stds) / max(len(stds), 1),
+        "train/trainable_samples": float(len(flat)),
+        "train/excluded_samples": float(sum(len(g) for g in groups) - len(flat)),
     }
+
+
+def _why_untrainable(samples: Sequence[Sample]) -> str:
+    """The most common reasons samples are out of the loss, for a log line."""
+    reasons = Counter(s.failure or s.filtered or s.status.value for s in samples if not s.trainable)
+    return "; ".join(f"{c} x {r}" for r, c in reasons.most_common(3))
 
 
 def log_batch_sizes(run: MilesConfig) -> None:

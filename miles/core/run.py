@@ -18,10 +18,13 @@ log = logging.getLogger("miles")
 
 
 def build_components(run: MilesConfig) -> dict[str, Any]:
-    """Everything that comes from a ``_target_``: task, reward, advantage estimator, model spec.
+    """Everything that comes from a ``_target_``: task, reward, advantage estimator, model spec,
+    generate function and sample filters.
 
     All targets are checked against the allowlist before any of them is imported.
     """
+    from miles.rollout.manager import check_config as check_rollout_config
+
     allow = run.plugins.allow
     model_node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
     parts = {
@@ -29,7 +32,11 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         "task": build(run.task.source, allow=allow, key="task.source._target_"),
         "reward_fn": build(run.task.reward, allow=allow, key="task.reward._target_"),
         "advantage_fn": build(run.algo.advantage, allow=allow, key="algo.advantage._target_"),
+        "generate_fn": build(run.rollout.generate_fn, allow=allow, key="rollout.generate_fn._target_"),
+        "filters": [build(f, allow=allow, key=f"rollout.filters[{i}]._target_")
+                    for i, f in enumerate(run.rollout.filters)],
     }
+    check_rollout_config(run.rollout)
     # let the estimator reject the batch shape now (e.g. a group baseline with one sample per
     # prompt), before any model is built or Ray starts
     try:
@@ -45,10 +52,12 @@ def run_job(
     resolved_yaml: str,
     overrides: list[str],
     on_metrics: Callable[[dict[str, float], int], None] | None = None,
+    launch: Any = None,
 ) -> dict[str, float]:
     """Run one training job end to end; returns the final metrics.
 
     ``on_metrics(metrics, step)`` is called with every step's metrics after the tracker got them.
+    ``launch`` (a :class:`miles.tracking.snapshot.Launch`): how the job was started, for the tracker.
     """
     import ray
     from transformers import AutoTokenizer
@@ -56,6 +65,7 @@ def run_job(
     from miles.core.cluster import check_fits_locally, create_actors, start_ray
     from miles.core.loop import LoopContext, train
     from miles.models.checkpoint import ensure_checkpoint
+    from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.tracking.mlflow_tracker import make_tracker
 
@@ -67,16 +77,22 @@ def run_job(
     checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
-                           config_dict=to_yaml_dict(dataclasses.asdict(run)))
+                           config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
     started_ray = start_ray(run)
-    actors = None
+    actors = rollout = reward = None
     status = "FAILED"
     try:
+        reward = RewardRunner(  # its workers start while Ray does
+            run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
+            num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
+        )
         actors = create_actors(run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor",
                  time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads)
+        rollout = RolloutManager(actors.engines, tokenizer, reward, config=run.rollout,
+                                 generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
-            run=run, task=parts["task"], rollout=RolloutManager(actors.engines, tokenizer, parts["reward_fn"]),
+            run=run, task=parts["task"], rollout=rollout,
             trainers=actors.trainers, engines=actors.engines, advantage_fn=parts["advantage_fn"],
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
@@ -92,6 +108,10 @@ def run_job(
         raise
     finally:
         tracker.finish(status)
+        if rollout is not None:
+            rollout.close()
+        if reward is not None:
+            reward.close()
         if actors is not None:
             actors.shutdown()
         if started_ray:

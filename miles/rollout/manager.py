@@ -1,32 +1,128 @@
-"""Rollout manager: prompts in, scored samples out.
+"""Rollout manager: prompts in, scored groups of samples out, over N engine actors.
 
-Splits requests across the engine actors, turns engine results into
-:class:`~miles.core.types.Sample` groups, decodes text and applies the reward.
-Every request comes back exactly once: a missing or duplicated completion is
-an error, never a silently smaller batch.
+Per prompt, the generate function (``rollout.generate_fn``, default
+:func:`miles.rollout.generate.single_turn`) runs as a coroutine on the driver's event loop and
+asks for completions through ``ctx.engine_generate``; the :class:`~miles.rollout.dispatch.EnginePool`
+spreads those requests over the engines with deadlines and retries, and takes dead engines out of
+rotation. A request that fails on every attempt leaves its group in the batch with status FAILED
+and the reason; an error only when every engine is dead (:class:`AllEnginesDeadError`).
+
+Every prompt comes back as exactly one group of exactly ``n`` samples, and every outcome
+(completed, truncated, aborted, failed, retried, timed out, filtered, over-sampled) is a metric.
+
+Rewards are scored per group as soon as the group is generated (overlapping the rest of the
+generation) by a :class:`miles.rewards.RewardRunner` (worker processes with a deadline).
+:meth:`RolloutManager.collect` adds the sample filters and the over-sampling of training batches
+(DAPO dynamic sampling, :mod:`miles.rollout.filters`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import ray
-
-from miles.core.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
+from miles.config.schema import RolloutConfig
+from miles.core.types import Problem, Sample, SamplingParams, Status
 from miles.models.tokenizer import encode_prompt
+from miles.rewards.runner import RewardItem
+from miles.rollout.dispatch import AllEnginesDeadError, EnginePool, EngineRequestError, Session, first_line
+from miles.rollout.filters import first_rejection
+from miles.rollout.generate import GenerateContext, single_turn
+from miles.rollout.protocols import check_group
+
+log = logging.getLogger(__name__)
+
+GENERATED = (Status.COMPLETED, Status.TRUNCATED)
+
+
+def check_config(cfg: RolloutConfig) -> None:
+    """Reject impossible manager settings with the key and what is valid (before anything starts)."""
+    from miles.config.validate import ConfigError
+
+    if not (math.isfinite(cfg.request_timeout_s) and cfg.request_timeout_s > 0):
+        raise ConfigError(f"rollout.request_timeout_s: must be a finite number > 0, found {cfg.request_timeout_s}")
+    for key in ("max_retries", "max_oversample_rounds"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"rollout.{key}: must be 0 or more, found {getattr(cfg, key)}")
+    for key in ("max_inflight_samples_per_engine", "max_requests_per_call"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"rollout.{key}: must be at least 1, found {getattr(cfg, key)}")
+
+
+class _Scorer:
+    """Scores groups as they finish, in a thread (the event loop keeps dispatching meanwhile); the
+    groups that finish while a runner call is in progress go together in the next call."""
+
+    def __init__(self, manager: RolloutManager) -> None:
+        self.m = manager
+        self.loop = asyncio.get_running_loop()
+        self.pending: list[tuple[list[Sample], Problem, asyncio.Future]] = []
+        self.running = False
+
+    async def score(self, samples: list[Sample], problem: Problem) -> None:
+        future = self.loop.create_future()
+        self.pending.append((samples, problem, future))
+        if not self.running:
+            self.running = True
+            self.loop.create_task(self._drain())
+        await future
+
+    async def _drain(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending, []
+            t0 = time.perf_counter()
+            try:
+                await self.loop.run_in_executor(self.m.reward_pool, self.m._score, [(s, p) for s, p, _ in batch])
+            except Exception as e:  # the runner itself broke (a function's failures are outcomes)
+                for _, _, future in batch:
+                    future.set_exception(e)
+            else:
+                for _, _, future in batch:
+                    future.set_result(None)
+            self.m.counts["reward_ms"] += round(1000 * (time.perf_counter() - t0))
+        self.running = False
 
 
 class RolloutManager:
-    """Owns the engine handles; ``rollout(problems, n, sampling)`` returns groups of scored samples."""
+    """Owns the engine handles; ``rollout(problems, n, sampling)`` returns groups of scored samples.
 
-    def __init__(self, engines: Sequence[Any], tokenizer: Any, reward_fn: Callable[[str, Any], float]):
-        self.engines = list(engines)
+    ``reward`` is a :class:`miles.rewards.RewardRunner` (``.score(items)``, or ``.score_groups(groups)``
+    when its ``kind`` is ``"group"``).
+    ``generate_fn`` and ``filters`` are the built ``rollout.generate_fn`` / ``rollout.filters``.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        tokenizer: Any,
+        reward: Any,
+        *,
+        config: RolloutConfig | None = None,
+        generate_fn: Callable[..., Any] = single_turn,
+        filters: Sequence[Callable[[Sequence[Sample]], tuple[bool, str]]] = (),
+    ) -> None:
+        if getattr(reward, "kind", None) not in ("sample", "group"):
+            raise TypeError(
+                f"RolloutManager: reward must be a miles.rewards.RewardRunner, found {type(reward).__name__}; "
+                "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
         self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
+        self.reward = reward
+        self.cfg = config or RolloutConfig()
+        self.generate_fn = generate_fn
+        self.filters = [(_fn_name(f), f) for f in filters]
+        self.pool = EnginePool(engines, self.cfg)
+        self.counts: Counter[str] = Counter()  # reward_ms
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
+        self.reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward")
+
+    # ---- prompts and groups -----------------------------------------------------------------------
 
     def encode(self, prompt: str) -> tuple[int, ...]:
         """Chat-templated prompt ids (cached: the same prompt text always gives the same ids)."""
@@ -36,51 +132,167 @@ class RolloutManager:
             self._prompt_cache[prompt] = ids
         return ids
 
-    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
-        """Contiguous chunks of requests to each engine, in parallel; checks every completion came back."""
-        per = math.ceil(len(requests) / len(self.engines))
-        chunks = [requests[i * per:(i + 1) * per] for i in range(len(self.engines))]
-        futures = [e.generate.remote(c, sampling) for e, c in zip(self.engines, chunks, strict=True) if c]
-        results = [r for rs in ray.get(futures) for r in rs]
-        want = {(q.request_id, i) for q in requests for i in range(q.n)}
-        got = [(r.request_id, r.index) for r in results]
-        if len(got) != len(want) or set(got) != want:
-            raise RuntimeError(f"rollout lost or duplicated completions: asked {len(want)}, got {len(got)}")
-        return results
+    async def generate_group(
+        self, fn: Callable[..., Any], problem: Problem, n: int, sampling: SamplingParams, *, group_id: int,
+        seed: int, dispatch: Session | None = None,
+    ) -> list[Sample]:
+        """Run generate function ``fn`` for one prompt (raw: its exceptions propagate)."""
+        dispatch = dispatch or self.pool.session()
+        ctx = GenerateContext(group_id=group_id, n=n, seed=seed, tokenizer=self.tokenizer,
+                              _generate=dispatch.generate, _encode=self.encode)
+        return await fn(ctx, problem, sampling)
+
+    async def _group(
+        self, dispatch: Session, scorer: _Scorer, problem: Problem, n: int, sampling: SamplingParams,
+        group_id: int, seed: int,
+    ) -> list[Sample]:
+        """Generate and score one group; a failure becomes n FAILED samples with the reason."""
+        try:
+            samples = await self.generate_group(self.generate_fn, problem, n, sampling, group_id=group_id,
+                                                seed=seed, dispatch=dispatch)
+        except AllEnginesDeadError:
+            raise
+        except EngineRequestError as e:
+            return self._failed_group(problem, n, group_id, f"generation: {e}")
+        except Exception as e:
+            log.warning("group %d: generate_fn %s raised", group_id, _fn_name(self.generate_fn), exc_info=True)
+            return self._failed_group(problem, n, group_id, f"generation: generate_fn raised {first_line(e)}")
+        check_group(samples, n=n, group_id=group_id, who=f"rollout.generate_fn {_fn_name(self.generate_fn)}")
+        samples.sort(key=lambda s: s.index)
+        await scorer.score(samples, problem)
+        return samples
+
+    def _failed_group(self, problem: Problem, n: int, group_id: int, reason: str) -> list[Sample]:
+        prompt_ids = list(self.encode(problem.prompt))
+        return [Sample(group_id=group_id, index=i, prompt_ids=prompt_ids, response_ids=[], rollout_logprobs=[],
+                       loss_mask=[], status=Status.FAILED, weight_version=-1, label=problem.label, failure=reason)
+                for i in range(n)]
+
+    def _score(self, batch: list[tuple[list[Sample], Problem]]) -> None:
+        """Rewards of the generated samples of several groups, in one runner call; a reward failure
+        marks the sample FAILED with the reason."""
+        todo = [[s for s in samples if s.status in GENERATED and s.failure is None] for samples, _ in batch]
+        items = [[RewardItem(response_text=s.response_text, label=s.label, prompt=problem.prompt,
+                             metadata=dict(s.metadata)) for s in group]
+                 for group, (_, problem) in zip(todo, batch, strict=True)]
+        if self.reward.kind == "group":
+            outcomes = [o for group in self.reward.score_groups(items) for o in group]
+        else:
+            outcomes = self.reward.score([it for group in items for it in group])
+        for s, o in zip((s for group in todo for s in group), outcomes, strict=True):
+            if o.failure is None:
+                s.reward = float(o.reward)
+            else:
+                s.status, s.failure, s.reward = Status.FAILED, f"reward: {o.failure}", 0.0
+
+    # ---- rollouts --------------------------------------------------------------------------------
 
     def rollout(
         self, problems: Sequence[Problem], n: int, sampling: SamplingParams, *, seed: int, first_group_id: int = 0
     ) -> tuple[list[list[Sample]], dict[str, float]]:
-        """Generate ``n`` samples per problem and score them. Returns (groups, metrics)."""
-        t0 = time.perf_counter()
-        requests = [
-            GenerateRequest(request_id=str(first_group_id + g), prompt_ids=self.encode(p.prompt), n=n, seed=seed + g)
+        """``n`` scored samples per problem, one group per problem in order. Returns (groups, metrics).
+
+        Group ``g`` has id ``first_group_id + g`` and sampling seed ``seed + g``.
+        """
+        t0, before = time.perf_counter(), self._totals()
+        groups = asyncio.run(self._rollout(problems, n, sampling, seed, first_group_id))
+        return groups, self._metrics(groups, time.perf_counter() - t0, self._totals() - before)
+
+    async def _rollout(
+        self, problems: Sequence[Problem], n: int, sampling: SamplingParams, seed: int, first_group_id: int
+    ) -> list[list[Sample]]:
+        dispatch, scorer = self.pool.session(), _Scorer(self)
+        return list(await asyncio.gather(*(
+            self._group(dispatch, scorer, p, n, sampling, first_group_id + g, seed + g)
             for g, p in enumerate(problems)
-        ]
-        results = self.generate(requests, sampling)
-        t_gen = time.perf_counter() - t0
-        groups: list[list[Sample | None]] = [[None] * n for _ in problems]
-        texts = self.tokenizer.batch_decode([list(r.response_ids) for r in results], skip_special_tokens=True)
-        for r, text in zip(results, texts, strict=True):
-            g = int(r.request_id) - first_group_id
-            groups[g][r.index] = Sample(
-                group_id=int(r.request_id), index=r.index, prompt_ids=list(requests[g].prompt_ids),
-                response_ids=list(r.response_ids), rollout_logprobs=list(r.logprobs),
-                loss_mask=[1] * len(r.response_ids), status=r.status, weight_version=r.weight_version,
-                label=problems[g].label, response_text=text,
-            )
-        t1 = time.perf_counter()
-        out = [[s for s in grp if s is not None] for grp in groups]
-        for grp in out:
-            for s in grp:
-                s.reward = float(self.reward_fn(s.response_text, s.label))
-        flat = [s for grp in out for s in grp]
-        num_tokens = sum(len(s.response_ids) for s in flat)
-        metrics = {
-            "perf/generate_s": t_gen,
-            "perf/reward_s": time.perf_counter() - t1,
-            "perf/rollout_tokens_per_s": num_tokens / max(t_gen, 1e-9),
-            "rollout/response_len_mean": num_tokens / max(len(flat), 1),
-            "rollout/truncated_frac": sum(s.status is Status.TRUNCATED for s in flat) / max(len(flat), 1),
+        )))
+
+    def collect(
+        self, draw: Callable[[int], Sequence[Problem]], num_groups: int, n: int, sampling: SamplingParams, *,
+        seed: int, first_group_id: int = 0,
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        """A training batch of exactly ``num_groups`` groups that pass ``filters``, over-sampling as needed.
+
+        ``draw(k)`` returns ``k`` new problems. While fewer than ``num_groups`` groups pass, up to
+        ``rollout.max_oversample_rounds`` extra rounds draw ``ceil(missing / pass rate)`` prompts (at
+        most ``num_groups``). Passing groups beyond ``num_groups`` are left out; if rounds run out,
+        dropped groups fill the batch with ``Sample.filtered`` set (not trainable: the batch keeps
+        its shape, they add nothing to the loss). Group ids run on from ``first_group_id`` across
+        rounds; ``rollout/groups`` is how many were generated.
+        """
+        t0, before = time.perf_counter(), self._totals()
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        generated: list[list[Sample]] = []
+        rejected: Counter[str] = Counter()
+        problems, rounds = list(draw(num_groups)), 0
+        while True:
+            gid = first_group_id + len(generated)
+            groups = asyncio.run(self._rollout(problems, n, sampling, seed + len(generated), gid))
+            generated += groups
+            for group in groups:
+                why = first_rejection(self.filters, group)
+                if why is None:
+                    kept.append(group)
+                else:
+                    rejected[why[0]] += 1
+                    for s in group:
+                        s.filtered = f"{why[0]}: {why[1]}"
+                    dropped.append(group)
+            missing = num_groups - len(kept)
+            if missing <= 0 or rounds >= self.cfg.max_oversample_rounds:
+                break
+            rounds += 1
+            rate = len(kept) / len(generated)
+            problems = list(draw(num_groups if rate == 0 else min(num_groups, math.ceil(missing / rate))))
+        padded = dropped[:max(0, num_groups - len(kept))]
+        if padded:
+            log.warning("only %d of %d groups passed the filters after %d extra round(s); %d filtered group(s) "
+                        "fill the batch without entering the loss (raise rollout.max_oversample_rounds)",
+                        len(kept), num_groups, rounds, len(padded))
+        batch = kept[:num_groups] + padded
+        metrics = self._metrics(generated, time.perf_counter() - t0, self._totals() - before)
+        metrics |= {
+            "rollout/filtered_groups": float(len(dropped)),
+            "rollout/oversample_rounds": float(rounds),
+            "rollout/oversampled_groups": float(len(generated) - num_groups),
+            "rollout/surplus_groups": float(max(0, len(kept) - num_groups)),
+            "rollout/padded_groups": float(len(padded)),
+        } | {f"rollout/filtered_by/{name}": float(rejected[name]) for name, _ in self.filters}
+        return batch, metrics
+
+    def _metrics(self, groups: list[list[Sample]], seconds: float, counts: Counter[str]) -> dict[str, float]:
+        flat = [s for g in groups for s in g]
+        by_status = Counter(s.status for s in flat)
+        generated = [s for s in flat if s.failure is None or s.failure.startswith("reward:")]
+        num_tokens = sum(len(s.response_ids) for s in generated)
+        total = max(len(flat), 1)
+        assert sum(by_status.values()) == len(flat)
+        return {
+            "rollout/groups": float(len(groups)),
+            "rollout/samples": float(len(flat)),
+            **{f"rollout/{st.value}": float(by_status[st]) for st in Status},
+            "rollout/failed_generation": float(sum(1 for s in flat if (s.failure or "").startswith("generation:"))),
+            "rollout/failed_reward": float(sum(1 for s in flat if (s.failure or "").startswith("reward:"))),
+            "rollout/retried": float(counts["retried"]),
+            "rollout/timeouts": float(counts["timeouts"]),
+            "rollout/engines_lost": float(counts["engines_lost"]),
+            "rollout/engines_alive": float(len(self.pool.alive)),
+            "rollout/truncated_frac": by_status[Status.TRUNCATED] / total,
+            "rollout/response_len_mean": num_tokens / max(len(generated), 1),
+            "perf/generate_s": seconds,
+            "perf/reward_s": counts["reward_ms"] / 1000,
+            "perf/rollout_tokens_per_s": num_tokens / max(seconds, 1e-9),
         }
-        return out, metrics
+
+    def _totals(self) -> Counter[str]:
+        return self.counts + self.pool.counts
+
+    def close(self) -> None:
+        """Stop the reward thread (the reward runner is closed by whoever built it)."""
+        self.reward_pool.shutdown(wait=False)
+
+
+def _fn_name(fn: Any) -> str:
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(inner, "__name__", type(inner).__name__)

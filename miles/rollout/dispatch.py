@@ -1,0 +1,228 @@
+"""Engine pool: requests from many coroutines onto N engine actors, none lost, none duplicated.
+
+- **Load balancing.** A request goes to the live engine with the fewest samples in flight, and
+  an engine holds at most ``rollout.max_inflight_samples_per_engine`` of them; the rest wait and
+  are sent as calls finish (completion-driven, so a slow engine gets less work, never a fixed
+  share). Queued requests with the same sampling parameters share one call, up to
+  ``rollout.max_requests_per_call`` and an even split of the queue over the engines with room.
+  A request with ``n`` samples always goes whole to one engine (one prefill for the group).
+- **Deadlines and retries.** A call that does not answer within ``rollout.request_timeout_s`` is
+  aborted on its engine (if it can abort) and its requests are retried on another engine, as are
+  requests of a call that raised; after ``rollout.max_retries`` retries a request fails with
+  :class:`EngineRequestError`, whose message lists every attempt.
+- **Dead engines.** An engine whose actor died leaves the rotation (logged) and its requests are
+  retried on the others; with no engine left every waiting request raises
+  :class:`AllEnginesDeadError`.
+
+Each call carries fresh request ids (``<id>@<n>``), so a late answer to an abandoned call can
+never be mistaken for its retry; results come back under the caller's ids, ordered by index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from miles.config.schema import RolloutConfig
+from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AllEnginesDeadError(RuntimeError):
+    """Every rollout engine actor died: nothing is left to generate on."""
+
+
+class EngineRequestError(RuntimeError):
+    """A request failed on every attempt (timeouts, engine errors, dead engines); the message lists them."""
+
+
+class EnginePool:
+    """N engine actors behind load balancing, deadlines, retries and dead-engine removal.
+
+    Lives on the driver for the whole run (which engines are alive, what was sent where);
+    :meth:`session` gives the queue of one rollout, bound to its event loop.
+    """
+
+    def __init__(self, engines: Sequence[Any], cfg: RolloutConfig) -> None:
+        if not engines:
+            raise ValueError("EnginePool: needs at least one engine (placement.num_engines >= 1)")
+        self.engines, self.cfg = list(engines), cfg
+        self.alive = list(range(len(self.engines)))
+        self.deaths: dict[int, str] = {}
+        self.dispatched = [0] * len(self.engines)  # requests sent to each engine, all time
+        self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures
+        self._wire_id = 0
+
+    def session(self) -> Session:
+        """A request queue for the running event loop: ``await session.generate(request, sampling)``."""
+        return Session(self)
+
+    def next_wire_id(self) -> int:
+        self._wire_id += 1
+        return self._wire_id
+
+    def mark_dead(self, e: int, err: BaseException) -> None:
+        """Take engine ``e`` out of rotation (once), saying why."""
+        if e in self.alive:
+            self.alive.remove(e)
+            self.deaths[e] = first_line(err)
+            self.counts["engines_lost"] += 1
+            log.warning("rollout engine %d died (%s); taken out of rotation, %d of %d engine(s) left",
+                        e, self.deaths[e], len(self.alive), len(self.engines))
+
+    def all_dead_error(self) -> AllEnginesDeadError:
+        why = "; ".join(f"engine {e}: {r}" for e, r in sorted(self.deaths.items()))
+        return AllEnginesDeadError(
+            f"all {len(self.engines)} rollout engine(s) died ({why}); nothing left to generate on. "
+            "Check the engine actors' logs (`ray logs`), e.g. for out-of-memory kills.")
+
+    def abort(self, e: int, request_ids: list[str]) -> None:
+        """Ask engine ``e`` to stop generating ``request_ids`` (fire and forget; older engines cannot)."""
+        handle = self.engines[e]
+        if hasattr(handle, "abort"):
+            handle.abort.remote(request_ids)
+
+
+@dataclass
+class _Pending:
+    request: GenerateRequest
+    sampling: SamplingParams | None
+    future: asyncio.Future
+    attempts: int = 0
+    avoid: set[int] = field(default_factory=set)  # engines this request already failed on
+    errors: list[str] = field(default_factory=list)
+
+
+class Session:
+    """The request queue of one rollout (one event loop) over the pool's live engines."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self.loop = asyncio.get_running_loop()
+        self.queue: deque[_Pending] = deque()
+        self.inflight = [0] * len(pool.engines)  # samples in flight per engine
+        self.scheduled = False
+        self.tasks: set[asyncio.Task] = set()
+
+    async def generate(self, request: GenerateRequest, sampling: SamplingParams | None) -> list[GenerateResult]:
+        if request.n < 1:
+            raise ValueError(f"GenerateRequest {request.request_id!r}: n must be >= 1, found {request.n}")
+        future = self.loop.create_future()
+        self.queue.append(_Pending(request, sampling, future))
+        self._schedule()
+        return await future
+
+    def _schedule(self) -> None:
+        if not self.scheduled:  # requests queued in the same loop iteration can share a call
+            self.scheduled = True
+            self.loop.call_soon(self._dispatch)
+
+    def _spare(self, e: int) -> int:
+        return self.pool.cfg.max_inflight_samples_per_engine - self.inflight[e]
+
+    def _pick(self, p: _Pending) -> int | None:
+        """The live engine with room and the fewest samples in flight, avoiding ones ``p`` failed on."""
+        alive = self.pool.alive
+        fresh = [e for e in alive if e not in p.avoid] or alive
+        room = [e for e in fresh if self._spare(e) > 0 or self.inflight[e] == 0]
+        return min(room, key=lambda e: self.inflight[e]) if room else None
+
+    def _dispatch(self) -> None:
+        self.scheduled = False
+        cfg = self.pool.cfg
+        while self.queue:
+            if not self.pool.alive:
+                error = self.pool.all_dead_error()
+                for p in self.queue:
+                    if not p.future.done():
+                        p.future.set_exception(error)
+                self.queue.clear()
+                return
+            head = self.queue[0]
+            e = self._pick(head)
+            if e is None:
+                return  # every engine is full: a finishing call dispatches again
+            with_room = sum(1 for x in self.pool.alive if self._spare(x) > 0) or 1
+            fair = math.ceil(sum(p.request.n for p in self.queue) / with_room)
+            budget = max(head.request.n, min(self._spare(e), fair))
+            call, rows = [self.queue.popleft()], head.request.n
+            for p in list(self.queue):
+                if len(call) >= cfg.max_requests_per_call or rows + p.request.n > budget:
+                    break
+                if p.sampling == head.sampling and (e not in p.avoid or self._pick(p) == e):
+                    self.queue.remove(p)
+                    call.append(p)
+                    rows += p.request.n
+            self.inflight[e] += rows
+            task = self.loop.create_task(self._run(e, call, rows))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, e: int, call: list[_Pending], rows: int) -> None:
+        pool = self.pool
+        wire = [replace(p.request, request_id=f"{p.request.request_id}@{pool.next_wire_id()}") for p in call]
+        pool.dispatched[e] += len(call)
+        timeout = pool.cfg.request_timeout_s
+        try:
+            ref = pool.engines[e].generate.remote(wire, call[0].sampling or SamplingParams())
+            results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+        except TimeoutError:
+            pool.counts["timeouts"] += len(call)
+            pool.abort(e, [w.request_id for w in wire])
+            self._retry_all(call, e, f"engine {e}: no answer within rollout.request_timeout_s={timeout:g}s")
+        except ray.exceptions.ActorUnavailableError as err:
+            self._retry_all(call, e, f"engine {e} unavailable ({first_line(err)})")
+        except ray.exceptions.RayActorError as err:
+            pool.mark_dead(e, err)
+            self._retry_all(call, e, f"engine {e} died")
+        except Exception as err:  # the engine raised (a RayTaskError wrapping its exception)
+            self._retry_all(call, e, f"engine {e} raised {first_line(err)}")
+        else:
+            self._deliver(e, call, wire, results)
+        finally:
+            self.inflight[e] -= rows
+            self._schedule()
+
+    def _deliver(self, e: int, call: list[_Pending], wire: list[GenerateRequest], results: list) -> None:
+        by_id: dict[str, list[GenerateResult]] = {}
+        for r in results:
+            by_id.setdefault(r.request_id, []).append(r)
+        for p, w in zip(call, wire, strict=True):
+            got = sorted(by_id.pop(w.request_id, []), key=lambda r: r.index)
+            if [r.index for r in got] != list(range(p.request.n)):
+                p.future.set_exception(RuntimeError(
+                    f"engine {e} returned completions {[r.index for r in got]} for request {p.request.request_id!r} "
+                    f"(n={p.request.n}): a lost or duplicated completion is an engine bug"))
+            elif not p.future.done():
+                p.future.set_result([replace(r, request_id=p.request.request_id) for r in got])
+        if by_id:
+            log.error("engine %d returned results for requests it was not sent: %s", e, sorted(by_id))
+
+    def _retry_all(self, call: list[_Pending], e: int, reason: str) -> None:
+        for p in reversed(call):  # appendleft: keep their order at the head of the queue
+            p.attempts += 1
+            p.errors.append(reason)
+            p.avoid.add(e)
+            if p.future.done():
+                continue
+            if p.attempts > self.pool.cfg.max_retries:
+                self.pool.counts["request_failures"] += 1
+                p.future.set_exception(EngineRequestError(
+                    f"request {p.request.request_id!r} failed {p.attempts} time(s): {'; '.join(p.errors)}"))
+            else:
+                self.pool.counts["retried"] += 1
+                self.queue.appendleft(p)
+
+
+def first_line(err: BaseException) -> str:
+    """``ExcType: last line of the message`` (a Ray error's last line is the cause)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[-1] if text else ''}"

@@ -1,0 +1,74 @@
+"""What a generate function sees (:class:`GenerateContext`) and the built-in single-turn one.
+
+A generate function (``rollout.generate_fn``, protocol
+:class:`miles.rollout.protocols.GenerateFn`) produces the ``ctx.n`` responses to one prompt. The
+default, :func:`single_turn`, sends one :class:`GenerateRequest` with ``n`` to one engine, so the
+``n`` samples share a prefill. A multi-turn or tool-using function calls
+``ctx.engine_generate`` once per turn, appends the environment's tokens with loss mask 0 and
+returns the samples; it never re-tokenizes what the engine produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from miles.core.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
+
+
+@dataclass
+class GenerateContext:
+    """One prompt's view of the rollout: its group id, size and seed, the tokenizer, the engines."""
+
+    group_id: int
+    """Id of this prompt's group (unique in the run); use it in request ids."""
+    n: int
+    """Samples to return (``algo.num_samples_per_prompt`` in training)."""
+    seed: int
+    """Sampling seed of this group: the same seed reproduces the same samples."""
+    tokenizer: Any
+    """The run's HF tokenizer (decode for rewards and logs; never re-encode engine output)."""
+    _generate: Callable[[GenerateRequest, SamplingParams | None], Awaitable[list[GenerateResult]]]
+    _encode: Callable[[str], tuple[int, ...]]
+
+    async def engine_generate(
+        self, request: GenerateRequest, sampling: SamplingParams | None = None
+    ) -> list[GenerateResult]:
+        """The ``request.n`` completions of ``request``, ordered by index.
+
+        Routed by the manager to the least-loaded live engine, bounded by ``rollout.request_timeout_s``
+        and retried on another engine up to ``rollout.max_retries`` times; raises
+        :class:`miles.rollout.dispatch.EngineRequestError` when every attempt failed.
+        """
+        return await self._generate(request, sampling)
+
+    def encode(self, prompt: str) -> tuple[int, ...]:
+        """Chat-templated ids of one user turn plus the assistant header (cached per prompt text)."""
+        return self._encode(prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped (what rewards see)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def samples_from_results(
+    ctx: GenerateContext, problem: Problem, prompt_ids: Sequence[int], results: Sequence[GenerateResult]
+) -> list[Sample]:
+    """One :class:`Sample` per engine result (loss mask all ones: every token came from the policy)."""
+    texts = ctx.tokenizer.batch_decode([list(r.response_ids) for r in results], skip_special_tokens=True)
+    return [
+        Sample(
+            group_id=ctx.group_id, index=r.index, prompt_ids=list(prompt_ids), response_ids=list(r.response_ids),
+            rollout_logprobs=list(r.logprobs), loss_mask=[1] * len(r.response_ids), status=r.status,
+            weight_version=r.weight_version, label=problem.label, response_text=text,
+        )
+        for r, text in zip(results, texts, strict=True)
+    ]
+
+
+async def single_turn(ctx: GenerateContext, problem: Problem, sampling: SamplingParams) -> list[Sample]:
+    """The prompt as one user turn, ``ctx.n`` completions from one request (one shared prefill)."""
+    prompt_ids = ctx.encode(problem.prompt)
+    request = GenerateRequest(request_id=str(ctx.group_id), prompt_ids=prompt_ids, n=ctx.n, seed=ctx.seed)
+    return samples_from_results(ctx, problem, prompt_ids, await ctx.engine_generate(request, sampling))
