@@ -1,8 +1,9 @@
 """``python -m miles``: compose the config with Hydra, validate it, run.
 
 This is the only ``@hydra.main`` in miles. Everything Hydra offers works:
-``--cfg job`` prints the resolved config, ``-m`` sweeps, ``group=option`` and
-``a.b=value`` overrides. Mistyped keys and options fail here, before Ray
+``--cfg job`` prints the resolved config, ``-m`` sweeps (one MLflow parent run with a
+child per job, :mod:`miles.tracking.sweep`), ``group=option`` and ``a.b=value`` overrides;
+``miles reproduce RUN_ID`` runs a logged run again (:mod:`miles.reproduce`). Mistyped keys and options fail here, before Ray
 starts, with the full key, a suggestion and the valid options.
 """
 
@@ -34,11 +35,12 @@ def _run(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     from miles.core.run import run_job
+    from miles.tracking.sweep import job_launch
 
     overrides = list(HydraConfig.get().overrides.task)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
-        result = run_job(run, resolved_yaml=resolved, overrides=overrides)
+        result = run_job(run, resolved_yaml=resolved, overrides=overrides, launch=job_launch(cfg))
     except ConfigError as e:  # e.g. a placement the cluster cannot hold
         log.error("config error: %s", e)
         raise SystemExit(2) from None
@@ -46,7 +48,14 @@ def _run(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """Console-script entry point (``miles``) and ``python -m miles``."""
+    """Console-script entry point (``miles``) and ``python -m miles``.
+
+    ``miles reproduce RUN_ID ...`` runs :mod:`miles.reproduce`; anything else is a Hydra command line.
+    """
+    if sys.argv[1:2] == ["reproduce"]:
+        from miles.reproduce import main as reproduce
+
+        raise SystemExit(reproduce(sys.argv[2:]))
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:

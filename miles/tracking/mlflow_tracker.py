@@ -1,10 +1,16 @@
 """MLflow tracking: one run per job, on a local SQLite file unless told otherwise.
 
-Each run logs the resolved config (``config/resolved.yaml``), the Hydra
-overrides, the command line, the git commit of the code, flattened params
-(within MLflow's key/value length and count limits: the full config is always
-in the artifact) and per-step metrics, batched into one ``log_batch`` call
-per step.
+Each run logs a snapshot of itself (:mod:`miles.tracking.snapshot`: resolved and
+composed config, overrides, command line, code version and diff, packages,
+machine, seed), the flattened config as params (within MLflow's limits: the full
+config is always in ``config/resolved.yaml``), per-step metrics, and at the end
+PNG plots of the run (:mod:`miles.tracking.plots`). Optionally MLflow's system
+metrics (CPU, memory, disk, network; GPU where present) every
+``tracking.system_metrics_interval_s``.
+
+Everything is sent by a background thread (:mod:`miles.tracking.outbox`): a slow
+or unreachable tracking server never stops or slows training; metrics wait in
+memory and are sent when it is back.
 """
 
 from __future__ import annotations
@@ -12,25 +18,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
-import sys
+import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from miles.config.schema import MilesConfig, TrackingConfig
+from miles.tracking.outbox import Outbox, RunSpec
+from miles.tracking.plots import History, write_plots
+from miles.tracking.snapshot import REDACTED, Launch, is_secret_key, write_snapshot
 
 log = logging.getLogger(__name__)
 
-# MLflow's limits (mlflow.utils.validation): param key 250 chars, value 6000 chars,
-# 100 params and 1000 metrics per log_batch call.
+# MLflow 3.x limits (mlflow.utils.validation): param key 250 chars (MAX_ENTITY_KEY_LENGTH), param value
+# 6000 chars (MAX_PARAM_VAL_LENGTH), tag value 8000 chars, 100 params+tags and 1000 metrics per log_batch.
 MAX_PARAM_KEY = 250
 MAX_PARAM_VALUE = 6000
-MAX_PARAMS_PER_BATCH = 100
-MAX_METRICS_PER_BATCH = 1000
-SECRET_WORDS = ("token", "password", "secret", "api_key", "apikey")
+MAX_TAG_VALUE = 8000
 
 
 def default_uri(cfg: TrackingConfig) -> str:
@@ -45,6 +52,16 @@ def artifact_location(uri: str) -> str | None:
     return None
 
 
+def bound_http_retries(timeout_s: float) -> None:
+    """Keep MLflow's own HTTP retries short (its defaults retry 7 times with backoff, for minutes).
+
+    The outbox retries on its own schedule, so one request should fail fast. Values the user set
+    in the environment win.
+    """
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout_s))))
+
+
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     """Dotted keys to string values; values under secret-looking keys are redacted."""
     out: dict[str, str] = {}
@@ -55,8 +72,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
         for i, v in enumerate(d):
             out.update(flatten(v, f"{prefix}.{i}"))
     else:
-        leaf = prefix.rsplit(".", 1)[-1].lower()
-        out[prefix] = "***" if d is not None and any(w in leaf for w in SECRET_WORDS) else str(d)
+        out[prefix] = REDACTED if d is not None and is_secret_key(prefix) else str(d)
     return out
 
 
@@ -71,68 +87,134 @@ def clamp_params(params: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def git_info() -> dict[str, str]:
-    """Commit and dirty flag of the repository the miles package is imported from ("unknown" outside git)."""
-    src = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return {"git_commit": commit, "git_dirty": str(dirty).lower()}
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": "unknown", "git_dirty": "unknown"}
+def clamp_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    return {k[:MAX_PARAM_KEY]: (v if len(v) <= MAX_TAG_VALUE else v[: MAX_TAG_VALUE - 3] + "...")
+            for k, v in tags.items()}
 
 
 class MlflowTracker:
-    """Logs one miles job as one MLflow run."""
+    """Logs one miles job as one MLflow run; never raises because of the tracking server."""
 
-    def __init__(self, run: MilesConfig, *, resolved_yaml: str, overrides: list[str], config_dict: Mapping[str, Any]):
-        import mlflow
-        from mlflow.tracking import MlflowClient
-
-        import miles
-
+    def __init__(
+        self,
+        run: MilesConfig,
+        *,
+        resolved_yaml: str,
+        overrides: Sequence[str],
+        config_dict: Mapping[str, Any],
+        launch: Launch | None = None,
+    ):
+        launch = launch or Launch()
+        self.cfg = run.tracking
         self.uri = default_uri(run.tracking)
-        mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
-        exp = self.client.get_experiment_by_name(run.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            run.tracking.experiment, artifact_location=artifact_location(self.uri)
-        )
+        bound_http_retries(run.tracking.request_timeout_s)
+        self.history = History()
+        self._tmp = Path(tempfile.mkdtemp(prefix="miles-tracking-"))
+        tags = write_snapshot(self._tmp / "snapshot", resolved_yaml=resolved_yaml, overrides=overrides, launch=launch)
+        tags["miles.seed"] = str(run.seed)
+        if launch.parent_run_id:
+            tags["mlflow.parentRunId"] = launch.parent_run_id
+        if launch.sweep_job is not None:
+            tags["miles.sweep.job"] = str(launch.sweep_job)
+        if launch.source_run_id:
+            tags["miles.reproduced_from"] = launch.source_run_id
+        tags.update(launch.tags)
         name = run.tracking.run_name or f"{run.algo.name}-{run.model.flavor}-{run.precision.name}-seed{run.seed}"
-        tags = {
-            "miles.command": " ".join([Path(sys.executable).name, "-m", "miles", *sys.argv[1:]]),
-            "miles.overrides": " ".join(overrides),
-            "miles.version": miles.__version__,
-            **{f"miles.{k}": v for k, v in git_info().items()},
-        }
-        self.run_id = self.client.create_run(exp_id, run_name=name, tags=tags).info.run_id
-        self._log_params(clamp_params(flatten(config_dict)))
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "resolved.yaml").write_text(resolved_yaml)
-            (Path(tmp) / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
-            self.client.log_artifacts(self.run_id, tmp, artifact_path="config")
-        log.info("MLflow run %s (%s) at %s", self.run_id, name, self.uri)
+        if launch.sweep_job is not None and not run.tracking.run_name:
+            name += f"-job{launch.sweep_job}"
+        self._monitor_stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        spec = RunSpec(
+            uri=self.uri, experiment=run.tracking.experiment, run_name=name, tags=clamp_tags(tags),
+            params=clamp_params(flatten(config_dict)), artifact_dir=self._tmp / "snapshot",
+            artifact_location=artifact_location(self.uri),
+        )
+        self._outbox = Outbox(spec)
+        if run.tracking.system_metrics:
+            self._start_system_metrics(run.tracking.system_metrics_interval_s)
 
-    def _log_params(self, params: dict[str, str]) -> None:
-        from mlflow.entities import Param
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the run exists on the server (None while it is unreachable)."""
+        return self._outbox.run_id
 
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i:i + MAX_PARAMS_PER_BATCH])
+    @property
+    def buffered(self) -> int:
+        """Metrics not yet sent."""
+        return self._outbox.buffered
+
+    def wait_for_run(self, timeout_s: float = 30.0) -> str | None:
+        """Block until the run exists on the server (or ``timeout_s`` passed); returns its id."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox.run_id is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._outbox.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """All metrics of one step in as few ``log_batch`` calls as the limits allow; non-finite values skipped."""
-        from mlflow.entities import Metric
-
+        """Queue one step's metrics (non-finite values are skipped); returns at once."""
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if math.isfinite(float(v))]
-        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
+        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        self.history.add(finite, step)
+        self._outbox.put_metrics([(k, v, now, step) for k, v in finite.items()])
+
+    def log_distributions(self, values: Mapping[str, Sequence[float]], step: int) -> None:
+        """Per-sample values of one step (e.g. ``train/reward``, ``rollout/response_len``).
+
+        Logged as quantile metrics ``<key>/p0 .. /p100`` that the MLflow UI charts per step, and kept
+        for the distribution plots at the end of the run.
+        """
+        out = {}
+        for key, vals in values.items():
+            vals = [float(v) for v in vals if math.isfinite(float(v))]
+            if vals:
+                out |= {f"{key}/p{q}": v for q, v in self.history.add_distribution(key, vals, step).items()}
+        if out:
+            self.log_metrics(out, step)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        """Plots and the metrics history as artifacts, then end the run (waiting at most ``tracking.flush_timeout_s``)."""
+        self._monitor_stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        if self.cfg.plots:
+            try:
+                self.history.write_csv(self._tmp / "final" / "metrics")
+                write_plots(self.history, self._tmp / "final" / "plots")
+                self._outbox.put_artifacts(self._tmp / "final")
+            except Exception as e:  # noqa: BLE001 - a plot must never fail the run
+                log.warning("could not draw the run's plots: %s: %s", type(e).__name__, e)
+        t0 = time.monotonic()
+        self._outbox.close(status, timeout_s=self.cfg.flush_timeout_s)
+        log.debug("tracking closed in %.2fs", time.monotonic() - t0)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _start_system_metrics(self, interval_s: float) -> None:
+        """Sample CPU/memory/disk/network (and GPU) with MLflow's monitors; logged as ``system/*`` metrics."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(run_id=None, sampling_interval=interval_s, tracking_uri=self.uri)
+        except Exception as e:  # noqa: BLE001 - psutil missing, or an MLflow without system metrics
+            log.warning("tracking.system_metrics: MLflow's system metrics are unavailable (%s: %s); "
+                        "install psutil (and nvidia-ml-py for GPUs)", type(e).__name__, e)
+            return
+
+        def sample() -> None:
+            step = 0
+            while not self._monitor_stop.wait(interval_s):
+                try:
+                    monitor.collect_metrics()
+                    metrics = {f"system/{k}": v for k, v in monitor.aggregate_metrics().items()}
+                    for m in monitor.monitors:
+                        m.clear_metrics()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("system metrics sampling stopped: %s: %s", type(e).__name__, e)
+                    return
+                self.log_metrics(metrics, step)
+                step += 1
+
+        self._monitor = threading.Thread(target=sample, name="miles-system-metrics", daemon=True)
+        self._monitor.start()
 
 
 class ConsoleTracker:
@@ -141,6 +223,9 @@ class ConsoleTracker:
     run_id = None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_distributions(self, values: Mapping[str, Sequence[float]], step: int) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:

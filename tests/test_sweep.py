@@ -1,0 +1,158 @@
+"""Sweeps in MLflow: a parent run per ``-m`` sweep, a child per job, a summary table; real Hydra and MLflow.
+
+The fast tests drive the callback through a small Hydra app (a job = one tracker run, no training),
+with the basic launcher and with the joblib launcher (jobs in other processes); the slow one runs
+``python -m miles -m algo=grpo,gspo`` with one-step jobs.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+APP = '''
+import dataclasses, hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from miles.config import validate
+from miles.config.schema import to_yaml_dict
+from miles.tracking.mlflow_tracker import MlflowTracker
+from miles.tracking.sweep import job_launch
+
+@hydra.main(version_base="1.3", config_path=".", config_name="app")
+def main(cfg):
+    if cfg.x == "fail":
+        raise RuntimeError("this job was asked to fail")
+    run = validate({"tracking": OmegaConf.to_container(cfg.tracking), "seed": int(cfg.x)})
+    tracker = MlflowTracker(run, resolved_yaml=OmegaConf.to_yaml(cfg), overrides=list(HydraConfig.get().overrides.task),
+                            config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=job_launch(cfg))
+    tracker.log_metrics({"eval/accuracy": int(cfg.x) / 10, "train/reward_mean": 0.5}, 1)
+    tracker.finish()
+    return int(cfg.x) / 10
+
+main()
+'''
+
+
+def _app(tmp_path: Path) -> Path:
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "app.yaml").write_text(textwrap.dedent(f"""\
+        x: 0
+        tracking: {{backend: mlflow, uri: "sqlite:///{tmp_path / 'mlruns.db'}", experiment: sweeps, plots: false}}
+        hydra:
+          callbacks:
+            mlflow_sweep: {{_target_: miles.tracking.sweep.MlflowSweepCallback}}
+          sweep: {{dir: "{tmp_path / 'multirun'}"}}
+        """))
+    return tmp_path / "app.py"
+
+
+def _run(args: list[str], cwd: Path, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p
+
+
+def _parent_and_children(uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("miles.sweep") == "true"]
+    assert len(parents) == 1, f"{len(parents)} parent runs"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(runs) == 1 + len(children), "every run of the sweep is the parent or one of its children"
+    return client, parents[0], children
+
+
+def _summary(client, parent_id: str, dest: Path) -> list[dict[str, str]]:
+    assert {a.path for a in client.list_artifacts(parent_id, "summary")} == {
+        "summary/summary.csv", "summary/summary.md", "summary/summary.html"}
+    local = client.download_artifacts(parent_id, "summary/summary.csv", str(dest))
+    return list(csv.DictReader(Path(local).open()))
+
+
+@pytest.mark.parametrize("launcher", ["basic", pytest.param("joblib", marks=pytest.mark.slow)])
+def test_sweep_logs_a_parent_with_one_child_per_job_and_a_summary(tmp_path: Path, launcher: str) -> None:
+    extra = []
+    if launcher == "joblib":
+        pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install -e '.[sweep]'")
+        extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    _run([str(_app(tmp_path)), "-m", "x=1,2", *extra], cwd=tmp_path)
+
+    client, parent, children = _parent_and_children(f"sqlite:///{tmp_path / 'mlruns.db'}", "sweeps")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["miles.launcher"] == launcher
+    assert sorted(c.data.tags["miles.overrides"] for c in children) == ["x=1", "x=2"]
+    assert sorted(c.data.tags["miles.sweep.job"] for c in children) == ["0", "1"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    rows = _summary(client, parent.info.run_id, tmp_path / "dl")
+    assert [(r["job"], r["overrides"], r["status"], float(r["return_value"]), float(r["eval/accuracy"]))
+            for r in rows] == [("0", "x=1", "COMPLETED", 0.1, 0.1), ("1", "x=2", "COMPLETED", 0.2, 0.2)]
+    assert [r["swept"] for r in rows] == ["x=1", "x=2"]
+    md = Path(client.download_artifacts(parent.info.run_id, "summary/summary.md", str(tmp_path / "md"))).read_text()
+    assert md.splitlines()[0].startswith("| job | swept | status | return_value | run_id | eval/accuracy |")
+    assert {r["run_id"] for r in rows} == {c.info.run_id for c in children}
+    assert parent.data.metrics["sweep/best_return"] == 0.2 and parent.data.metrics["sweep/best_job"] == 1
+
+
+def test_a_failed_job_fails_the_parent_and_shows_in_the_summary(tmp_path: Path) -> None:
+    p = _run([str(_app(tmp_path)), "-m", "x=1,fail"], cwd=tmp_path, check=False)
+    assert p.returncode != 0
+    client, parent, children = _parent_and_children(f"sqlite:///{tmp_path / 'mlruns.db'}", "sweeps")
+    assert parent.info.status == "FAILED"
+    assert [c.data.tags["miles.overrides"] for c in children] == ["x=1"]
+    rows = _summary(client, parent.info.run_id, tmp_path / "dl")
+    assert [(r["overrides"], r["status"]) for r in rows] == [("x=1", "COMPLETED"), ("x=fail", "FAILED")]
+    assert "this job was asked to fail" in rows[1]["error"]
+
+
+def test_miles_config_registers_the_sweep_callback() -> None:
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="miles.conf", version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    assert cfg.hydra.callbacks.mlflow_sweep._target_ == "miles.tracking.sweep.MlflowSweepCallback"
+
+
+def test_optuna_example_composes_and_validates() -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[sweep]'")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from miles.config import validate
+
+    with initialize_config_dir(config_dir=str(REPO / "examples"), version_base="1.3"):
+        cfg = compose(config_name="optuna_sweep", return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.hydra.sweeper.direction == "maximize"
+    (key,) = cfg.hydra.sweeper.params
+    run = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    assert key == "trainer.lr" and run.trainer.lr > 0 and run.tracking.experiment == "miles-optuna-lr"
+
+
+@pytest.mark.slow
+def test_miles_sweep_of_two_one_step_jobs(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    _run(["-m", "miles", "-m", "algo=grpo,gspo", "trainer.num_steps=1", "warm_start.steps=2",
+          f"warm_start.cache_dir={cache}", "task.num_eval_prompts=8", "algo.num_prompts_per_step=4",
+          "cluster.num_cpus=2"], cwd=tmp_path, timeout=600)
+    client, parent, children = _parent_and_children(f"sqlite:///{tmp_path / 'mlruns.db'}", "miles")
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    rows = _summary(client, parent.info.run_id, tmp_path / "dl")
+    assert [r["swept"] for r in rows] == ["algo=grpo", "algo=gspo"]
+    assert all("trainer.num_steps=1" in r["overrides"] for r in rows)
+    assert all(r["status"] == "COMPLETED" and r["eval/accuracy"] != "" for r in rows)
+    assert all(float(r["return_value"]) == float(r["eval/accuracy"]) for r in rows)
+    for c in children:
+        assert {a.path for a in client.list_artifacts(c.info.run_id, "plots")} >= {"plots/reward.png"}
