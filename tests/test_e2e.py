@@ -33,8 +33,11 @@ def test_sweep_runs_two_jobs_and_logs_each_to_mlflow(tmp_path: Path) -> None:
     assert db.is_file(), "the default tracking URI is sqlite:///mlruns.db in the working directory"
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("miles")
-    runs = client.search_runs([exp.experiment_id])
+    all_runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in all_runs if r.data.tags.get("miles.sweep") == "true"]
+    runs = [r for r in all_runs if r.data.tags.get("miles.sweep") != "true"]
     assert len(runs) == 2
+    assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in runs)
     assert sorted(r.data.params["seed"] for r in runs) == ["0", "1"]
     for r in runs:
         assert r.info.status == "FINISHED"

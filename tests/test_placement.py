@@ -133,7 +133,7 @@ def _generate(engine, ray) -> list:
 
 def test_colocate_engines_offload_and_restore(ray_cluster, tiny_qwen3_dir: Path) -> None:
     from miles.core.cluster import create_actors
-    from miles.weights.object_store import sync_weights
+    from miles.weights.sync import sync_weights
 
     run = _run({"cpus_per_bundle": 1.0, "ready_timeout_s": 30.0}, address="auto")
     actors = create_actors(run, str(tiny_qwen3_dir))

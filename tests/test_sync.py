@@ -14,7 +14,7 @@ from miles.core.types import GenerateRequest, SamplingParams, TrainBatch
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.fsdp import FSDPTrainer
 from miles.weights import sync as transports
-from miles.weights.object_store import sync_weights
+from miles.weights.sync import sync_weights
 
 ACTOR = dict(num_cpus=0.5, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 

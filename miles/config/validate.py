@@ -198,6 +198,33 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+    _check_algo_trainer_sync(run)
+
+
+def _check_algo_trainer_sync(run: MilesConfig) -> None:
+    """Ranges of the algorithm, trainer and weight-sync knobs: caught before anything starts."""
+    a, t, w = run.algo, run.trainer, run.weight_sync
+    unit = {"algo.gamma": a.gamma, "algo.lam": a.lam, "trainer.min_lr_ratio": t.min_lr_ratio}
+    for k, v in unit.items():
+        if not 0.0 <= v <= 1.0:
+            raise ConfigError(f"{k}: must be in [0, 1], found {v}")
+    for k, v in {"trainer.lr": t.lr, "algo.critic.lr": a.critic.lr, "weight_sync.bucket_mb": w.bucket_mb,
+                 "weight_sync.timeout_s": w.timeout_s}.items():
+        if not v > 0:
+            raise ConfigError(f"{k}: must be > 0, found {v}")
+    for k, v in {"trainer.max_tokens_per_microbatch": t.max_tokens_per_microbatch,
+                 "algo.overlong_buffer_len": a.overlong_buffer_len,
+                 "algo.overlong_penalty_factor": a.overlong_penalty_factor}.items():
+        if v < 0:
+            raise ConfigError(f"{k}: must be 0 or more (0 disables), found {v}")
+    if a.overlong_buffer_len >= run.rollout.max_new_tokens:
+        raise ConfigError(
+            f"algo.overlong_buffer_len ({a.overlong_buffer_len}) must be smaller than rollout.max_new_tokens "
+            f"({run.rollout.max_new_tokens}): the penalty ramps over the last overlong_buffer_len tokens"
+        )
+    if a.estimator == "gae" and a.policy_loss.target.endswith(".gspo_loss"):
+        raise ConfigError("algo.policy_loss: gspo_loss takes one advantage per sequence; with "
+                          "algo.estimator=gae (per-token advantages) use ppo_clip_loss or dual_clip_ppo_loss")
 
 
 # --- command-line pre-check ---------------------------------------------------------------------

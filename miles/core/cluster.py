@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -281,6 +281,8 @@ class Actors:
     """Whether :meth:`offload_engines` / :meth:`restore_engines` do anything (colocate + offload_engines)."""
     nodes: Mapping[str, list[str]] | None = None
     """Node id of each engine and trainer rank: ``{"engine": [...], "trainer": [...]}``."""
+    critics: list[Any] = field(default_factory=list)
+    """Critic ranks (``algo.estimator: gae``), their own torch.distributed group."""
 
     @property
     def num_threads(self) -> int:
@@ -313,10 +315,10 @@ class Actors:
 
     def shutdown(self) -> None:
         try:
-            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
+            ray.get([t.shutdown.remote() for t in self.trainers + self.critics], timeout=60)
         except Exception as e:  # a dead rank must not keep the driver from exiting
             log.warning("trainer shutdown failed: %s", e)
-        for a in self.engines + self.trainers:
+        for a in self.engines + self.trainers + self.critics:
             ray.kill(a)
         for pg in self.placement_groups:
             remove_placement_group(pg)
@@ -374,11 +376,25 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
         )
         for r in range(p.trainer_world_size)
     ]
+    critics = []
+    if run.algo.estimator == "gae":
+        from miles.train.critic import FSDPCritic
+
+        critic_cls, (addr, port) = ray.remote(FSDPCritic), rendezvous(run, trainer_pg)
+        critics = [
+            # the bundle's CPUs are already split between engine and trainer: the critic takes turns with them
+            critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads)).remote(
+                rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
+                checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads,
+            )
+            for r in range(p.trainer_world_size)
+        ]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
-                    trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines)
+                    trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines,
+                    critics=critics)
     try:
         # surface construction errors now, with the actor's traceback
-        ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers])
+        ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
     except BaseException:
         actors.shutdown()
         raise

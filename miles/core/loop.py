@@ -33,11 +33,13 @@ from typing import Any
 import ray
 import torch
 
+from miles.algos.gae import gae_from_lists
+from miles.algos.shaping import shape_overlong_rewards
 from miles.config.schema import MilesConfig
 from miles.core.progress import Progress
 from miles.core.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.rollout.manager import RolloutManager
-from miles.weights.object_store import sync_weights
+from miles.weights.sync import Transport, sync_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,16 @@ class LoopContext:
     engines: Sequence[Any]
     advantage_fn: Callable[[torch.Tensor], torch.Tensor]
     log_metrics: Callable[[dict[str, float], int], None]
+    critics: Sequence[Any] = ()
+    """Critic ranks (:class:`miles.train.critic.FSDPCritic`) when ``algo.estimator`` is ``gae``."""
+    transport: Transport | None = None
+    """Weight-sync transport (``weight_sync.transport``); None: the Ray object store."""
+    offload_engines: Callable[[], dict[str, float]] = dict
+    """colocate: engines release memory for the train step (:meth:`miles.core.cluster.Actors.offload_engines`)."""
+    restore_engines: Callable[[], dict[str, float]] = dict
+    """...and take it back before the weight sync."""
+    log_distributions: Callable[[dict[str, list[float]], int], None] | None = None
+    """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""
 
 
 def train(ctx: LoopContext) -> dict[str, float]:
@@ -83,23 +95,40 @@ def train(ctx: LoopContext) -> dict[str, float]:
         next_group_id += int(metrics["rollout/groups"])
         t1 = time.perf_counter()
 
-        # 3. advantages: how much better each response is than its siblings (failed ones sit out)
-        metrics |= assign_advantages(groups, ctx.advantage_fn)
+        # 3. advantages: how much better each response is than its siblings (failed ones sit out),
+        # or, with a critic (PPO), than the critic expected at each token (GAE)
+        if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
+            metrics |= shape_overlong(groups, run)
+        gae = algo.estimator == "gae"
+        metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
         samples = [s for g in groups for s in g]
         assert len(samples) % (algo.num_minibatches * run.placement.trainer_world_size) == 0
+        batch = TrainBatch.from_samples(samples)
+        if gae:
+            values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
+            batch.token_advantages, returns = gae_from_lists(
+                [s.reward for s in samples], values, batch.loss_mask,
+                gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
+            )
 
-        # 4. train: every rank gets the batch (once, through the object store) and takes its shard
+        # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
+        # the critic ranks regress their values on the GAE returns at the same time
+        metrics |= ctx.offload_engines()
         if metrics["train/trainable_samples"] > 0:
-            batch = ray.put(TrainBatch.from_samples(samples))
+            batch = ray.put(batch)
+            critic_step = [c.train_step.remote(batch, returns, values) for c in ctx.critics] if gae else []
             metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+            if critic_step:
+                metrics |= ray.get(critic_step)[0]
         elif all(s.status is Status.FAILED for s in samples):
             raise RuntimeError(f"step {step}: every sample failed ({_why_untrainable(samples)}); see the log above")
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
             log.warning("step %d: no trainable sample (%s); skipping the update", step, _why_untrainable(samples))
+        metrics |= ctx.restore_engines()
         t2 = time.perf_counter()
 
-        # 5. sync: the engines sample from the new weights from now on
-        metrics |= sync_weights(ctx.trainers, ctx.engines, version=step)
+        # 5. sync: the engines still in rotation sample from the new weights from now on
+        metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
         t3 = time.perf_counter()
 
         # 6. evaluate and log
@@ -110,6 +139,9 @@ def train(ctx: LoopContext) -> dict[str, float]:
             "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
         }
         ctx.log_metrics(metrics, step)
+        if ctx.log_distributions is not None:
+            ctx.log_distributions({"train/reward": [s.reward for s in samples],
+                                   "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
         progress.update(step, metrics)
     progress.close()
     return metrics
@@ -173,6 +205,19 @@ def assign_advantages(groups: Sequence[Sequence[Sample]], advantage_fn: Callable
             for sample, adv in zip(group, advs, strict=True):
                 sample.advantage = adv
     return reward_metrics(groups)
+
+
+def shape_overlong(groups: Sequence[Sequence[Sample]], run: MilesConfig) -> dict[str, float]:
+    """DAPO soft overlong punishment added to every sample's reward; the penalty's mean as a metric."""
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([[len(s.response_ids) for s in g] for g in groups])
+    shaped = shape_overlong_rewards(rewards, lengths, max_len=run.rollout.max_new_tokens,
+                                    buffer_len=run.algo.overlong_buffer_len,
+                                    penalty_factor=run.algo.overlong_penalty_factor)
+    for group, row in zip(groups, shaped.tolist(), strict=True):
+        for s, r in zip(group, row, strict=True):
+            s.reward = r
+    return {"train/overlong_penalty_mean": (shaped - rewards).mean().item()}
 
 
 def reward_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:

@@ -37,12 +37,24 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
                     for i, f in enumerate(run.rollout.filters)],
     }
     check_rollout_config(run.rollout)
-    # let the estimator reject the batch shape now (e.g. a group baseline with one sample per
-    # prompt), before any model is built or Ray starts
+    # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
+    # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts
+    from miles.algos.protocols import check_advantage_fn, check_policy_loss_fn
+
+    a = run.algo
     try:
-        parts["advantage_fn"](torch.zeros(run.algo.num_prompts_per_step, run.algo.num_samples_per_prompt))
+        if a.estimator == "group":  # PPO (gae) needs no group and never calls it
+            check_advantage_fn(parts["advantage_fn"], num_samples=a.num_samples_per_prompt)
     except ValueError as e:
         raise ConfigError(f"algo.advantage: {e}") from None
+    if not a.policy_loss.partial:
+        raise ConfigError("algo.policy_loss._partial_: must be true (the trainer calls the loss per "
+                          f"mini-batch), found false for '{a.policy_loss.target}'")
+    loss_fn = build(a.policy_loss, allow=allow, key="algo.policy_loss", clip_low=a.clip_low, clip_high=a.clip_high)
+    try:
+        check_policy_loss_fn(loss_fn, per_token=a.estimator == "gae")
+    except ValueError as e:
+        raise ConfigError(f"algo.policy_loss: {e}") from None
     return parts
 
 
@@ -68,6 +80,7 @@ def run_job(
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.tracking.mlflow_tracker import make_tracker
+    from miles.weights.sync import make_transport
 
     t_start = time.perf_counter()
     random.seed(run.seed)
@@ -79,7 +92,7 @@ def run_job(
     tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
                            config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
     started_ray = start_ray(run)
-    actors = rollout = reward = None
+    actors = rollout = reward = transport = None
     status = "FAILED"
     try:
         reward = RewardRunner(  # its workers start while Ray does
@@ -89,11 +102,15 @@ def run_job(
         actors = create_actors(run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor",
                  time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads)
+        transport = make_transport(run.weight_sync, actors.trainers, actors.engines)
         rollout = RolloutManager(actors.engines, tokenizer, reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=rollout,
             trainers=actors.trainers, engines=actors.engines, advantage_fn=parts["advantage_fn"],
+            critics=actors.critics, transport=transport,
+            offload_engines=actors.offload_engines, restore_engines=actors.restore_engines,
+            log_distributions=tracker.log_distributions,
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
         final = train(ctx)
@@ -110,6 +127,8 @@ def run_job(
         tracker.finish(status)
         if rollout is not None:
             rollout.close()
+        if transport is not None:
+            transport.close()
         if reward is not None:
             reward.close()
         if actors is not None:

@@ -7,7 +7,7 @@ re-tokenized: the trainer sees exactly the ids the engine sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,6 +38,10 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 8
     greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the model's EOS (kept in the response)
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded response (needs a tokenizer)
+    seed: int | None = None  # per-request seed when GenerateRequest.seed is None
+    logprobs_top_k: int = 0  # also report the k most likely tokens' log-probs at each step (0: off)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,7 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...]
     n: int = 1
     seed: int | None = None
+    sampling: SamplingParams | None = None  # overrides the generate() call's default sampling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +65,9 @@ class GenerateResult:
     logprobs: tuple[float, ...]  # log-prob of each response token, same length
     status: Status
     weight_version: int
+    finish_reason: str = ""  # "eos", "stop_token", "stop_string", "length" or "abort"
+    top_logprobs: tuple | None = None  # per token: ((token_id, logprob), ...) most likely first
+    routing: Any = field(default=None, compare=False)  # MoE: int16 tensor [T, moe_layers, top_k]
 
 
 @dataclass(kw_only=True)
@@ -78,8 +86,17 @@ class Sample:
     response_text: str = ""
     reward: float = 0.0
     advantage: float = 0.0
-    failure: str | None = None
+    failure: str | None = None  # why generation or reward failed (status FAILED)
     metadata: dict[str, Any] = field(default_factory=dict)
+    filtered: str | None = None  # why a sample filter dropped this sample's group (kept only to fill the batch)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the sample enters the loss and its group's reward statistics.
+
+        Completed or truncated, scored without failure, and not in a filtered-out group.
+        """
+        return self.status in (Status.COMPLETED, Status.TRUNCATED) and self.failure is None and self.filtered is None
 
 
 @dataclass(kw_only=True)
@@ -91,9 +108,18 @@ class TrainBatch:
     rollout_logprobs: list[list[float]]
     loss_mask: list[list[int]]
     advantages: list[float]
+    token_advantages: list[list[float]] | None = None
+    """Per response token advantages (PPO/GAE); when set they replace ``advantages`` broadcast over tokens."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def select(self, indices: list[int]) -> TrainBatch:
+        """The samples at ``indices`` (in that order); every per-sample field is kept in step."""
+        return TrainBatch(**{
+            f.name: None if getattr(self, f.name) is None else [getattr(self, f.name)[i] for i in indices]
+            for f in fields(self)
+        })
 
     @classmethod
     def from_samples(cls, samples: list[Sample]) -> TrainBatch:
@@ -108,11 +134,4 @@ class TrainBatch:
     def shard(self, rank: int, world_size: int) -> TrainBatch:
         """Contiguous slice for one data-parallel rank (len must divide evenly)."""
         n = len(self) // world_size
-        sl = slice(rank * n, (rank + 1) * n)
-        return TrainBatch(
-            prompt_ids=self.prompt_ids[sl],
-            response_ids=self.response_ids[sl],
-            rollout_logprobs=self.rollout_logprobs[sl],
-            loss_mask=self.loss_mask[sl],
-            advantages=self.advantages[sl],
-        )
+        return self.select(list(range(rank * n, (rank + 1) * n)))

@@ -122,6 +122,11 @@ class RolloutManager:
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
         self.reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward")
 
+    @property
+    def live_engines(self) -> list[Any]:
+        """The engines still in rotation (an engine that died is taken out for the rest of the run)."""
+        return [self.pool.engines[i] for i in self.pool.alive]
+
     # ---- prompts and groups -----------------------------------------------------------------------
 
     def encode(self, prompt: str) -> tuple[int, ...]:

@@ -336,19 +336,6 @@ class FSDPTrainer:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else None
 
-    def publish_weights(self) -> list | None:
-        """Collective. Rank 0 puts the full state dict in the Ray object store and returns ``[ref]``.
-
-        The list keeps Ray from resolving the ref when it is returned; the driver passes the ref on
-        to the engines' ``update_weights(state_dict, version)``. Other ranks return None.
-        """
-        sd = self.full_state_dict()
-        if sd is None:
-            return None
-        import ray
-
-        return [ray.put(sd)]
-
     def send_weights(self, sender: Any, version: int) -> Any:
         """Collective. Rank 0 hands the full state dict to ``sender.send(state_dict, version)`` and returns
         what it returns (:mod:`miles.weights.sync`); other ranks return None."""

@@ -1,0 +1,245 @@
+"""``python -m miles.bench e2e``: one GRPO run with miles and one with TRL's ``GRPOTrainer``, same settings.
+
+Both sides get the same checkpoint (model and tokenizer, built by miles from the
+workload's config), the same task and chat template, prompts per step, samples
+per prompt, max new tokens, temperature, learning rate and warmup, clip range,
+loss aggregation (token mean over the batch: TRL's ``loss_type="dapo"``), group
+reward scaling, no KL, no dropout, and the same number of steps. They run one
+after the other in this process's command, with the same CPU budget: TRL in
+this process with ``--threads`` torch threads; miles with its actors at the
+same thread count (colocated engine and trainer take turns, as TRL's
+generation and training do).
+
+Workloads:
+
+* ``short``: the default tiny model and ``largest`` task, answers of at most
+  8 tokens, 8 prompts x 8 samples. Per-step fixed costs dominate here (Ray
+  calls, weight sync, process hops on the miles side).
+* ``long``: the ``20m`` Qwen3 flavor (19M parameters) on the ``count`` task,
+  whose answers run from one number to 64 (a few to ~190 tokens), 16 prompts x
+  8 samples, 192 max new tokens. Generation and padding dominate here.
+
+Step time is the median over steps 2..N (step 1 pays one-time warmup on both
+sides). Eval accuracy is measured for both by the same function
+(:func:`miles.core.loop.evaluate`: pass@1 from ``rollout.eval_samples_per_prompt``
+samples on the task's held-out prompts), on miles' final weights inside its run
+and on TRL's final model saved and loaded into a miles engine.
+
+The last line printed is JSON: per workload ``step_time_s_miles``,
+``step_time_s_trl``, ``ratio_step_time_trl_over_miles``, ``eval_accuracy_miles``,
+``eval_accuracy_trl`` (and the settings). TRL is the optional ``bench`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("miles.bench.e2e")
+
+WORKLOADS: dict[str, list[str]] = {
+    "short": [
+        "model=qwen3", "task=largest", "algo=grpo", "algo.num_prompts_per_step=8",
+        "algo.num_samples_per_prompt=8", "rollout.max_new_tokens=8",
+    ],
+    "long": [
+        "model=qwen3", "model.flavor=20m", "task=count", "algo=grpo", "algo.num_prompts_per_step=16",
+        "algo.num_samples_per_prompt=8", "rollout.max_new_tokens=192", "warm_start.steps=40",
+        "warm_start.batch_size=32", "warm_start.lr=2e-3", "task.num_eval_prompts=32",
+    ],
+}
+"""Config overrides of each workload (on top of the defaults), before the shared ones."""
+
+
+def compose(overrides: list[str]) -> tuple[Any, str]:
+    """Hydra-compose ``miles.conf`` with ``overrides``; returns (validated MilesConfig, resolved YAML)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    from miles.config import register_schemas, validate
+
+    register_schemas()
+    with initialize_config_module(config_module="miles.conf", version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    return validate(cfg), OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def run_miles(run: Any, resolved: str, overrides: list[str]) -> dict[str, Any]:
+    """One miles job; per-step times from the loop's metrics, final eval from the job."""
+    from miles.core.run import run_job
+
+    steps: list[float] = []
+
+    def on_metrics(metrics: dict[str, float], step: int) -> None:
+        if step >= 1 and "perf/step_time_s" in metrics:
+            steps.append(metrics["perf/step_time_s"])
+
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=on_metrics)
+    return {"step_times": steps, "eval_accuracy": final["eval/accuracy"], "reward_mean": final.get("train/reward_mean")}
+
+
+def run_trl(run: Any, checkpoint: Path, task: Any, reward_fn: Any, threads: int, out_dir: Path) -> dict[str, Any]:
+    """TRL ``GRPOTrainer`` with the same settings; returns per-step times and the saved model dir."""
+    import random
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    a, r, t = run.algo, run.rollout, run.trainer
+    rng = random.Random(run.seed)
+    problems = task.sample(a.num_prompts_per_step * t.num_steps, rng)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "label": p.label}
+                              for p in problems])
+
+    def reward(completions: list[Any], label: list[Any], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(reward_fn(x, y)) for x, y in zip(texts, label, strict=True)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            self.times.append(time.perf_counter() - self._t0)
+
+    config = GRPOConfig(
+        output_dir=str(out_dir / "trl"), max_steps=t.num_steps, per_device_train_batch_size=a.num_prompts_per_step
+        * a.num_samples_per_prompt, gradient_accumulation_steps=1, num_generations=a.num_samples_per_prompt,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        learning_rate=t.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=t.lr_warmup_steps,
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        epsilon=a.clip_low, epsilon_high=a.clip_high, beta=0.0, loss_type="dapo", scale_rewards="group",
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=run.seed,
+        disable_dropout=True, shuffle_dataset=False, dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    saved = out_dir / "trl-final"
+    trainer.model.save_pretrained(saved, safe_serialization=True)
+    tokenizer.save_pretrained(saved)
+    model.generation_config.save_pretrained(saved)
+    return {"step_times": timer.times, "model_dir": saved}
+
+
+def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> float:
+    """``eval/accuracy`` of ``checkpoint`` by the loop's own evaluation, on one engine actor."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from miles.core.cluster import ENGINE_MAX_CONCURRENCY, start_ray
+    from miles.core.loop import LoopContext, evaluate
+    from miles.rewards import RewardRunner
+    from miles.rollout.manager import RolloutManager
+    from miles.rollout.torch_engine import TorchEngine
+
+    started = start_ray(run)
+    reward = RewardRunner(run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
+                          num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)
+    rollout = None
+    try:
+        engine = ray.remote(TorchEngine).options(num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
+            str(checkpoint), run.precision, seed=run.seed, num_threads=run.placement.torch_threads_per_actor or 2)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        rollout = RolloutManager([engine], tokenizer, reward, config=run.rollout)
+        ctx = LoopContext(run=run, task=task, rollout=rollout, trainers=[],
+                          engines=[engine], advantage_fn=lambda x: x, log_metrics=lambda m, s: None)
+        return float(evaluate(ctx, task.eval_problems(run.task.num_eval_prompts))["eval/accuracy"])
+    finally:
+        if rollout is not None:
+            rollout.close()
+        reward.close()
+        if started:
+            ray.shutdown()
+
+
+def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_dir: Path) -> dict[str, Any]:
+    from miles.core.run import build_components
+    from miles.models.checkpoint import ensure_checkpoint
+
+    overrides = [*WORKLOADS[name], f"trainer.num_steps={steps}", "trainer.eval_every=0", "tracking=none",
+                 f"placement.torch_threads_per_actor={threads}", *extra]
+    run, resolved = compose(overrides)
+    parts = build_components(run)
+    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
+    log.info("[%s] miles: %s", name, " ".join(overrides))
+    miles_out = run_miles(run, resolved, overrides)
+    log.info("[%s] TRL GRPOTrainer", name)
+    trl_out = run_trl(run, checkpoint, parts["task"], parts["reward_fn"], threads, out_dir / name)
+    trl_acc = eval_checkpoint(run, trl_out["model_dir"], parts["task"])
+
+    def median_after_first(xs: list[float]) -> float:
+        return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+    s_miles, s_trl = median_after_first(miles_out["step_times"]), median_after_first(trl_out["step_times"])
+    a = run.algo
+    return {
+        "step_time_s_miles": round(s_miles, 4),
+        "step_time_s_trl": round(s_trl, 4),
+        "ratio_step_time_trl_over_miles": round(s_trl / s_miles, 3),
+        "eval_accuracy_miles": round(miles_out["eval_accuracy"], 4),
+        "eval_accuracy_trl": round(trl_acc, 4),
+        "steps": steps,
+        "prompts_per_step": a.num_prompts_per_step,
+        "samples_per_prompt": a.num_samples_per_prompt,
+        "max_new_tokens": run.rollout.max_new_tokens,
+        "model": f"{run.model.target.rsplit('.', 1)[-1]}/{run.model.flavor}",
+        "task": run.task.name,
+        "threads": threads,
+        "step_times_miles": [round(x, 4) for x in miles_out["step_times"]],
+        "step_times_trl": [round(x, 4) for x in trl_out["step_times"]],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.bench e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="short,long", help="comma-separated: short, long")
+    p.add_argument("--steps", type=int, default=6, help="RL steps per side (the median skips step 1)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process on each side")
+    p.add_argument("--override", action="append", default=[], help="extra miles config override (repeatable)")
+    args = p.parse_args(argv)
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; valid: {', '.join(WORKLOADS)}")
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the median skips step 1)")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("miles.bench e2e needs TRL: pip install 'miles-rl[bench]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="miles-bench-e2e-") as tmp:
+        for name in names:
+            result[name] = bench_workload(name, args.steps, args.threads, args.override, Path(tmp))
+            w = result[name]
+            print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
+                  f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
+                  f"{w['eval_accuracy_miles']:.3f}, TRL {w['eval_accuracy_trl']:.3f}", flush=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
