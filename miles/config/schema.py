@@ -97,6 +97,38 @@ class AlgoConfig:
     """How per-token losses become one number (*_norm divides by rollout.max_new_tokens, Dr. GRPO)."""
     num_minibatches: int = 1
     """Optimizer steps per rollout: the batch is split into this many mini-batches."""
+    estimator: Literal["group", "gae"] = "group"
+    """Advantage source: ``group`` calls ``advantage`` on the [G, n] rewards; ``gae`` uses the critic + GAE per token."""
+    gamma: float = 1.0
+    """GAE discount in [0, 1] (``estimator: gae``)."""
+    lam: float = 0.95
+    """GAE lambda in [0, 1] (``estimator: gae``)."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over the batch's valid tokens (``estimator: gae``)."""
+    critic: CriticConfig = field(default_factory=lambda: CriticConfig())
+    """The learned value function (``estimator: gae`` only)."""
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong punishment: ramp to -1 over the last this many tokens before rollout.max_new_tokens (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong punishment (0: off)."""
+
+
+@dataclass(**_frozen)
+class CriticConfig:
+    """The value model of PPO (``algo.estimator: gae``): same checkpoint as the policy plus a value head."""
+
+    lr: float = 1.0e-3
+    """AdamW learning rate of the critic."""
+    lr_warmup_steps: int = 0
+    """Critic optimizer steps over which its learning rate rises linearly to ``lr`` (0: none)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas of the critic."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the critic."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip of the critic (0 disables)."""
+    value_clip: float | None = 0.5
+    """New values stay within this of the rollout-time values in the loss (PPO2 value clip); null disables."""
 
 
 @dataclass(**_frozen)
@@ -123,20 +155,30 @@ class PrecisionConfig:
 
 @dataclass(**_frozen)
 class PlacementConfig:
-    """Where actors live: a Ray placement group shared (colocate) by engines and trainers."""
+    """Where actors live: Ray placement groups shared by engines and trainers (colocate) or one per pool."""
 
-    name: str = "colocate"
-    """Placement strategy."""
+    name: Literal["colocate", "disaggregated"] = "colocate"
+    """``colocate``: engines and trainer ranks share bundles and take turns; ``disaggregated``: separate pools."""
     num_engines: int = 1
     """Rollout engine actors."""
     trainer_world_size: int = 1
     """Trainer rank actors (one torch.distributed group)."""
     cpus_per_bundle: float = 1.0
-    """CPUs reserved per placement bundle (one bundle per trainer rank or engine)."""
+    """colocate: CPUs per shared bundle (max(num_engines, trainer_world_size) bundles)."""
+    cpus_per_engine: float = 1.0
+    """disaggregated: CPUs per engine bundle (engine pool: num_engines bundles)."""
+    cpus_per_trainer_rank: float = 1.0
+    """disaggregated: CPUs per trainer-rank bundle (trainer pool: trainer_world_size bundles)."""
+    engine_resources: Mapping[str, float] | None = None
+    """Custom Ray resources per engine bundle, e.g. ``{node2: 1}`` (colocate: added to each shared bundle)."""
+    trainer_resources: Mapping[str, float] | None = None
+    """Custom Ray resources per trainer-rank bundle (colocate: added to each shared bundle)."""
+    offload_engines: bool = True
+    """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated."""
     torch_threads_per_actor: int = 0
-    """torch threads in each actor; 0 picks cluster CPUs / actors running at once."""
+    """torch threads in each actor; 0: colocate splits the CPUs among actors busy at once, disaggregated uses the actor's own bundle."""
     ready_timeout_s: float = 60.0
-    """How long to wait for the placement group before failing with the numbers."""
+    """How long to wait for the placement group(s) before failing with the numbers."""
 
 
 @dataclass(**_frozen)
@@ -159,6 +201,22 @@ class RolloutConfig:
     """Sampling temperature of ``eval/accuracy`` (0: greedy, one sample per prompt)."""
     eval_samples_per_prompt: int = 4
     """Samples per held-out prompt; ``eval/accuracy`` is their mean reward (pass@1 estimated from k samples)."""
+    generate_fn: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.rollout.generate.single_turn", partial=True)
+    )
+    """Per-prompt ``async (ctx, problem, sampling) -> list[Sample]`` (see :mod:`miles.rollout.protocols`)."""
+    filters: tuple[TargetConfig, ...] = ()
+    """Group filters ``(group) -> (keep, reason)`` on training rollouts, e.g. ``miles.rollout.filters.nonzero_reward_std``."""
+    max_oversample_rounds: int = 3
+    """Extra rollout rounds that refill a batch whose groups the filters dropped (0: never refill)."""
+    request_timeout_s: float = 600.0
+    """Deadline of one engine call; past it the call is aborted and its requests retried elsewhere."""
+    max_retries: int = 2
+    """Retries of a request after a timeout, an engine error or a dead engine; then its group fails."""
+    max_inflight_samples_per_engine: int = 256
+    """Samples in flight per engine; more wait in the manager's queue for the first engine with room."""
+    max_requests_per_call: int = 32
+    """Queued requests sent together in one engine call (1: every request its own call)."""
 
 
 @dataclass(**_frozen)
@@ -177,8 +235,16 @@ class TrainerConfig:
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: constant, or linear/cosine decay to ``min_lr_ratio * lr`` at step num_steps x num_minibatches."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of a decaying ``lr_schedule``, as a fraction of ``lr`` (0 to 1)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip (0 disables)."""
+    max_tokens_per_microbatch: int = 0
+    """Padded tokens (rows x longest row) per forward/backward; gradients accumulate over passes (0: one pass)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of storing them."""
     eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
 
@@ -198,7 +264,13 @@ class TaskConfig:
     reward: TargetConfig = field(
         default_factory=lambda: TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
     )
-    """Reward function ``(response_text, label) -> float``."""
+    """Reward function ``(response_text, label) -> float`` (``reward_kind: group``: ``(responses, label) -> list``)."""
+    reward_kind: Literal["sample", "group"] = "sample"
+    """``sample``: one reward call per response; ``group``: one call per prompt's group of responses."""
+    reward_timeout_s: float = 10.0
+    """Deadline of one reward call, run in a worker process (miles.rewards.runner); 0: in-process, no deadline."""
+    reward_num_workers: int = 1
+    """Reward worker processes (each call's items are split among them)."""
     num_eval_prompts: int = 128
     """Size of the held-out evaluation set."""
 
@@ -215,6 +287,16 @@ class TrackingConfig:
     """MLflow experiment name."""
     run_name: str | None = None
     """MLflow run name (default: algo-model-precision-seed)."""
+    plots: bool = True
+    """At the end of the run, PNG plots (reward, eval accuracy, response length, phase times) as artifacts."""
+    system_metrics: bool = False
+    """Log MLflow's system metrics (CPU, memory, disk, network; GPU with nvidia-ml-py) as ``system/*``."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between system-metric samples."""
+    request_timeout_s: float = 10.0
+    """Timeout of one request to the tracking server (sets ``MLFLOW_HTTP_REQUEST_TIMEOUT`` unless set)."""
+    flush_timeout_s: float = 30.0
+    """At the end of the run, wait at most this long for buffered data to reach the server."""
 
 
 @dataclass(**_frozen)
@@ -233,6 +315,24 @@ class PluginsConfig:
 
     allow: tuple[str, ...] = ()
     """Extra ``_target_`` prefixes allowed besides ``miles.`` and ``torch.optim.``."""
+
+
+@dataclass(**_frozen)
+class WeightSyncConfig:
+    """How each new version of the weights travels from trainer rank 0 to the engines (miles.weights)."""
+
+    transport: Literal["object_store", "broadcast", "disk", "shm"] = "object_store"
+    """``object_store`` (Ray), ``broadcast`` (gloo/NCCL group), ``disk`` (safetensors), ``shm`` (/dev/shm, one node)."""
+    bucket_mb: float = 128.0
+    """broadcast: MiB per flattened bucket (bounds the sender's staging memory)."""
+    broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """broadcast: collective backend; ``auto`` is NCCL when the process sees CUDA, else gloo."""
+    timeout_s: float = 120.0
+    """broadcast: seconds a rank waits for the others (rendezvous and each bucket) before the sync fails."""
+    disk_dir: str | None = None
+    """disk: directory of the version directories (null: a fresh temp dir; several nodes need a shared one)."""
+    shm_dir: str = "/dev/shm"
+    """shm: tmpfs directory of the shared-memory segment (engines must be on trainer rank 0's node)."""
 
 
 @dataclass(**_frozen)
@@ -262,6 +362,8 @@ class MilesConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray cluster."""
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight-sync transport axis (``weight_sync=``)."""
     """User code allowed in ``_target_``."""
 
 
@@ -275,6 +377,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "trainer": TrainerConfig,
     "task": TaskConfig,
     "tracking": TrackingConfig,
+    "weight_sync": WeightSyncConfig,
 }
 
 
