@@ -1,9 +1,11 @@
-"""TorchEngine: log-probs vs teacher forcing, left padding, stops, seeding, weight sync, fp8, Ray actor."""
+"""TorchEngine: continuous batching vs teacher forcing, stops, per-request params, seeding, control, routing."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,22 +21,28 @@ FP32 = PrecisionConfig()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=10)
 
 
-def _requests(lengths: list[int], n: int = 2, seed0: int | None = 0) -> list[GenerateRequest]:
-    """Prompts of the given lengths, token ids in [3, 90)."""
+def _requests(lengths: list[int], n: int = 2, seed0: int | None = 0, sampling: list | None = None
+              ) -> list[GenerateRequest]:
+    """Prompts of the given lengths, token ids in [3, 90); optional per-request sampling."""
     return [
         GenerateRequest(request_id=f"r{i}", prompt_ids=tuple(3 + (7 * i + 5 * t) % 87 for t in range(length)),
-                        n=n, seed=None if seed0 is None else seed0 + i)
+                        n=n, seed=None if seed0 is None else seed0 + i,
+                        sampling=None if sampling is None else sampling[i])
         for i, length in enumerate(lengths)
     ]
+
+
+def _forward_logits(model, prompt: tuple[int, ...], response: tuple[int, ...]) -> torch.Tensor:
+    """Logits that score ``response`` from one unpadded forward over prompt + response: [R, V]."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
 
 
 def _teacher_forced(model, prompt: tuple[int, ...], response: tuple[int, ...], temperature: float
                     ) -> torch.Tensor:
     """Log-probs of ``response`` from one unpadded forward over prompt + response: [R]."""
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-    return token_logprobs(logits, ids[0, len(prompt) :], temperature)
+    return token_logprobs(_forward_logits(model, prompt, response), torch.tensor(response), temperature)
 
 
 def _hf_model(path: Path, sd: dict[str, torch.Tensor] | None = None):
@@ -57,9 +65,52 @@ def _assert_results_shape(results: list[GenerateResult], reqs: list[GenerateRequ
     for r in results:
         assert len(r.response_ids) == len(r.logprobs) >= 1
         if r.status == Status.TRUNCATED:
-            assert len(r.response_ids) == max_new and 2 not in r.response_ids
+            assert len(r.response_ids) == max_new and 2 not in r.response_ids and r.finish_reason == "length"
         else:
             assert r.status == Status.COMPLETED and r.response_ids[-1] == 2 and 2 not in r.response_ids[:-1]
+            assert r.finish_reason == "eos"
+
+
+def _assert_logprobs_exact(results, reqs, model, temperature: float) -> None:
+    prompts = {q.request_id: q.prompt_ids for q in reqs}
+    for r in results:
+        ref = _teacher_forced(model, prompts[r.request_id], r.response_ids, temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def _in_thread(fn, *args):
+    """Run ``fn(*args)`` in a thread; returns (thread, box) where box[0] is the result or exception."""
+    box: list = []
+
+    def run():
+        try:
+            box.append(fn(*args))
+        except Exception as e:  # noqa: BLE001 - re-raised by the test
+            box.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out waiting for the engine"
+        time.sleep(0.001)
+
+
+def _spy_forward(eng: TorchEngine) -> list[torch.Tensor]:
+    """Record the position_ids [B, T] of every model forward the engine runs (prefill or decode)."""
+    calls: list[torch.Tensor] = []
+    forward = eng._forward
+
+    def spy(ids, mask, position_ids):
+        calls.append(position_ids.clone())
+        return forward(ids, mask, position_ids)
+
+    eng._forward = spy
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -68,32 +119,53 @@ def engine(tiny_qwen3_dir: Path) -> TorchEngine:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
-def test_logprobs_match_teacher_forcing_with_left_padding(fixture: str, request: pytest.FixtureRequest
-                                                          ) -> None:
+def test_rows_joining_mid_batch_match_teacher_forcing(fixture: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(fixture)
-    eng = TorchEngine(str(path), FP32, max_batch_size=5)  # 3 chunks: chunking must not matter either
-    reqs = _requests([1, 9, 4, 17, 2, 6], n=2)
-    calls: list[dict] = []
-    eng.model.register_forward_pre_hook(lambda _m, _a, kw: calls.append(kw), with_kwargs=True)
-    results = eng.generate(reqs, SAMPLED)
-    # RoPE is shift-invariant, so log-probs cannot see position ids: check them directly.
-    # Prefill of chunk 1 (rows r0,r0,r1,r1,r2): real tokens count from 0, decode continues.
-    mask, pos = calls[0]["attention_mask"], calls[0]["position_ids"]
-    for b, length in enumerate([1, 1, 9, 9, 4]):
-        assert mask[b].tolist() == [0] * (9 - length) + [1] * length
-        assert pos[b, 9 - length :].tolist() == list(range(length))
-    assert calls[1]["position_ids"][:, 0].tolist() == [1, 1, 9, 9, 4]
-    _assert_results_shape(results, reqs, SAMPLED.max_new_tokens)
-    model = _hf_model(path)
-    prompts = {q.request_id: q.prompt_ids for q in reqs}
-    for r in results:
-        ref = _teacher_forced(model, prompts[r.request_id], r.response_ids, SAMPLED.temperature)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
-    # A request alone (no padding, no neighbours) samples the same tokens with the same numbers.
-    alone = eng.generate([reqs[0]], SAMPLED)
-    for a, b in zip(alone, results[:2], strict=True):
-        assert a.response_ids == b.response_ids
+    eng = TorchEngine(str(path), FP32, max_batch_size=5)  # 12 rows through 5 slots
+    lengths, max_new = [1, 9, 4, 17, 2, 6], [3, 12, 5, 9, 2, 7]
+    reqs = _requests(lengths, n=2, sampling=[SamplingParams(temperature=0.8, top_p=0.9, top_k=40,
+                                                            max_new_tokens=m) for m in max_new])
+    calls = _spy_forward(eng)  # position_ids of each forward
+    results = eng.generate(reqs)
+    calls = [c[:, 0].tolist() for c in calls]  # first position of each row
+    # Prefill forwards start every row at position 0; decode rows are at >= 1. A prefill after the first
+    # decode step means rows joined a running batch; a decode batch never exceeds the 5 slots.
+    kinds = ["prefill" if all(p == 0 for p in c) else "decode" for c in calls]
+    assert kinds[0] == "prefill" and "prefill" in kinds[kinds.index("decode"):]
+    assert max(len(c) for c, k in zip(calls, kinds, strict=True) if k == "decode") == 5
+    # a request's 2 completions share one prefill row; never more distinct prompts than slots
+    assert all(len(c) <= 5 for c in calls)
+    assert [(r.request_id, r.index) for r in results] == [(q.request_id, j) for q in reqs for j in range(2)]
+    for r, q in zip(results, [q for q in reqs for _ in range(2)], strict=True):
+        assert r.status in (Status.COMPLETED, Status.TRUNCATED)
+        assert len(r.response_ids) <= q.sampling.max_new_tokens
+        assert r.status == Status.COMPLETED or len(r.response_ids) == q.sampling.max_new_tokens
+    _assert_logprobs_exact(results, reqs, _hf_model(path), 0.8)
+    # Batch composition does not matter: the same request alone gives the same tokens and numbers.
+    for i in (0, 3):
+        alone = eng.generate([reqs[i]])
+        for a, b in zip(alone, results[2 * i : 2 * i + 2], strict=True):
+            assert a.response_ids == b.response_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    eng.close()
+
+
+def test_seeded_request_ignores_its_neighbours(tiny_qwen3_dir) -> None:
+    target = GenerateRequest(request_id="t", prompt_ids=(5, 17, 33, 8), n=3, seed=42)
+    sp = SamplingParams(temperature=1.2, max_new_tokens=40)
+    alone = TorchEngine(str(tiny_qwen3_dir), FP32, seed=1).generate([target], sp)
+    # Other engine seed, 4 slots, neighbours with other params that join and leave around it.
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=7, max_batch_size=4)
+    others = _requests([3, 11, 6, 2], n=2, seed0=None, sampling=[
+        SamplingParams(greedy=True, max_new_tokens=5), SamplingParams(top_k=3, max_new_tokens=17),
+        SamplingParams(temperature=0.5, top_p=0.5, max_new_tokens=2),
+        SamplingParams(max_new_tokens=30, stop_token_ids=(7, 8, 9))])  # joins later, with more stop ids
+    mixed = eng.generate(others[:2] + [target] + others[2:], sp)
+    got = [r for r in mixed if r.request_id == "t"]
+    assert [r.response_ids for r in got] == [r.response_ids for r in alone]
+    for a, b in zip(got, alone, strict=True):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert len({r.response_ids for r in alone}) > 1  # the n completions are different samples
 
 
 def test_greedy_logprobs_are_temperature_one_and_top_k_1_is_greedy(engine: TorchEngine, tiny_qwen3_dir
@@ -106,11 +178,9 @@ def test_greedy_logprobs_are_temperature_one_and_top_k_1_is_greedy(engine: Torch
     for g, k, z, q in zip(greedy, topk1, zero_t, reqs, strict=True):
         assert g.response_ids == k.response_ids == z.response_ids
         assert g.logprobs == k.logprobs == z.logprobs
-        ids = torch.tensor([list(q.prompt_ids) + list(g.response_ids)])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(q.prompt_ids) - 1 : -1]
+        logits = _forward_logits(model, q.prompt_ids, g.response_ids)
         assert logits.argmax(-1).tolist() == list(g.response_ids)
-        ref = token_logprobs(logits, ids[0, len(q.prompt_ids) :])  # temperature 1
+        ref = token_logprobs(logits, torch.tensor(g.response_ids))  # temperature 1
         torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=1e-5, rtol=0)
 
 
@@ -122,22 +192,67 @@ def _with_eos(src: Path, dst: Path, eos: list[int]) -> Path:
     return dst
 
 
-def test_stops_on_eos_and_ends_loop_early(engine: TorchEngine, tiny_qwen3_dir, tmp_path: Path) -> None:
+def test_stops_on_eos_and_stop_tokens(engine: TorchEngine, tiny_qwen3_dir, tmp_path: Path) -> None:
     req = [GenerateRequest(request_id="a", prompt_ids=(5, 9, 11), n=3)]
     long = engine.generate(req, SamplingParams(greedy=True, max_new_tokens=10))[0]
-    assert long.status == Status.TRUNCATED and len(long.response_ids) == 10
+    assert long.status == Status.TRUNCATED and len(long.response_ids) == 10 and long.finish_reason == "length"
     stop_at = next(i for i in range(2, 10) if long.response_ids[i] not in long.response_ids[:i])
-    eos = long.response_ids[stop_at]
-    eng = TorchEngine(str(_with_eos(tiny_qwen3_dir, tmp_path / "ckpt", [2, eos])), FP32)
-    assert eng.eos_ids == sorted({2, eos})  # generation_config list + config int
-    calls = []
-    eng.model.register_forward_hook(lambda *_: calls.append(1))
+    stop_tok = long.response_ids[stop_at]
+    # a per-request stop token
+    res = engine.generate(req, SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=(95, stop_tok)))
+    for r in res:
+        assert (r.status, r.finish_reason) == (Status.COMPLETED, "stop_token")
+        assert r.response_ids == long.response_ids[: stop_at + 1] and r.logprobs == long.logprobs[: stop_at + 1]
+    # the same token as the model's EOS; the loop ends when every row has stopped
+    eng = TorchEngine(str(_with_eos(tiny_qwen3_dir, tmp_path / "ckpt", [2, stop_tok])), FP32)
+    assert eng.eos_ids == sorted({2, stop_tok})  # generation_config list + config int
+    calls = _spy_forward(eng)
     results = eng.generate(req, SamplingParams(greedy=True, max_new_tokens=10))
     for r in results:
-        assert r.status == Status.COMPLETED
+        assert (r.status, r.finish_reason) == (Status.COMPLETED, "eos")
         assert r.response_ids == long.response_ids[: stop_at + 1]  # EOS included ...
         assert r.logprobs == long.logprobs[: stop_at + 1]  # ... with its log-prob
-    assert len(calls) == stop_at + 1  # every row stopped: no further decode steps
+    assert len(calls) == stop_at + 1  # one prefill + one decode step per further token
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 with a trained byte-level BPE tokenizer saved next to it."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from miles.models.tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_tok")
+    tok = train_tokenizer([f"what is {a} plus {b}? the answer is {a + b}." for a in range(30) for b in range(9)],
+                          300)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_stop_strings(tokenizer_ckpt: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_ckpt))
+    eng = TorchEngine(str(tokenizer_ckpt), FP32)
+    req = [GenerateRequest(request_id="s", prompt_ids=tuple(tok.encode("what is 3 plus 4?")), n=2)]
+    long = eng.generate(req, SamplingParams(greedy=True, max_new_tokens=40))[0].response_ids
+    text = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    # a printable piece of the text that first appears after a few tokens
+    i = next(i for i in range(3, 40) if (piece := text(long[i : i + 1])).isprintable() and piece.strip()
+             and piece not in text(long[:i]))
+    stop = text(long[i : i + 1])
+    end = next(j for j in range(1, 41) if stop in text(long[:j]))
+    res = eng.generate(req, SamplingParams(greedy=True, max_new_tokens=40, stop=("never-there", stop)))
+    for r in res:
+        assert (r.status, r.finish_reason) == (Status.COMPLETED, "stop_string")
+        assert r.response_ids == long[:end] and stop in text(r.response_ids)
+    eng.close()
 
 
 def test_sampled_rows_stop_independently(engine: TorchEngine) -> None:
@@ -149,6 +264,42 @@ def test_sampled_rows_stop_independently(engine: TorchEngine) -> None:
     assert statuses == {Status.COMPLETED, Status.TRUNCATED}, statuses
 
 
+def test_per_request_params_in_one_call(engine: TorchEngine, tiny_qwen3_dir) -> None:
+    params = [SamplingParams(greedy=True, max_new_tokens=4),
+              SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, logprobs_top_k=4),
+              SamplingParams(temperature=1.3, top_p=0.3, max_new_tokens=6),
+              None]  # falls back to the call's default
+    reqs = _requests([3, 6, 2, 5], n=2, sampling=params)
+    results = engine.generate(reqs, SAMPLED)
+    model = _hf_model(tiny_qwen3_dir)
+    by_id = {q.request_id: q for q in reqs}
+    for r in results:
+        q = by_id[r.request_id]
+        sp = q.sampling or SAMPLED
+        logits = _forward_logits(model, q.prompt_ids, r.response_ids)
+        assert len(r.response_ids) <= sp.max_new_tokens
+        temperature = 1.0 if sp.greedy else sp.temperature
+        ref = token_logprobs(logits, torch.tensor(r.response_ids), temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+        rank = (logits > logits.gather(1, torch.tensor(r.response_ids)[:, None])).sum(1)
+        if sp.greedy:
+            assert rank.tolist() == [0] * len(r.response_ids)
+        elif sp.top_k:
+            assert bool((rank < sp.top_k).all())
+        if sp.logprobs_top_k:
+            top = torch.log_softmax(logits / sp.temperature, -1).topk(sp.logprobs_top_k, -1)
+            assert len(r.top_logprobs) == len(r.response_ids)
+            assert [[t for t, _ in step] for step in r.top_logprobs] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([[v for _, v in s] for s in r.top_logprobs]), top.values,
+                                       atol=1e-5, rtol=0)
+        else:
+            assert r.top_logprobs is None
+    # each request alone: the same completions
+    for q in reqs[1:3]:
+        alone = engine.generate([q], SAMPLED)
+        assert [a.response_ids for a in alone] == [r.response_ids for r in results if r.request_id == q.request_id]
+
+
 def test_seeded_reproducibility(tiny_qwen3_dir) -> None:
     a, b = TorchEngine(str(tiny_qwen3_dir), FP32, seed=3), TorchEngine(str(tiny_qwen3_dir), FP32, seed=3)
     seeded, unseeded = _requests([5, 7], n=3), _requests([5, 7], n=3, seed0=None)
@@ -157,12 +308,16 @@ def test_seeded_reproducibility(tiny_qwen3_dir) -> None:
     assert a.generate(unseeded, SAMPLED) == b.generate(unseeded, SAMPLED)  # engine seed sequence
     ids = lambda rs: [r.response_ids for r in rs]  # noqa: E731
     assert ids(a.generate(_requests([5, 7], n=3, seed0=100), SAMPLED)) != ids(a.generate(seeded, SAMPLED))
+    # SamplingParams.seed stands in for a missing request seed
+    via_params = [GenerateRequest(request_id=q.request_id, prompt_ids=q.prompt_ids, n=3,
+                                  sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=10,
+                                                          seed=q.seed)) for q in seeded]
+    assert ids(a.generate(via_params)) == ids(a.generate(seeded, SAMPLED))
     other = TorchEngine(str(tiny_qwen3_dir), FP32, seed=3, engine_id=1)
     c = TorchEngine(str(tiny_qwen3_dir), FP32, seed=3)
     assert ids(other.generate(unseeded, SAMPLED)) != ids(c.generate(unseeded, SAMPLED))
-    # The n completions of one request are different samples.
-    res = a.generate(seeded, SAMPLED)
-    assert len({r.response_ids for r in res[:3]}) > 1
+    for e in (a, b, other, c):
+        e.close()
 
 
 def test_update_weights_bit_identical_and_atomic(tiny_qwen3_dir) -> None:
@@ -187,12 +342,151 @@ def test_update_weights_bit_identical_and_atomic(tiny_qwen3_dir) -> None:
     assert got.keys() == sent.keys()
     for k, v in sent.items():
         assert torch.equal(got[k], v), k
-    assert eng.weight_version() == 7 and eng.health() == {"ok": True, "version": 7, "engine_id": 0}
+    health = eng.health()
+    assert eng.weight_version() == 7 and health["ok"] and health["version"] == 7 and health["engine_id"] == 0
     res = eng.generate(_requests([3], n=1), SAMPLED)
     assert res[0].weight_version == 7
     ref = _teacher_forced(_hf_model(tiny_qwen3_dir, sent), _requests([3])[0].prompt_ids,
                           res[0].response_ids, SAMPLED.temperature)
     torch.testing.assert_close(torch.tensor(res[0].logprobs), ref, atol=1e-5, rtol=0)
+    eng.close()
+
+
+class _Receiver:
+    """A picklable receiving end: hands over a state dict it carries (a transport would fetch one)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def receive(self, engine: TorchEngine) -> dict[str, torch.Tensor]:
+        assert isinstance(engine, TorchEngine)
+        return self.sd
+
+
+LONG = SamplingParams(greedy=True, max_new_tokens=200)
+
+
+def _at_forward(eng: TorchEngine, k: int, action) -> None:
+    """Run ``action()`` on the scheduler thread right after the engine's ``k``-th model forward."""
+    forward, calls = eng._forward, []
+
+    def spy(*args):
+        out = forward(*args)
+        calls.append(1)
+        if len(calls) == k:
+            action()
+        return out
+
+    eng._forward = spy
+
+
+def test_update_weights_mid_flight_keeps_rows(tiny_qwen3_dir) -> None:
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32)
+    req = [GenerateRequest(request_id="a", prompt_ids=(5, 9, 11), n=2)]
+    old = eng.generate(req, LONG)
+    assert [len(r.response_ids) for r in old] == [200, 200]
+    sent = _random_state_dict(tiny_qwen3_dir, seed=1)
+    updates: list = []
+
+    def update_from_another_thread():  # queued during the 3rd forward; applied right after that step
+        updates.append(_in_thread(eng.update_weights_from, _Receiver(sent), 3))
+        _wait_for(lambda: eng._ops)
+
+    _at_forward(eng, 3, update_from_another_thread)  # prefill (token 0), then decode steps (tokens 1, 2)
+    mixed = eng.generate(req, LONG)
+    thread, box = updates[0]
+    thread.join(60)
+    assert box[0]["receive_s"] >= 0 and box[0]["update_s"] >= 0 and eng.weight_version() == 3
+    assert [r.weight_version for r in mixed] == [3, 3]  # the version at completion
+    for m, o in zip(mixed, old, strict=True):
+        assert (m.status, m.finish_reason, len(m.response_ids)) == (o.status, o.finish_reason, 200)  # not dropped
+        assert m.response_ids[:3] == o.response_ids[:3] and m.logprobs[:3] == o.logprobs[:3]  # old weights ...
+        assert m.response_ids[3:] != o.response_ids[3:]  # ... then the new ones
+    new = eng.generate(req, LONG)
+    assert new[0].response_ids != mixed[0].response_ids
+    _assert_logprobs_exact(new, req, _hf_model(tiny_qwen3_dir, sent), 1.0)
+    eng.close()
+
+
+def test_pause_resume_and_abort(tiny_qwen3_dir, engine: TorchEngine) -> None:
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32)
+    reqs = _requests([3, 4], n=2)
+    eng.pause()
+    thread, box = _in_thread(eng.generate, reqs, SAMPLED)
+    _wait_for(lambda: eng.health()["waiting"] == 4)
+    time.sleep(0.05)
+    assert thread.is_alive() and eng.health()["running"] == 0 and eng.health()["paused"]
+    assert eng.abort(["r0", "nope"]) == 1  # queued rows of r0
+    eng.resume()
+    thread.join(60)
+    res = box[0]
+    assert [(r.request_id, r.status, r.finish_reason, r.response_ids) for r in res[:2]] == [
+        ("r0", Status.ABORTED, "abort", ())] * 2
+    assert res[2:] == engine.generate(reqs[1:], SAMPLED)  # the others are untouched
+    # running rows: paused after their 3rd token they keep their slots; aborted, they return what they have
+    req = [GenerateRequest(request_id="long", prompt_ids=(5, 9, 11), n=2)]
+    _at_forward(eng, 3, eng.pause)
+    thread, box = _in_thread(eng.generate, req, LONG)
+    _wait_for(lambda: eng.health()["paused"] and eng.health()["running"] == 2)
+    time.sleep(0.05)
+    assert eng.health()["running"] == 2 and thread.is_alive()
+    assert eng.abort(["long"]) == 1
+    eng.resume()
+    thread.join(60)
+    assert [(r.status, r.finish_reason, len(r.response_ids)) for r in box[0]] == [(Status.ABORTED, "abort", 3)] * 2
+    _assert_logprobs_exact(box[0], req, _hf_model(tiny_qwen3_dir), 1.0)
+    assert eng.health()["running"] == eng.health()["waiting"] == 0
+    eng.close()
+
+
+def test_release_and_resume_memory(tiny_qwen3_dir) -> None:
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32)
+    reqs = _requests([3, 6], n=2)
+    first, weights = eng.generate(reqs, SAMPLED), eng.state_dict()
+    eng.release_memory()
+    assert eng.health()["released"]
+    assert all(v.numel() == 0 for v in eng.model.parameters())  # weights offloaded
+    assert eng._cache.k == []  # KV cache dropped
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.generate(reqs, SAMPLED)
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.update_weights(weights, version=1)
+    eng.resume_memory()
+    assert all(torch.equal(v, weights[k]) for k, v in eng.state_dict().items())
+    assert eng.generate(reqs, SAMPLED) == first
+    # rows still in flight (here: queued while paused) come back aborted, never hang
+    eng.pause()
+    thread, box = _in_thread(eng.generate, reqs, SAMPLED)
+    _wait_for(lambda: eng.health()["waiting"] == 4)
+    eng.release_memory()
+    thread.join(60)
+    assert [(r.status, r.response_ids) for r in box[0]] == [(Status.ABORTED, ())] * 4
+    eng.resume_memory()
+    eng.resume()
+    assert eng.generate(reqs, SAMPLED) == first
+    eng.close()
+
+
+def test_moe_routing_capture_matches_recomputed_router(tiny_qwen3_moe_dir, tiny_qwen3_dir) -> None:
+    eng = TorchEngine(str(tiny_qwen3_moe_dir), FP32, capture_routing=True, max_batch_size=3)
+    reqs = _requests([2, 7, 4], n=2)
+    results = eng.generate(reqs, SAMPLED)
+    model = _hf_model(tiny_qwen3_moe_dir)
+    captured: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))
+    prompts = {q.request_id: q.prompt_ids for q in reqs}
+    for r in results:
+        assert r.routing.dtype == torch.int16 and tuple(r.routing.shape) == (len(r.response_ids), 2, 2)
+        captured.clear()
+        p = prompts[r.request_id]
+        _forward_logits(model, p, r.response_ids)
+        # router of the forward step that scored token t: input position len(p) - 1 + t
+        ref = torch.stack([c[len(p) - 1 : len(p) - 1 + len(r.response_ids)] for c in captured], 1)
+        assert torch.equal(r.routing.long(), ref), r.request_id
+    eng.close()
+    with pytest.raises(ValueError, match="capture_routing"):
+        TorchEngine(str(tiny_qwen3_dir), FP32, capture_routing=True)
 
 
 def test_fp8_engine_weights_are_block_quantized(tiny_qwen3_moe_dir) -> None:
@@ -217,10 +511,9 @@ def test_fp8_engine_weights_are_block_quantized(tiny_qwen3_moe_dir) -> None:
     # The engine's log-probs are those of the fake-quantized model.
     reqs = _requests([2, 6], n=1)
     res = eng.generate(reqs, SAMPLED)
-    model = _hf_model(tiny_qwen3_moe_dir, apply_rollout_quant(sent, fp8))
-    for r, q in zip(res, reqs, strict=True):
-        ref = _teacher_forced(model, q.prompt_ids, r.response_ids, SAMPLED.temperature)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+    _assert_logprobs_exact(res, reqs, _hf_model(tiny_qwen3_moe_dir, apply_rollout_quant(sent, fp8)),
+                           SAMPLED.temperature)
+    eng.close()
 
 
 def test_bf16_engine_and_bad_requests(tiny_qwen3_dir) -> None:
@@ -228,21 +521,41 @@ def test_bf16_engine_and_bad_requests(tiny_qwen3_dir) -> None:
     assert all(v.dtype == torch.bfloat16 for v in eng.state_dict().values())
     res = eng.generate(_requests([3, 5], n=2), SAMPLED)
     assert all(all(lp <= 0 for lp in r.logprobs) for r in res)
-    with pytest.raises(ValueError, match="prompt_ids is empty"):
-        eng.generate([GenerateRequest(request_id="x", prompt_ids=())], SAMPLED)
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 96\)"):
-        eng.generate([GenerateRequest(request_id="x", prompt_ids=(1, 96))], SAMPLED)
-    with pytest.raises(ValueError, match="top_p"):
-        eng.generate(_requests([2]), SamplingParams(top_p=0.0))
+    x = dict(request_id="x", prompt_ids=(1, 2))
+    for req, sp, match in [
+        (dict(request_id="x", prompt_ids=()), SAMPLED, "prompt_ids is empty"),
+        (dict(request_id="x", prompt_ids=(1, 96)), SAMPLED, r"token ids must be in \[0, 96\)"),
+        (x, SamplingParams(top_p=0.0), "top_p"),
+        (x, SamplingParams(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (x, SamplingParams(max_new_tokens=255), "max_position_embeddings=256"),
+        (x, SamplingParams(logprobs_top_k=97), r"logprobs_top_k must be in \[0, 96\]"),
+        (x, SamplingParams(stop_token_ids=(96,)), "stop_token_ids"),
+        (x, SamplingParams(stop=("a",)), "stop strings need a tokenizer"),
+        (x, None, "has no sampling params"),
+        (dict(x, n=0), SAMPLED, "n must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eng.generate([GenerateRequest(**req)], sp)
+    assert eng.generate([], SAMPLED) == []
+    eng.close()
+    with pytest.raises(RuntimeError, match="close"):
+        eng.generate(_requests([3]), SAMPLED)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        TorchEngine(str(tiny_qwen3_dir), FP32, max_batch_size=0)
 
 
-def test_engine_as_ray_actor(ray_cluster, tiny_qwen3_dir, engine: TorchEngine) -> None:
+def test_engine_as_threaded_ray_actor(ray_cluster, tiny_qwen3_dir, engine: TorchEngine) -> None:
     ray = ray_cluster
-    actor = ray.remote(TorchEngine).options(num_cpus=0.5).remote(str(tiny_qwen3_dir), FP32, num_threads=1,
-                                                                  engine_id=3)
-    assert ray.get(actor.health.remote(), timeout=60) == {"ok": True, "version": 0, "engine_id": 3}
-    reqs = _requests([2, 5], n=2)
-    remote, local = ray.get(actor.generate.remote(reqs, SAMPLED), timeout=60), engine.generate(reqs, SAMPLED)
+    actor = ray.remote(TorchEngine).options(num_cpus=0.5, max_concurrency=4).remote(
+        str(tiny_qwen3_dir), FP32, num_threads=1, engine_id=3)
+    health = ray.get(actor.health.remote(), timeout=60)
+    assert health["ok"] and health["engine_id"] == 3 and health["version"] == 0
+    reqs = _requests([2, 5, 3, 7], n=2)
+    # two calls in flight at once share the engine's batch
+    remote = ray.get([actor.generate.remote(reqs[:2], SAMPLED), actor.generate.remote(reqs[2:], SAMPLED)],
+                     timeout=60)
+    remote = remote[0] + remote[1]
+    local = engine.generate(reqs, SAMPLED)
     # Same seeds -> same tokens; log-probs only to 1e-5 (1 vs 2 threads reduce in another order).
     assert [r.response_ids for r in remote] == [r.response_ids for r in local]
     torch.testing.assert_close(torch.tensor([x for r in remote for x in r.logprobs]),
@@ -253,3 +566,25 @@ def test_engine_as_ray_actor(ray_cluster, tiny_qwen3_dir, engine: TorchEngine) -
     assert all(torch.equal(got[k], v) for k, v in sent.items())
     assert ray.get(actor.weight_version.remote(), timeout=60) == 2
     ray.kill(actor)
+
+
+@pytest.mark.parametrize("fixture,dtype", [("tiny_qwen3_dir", "float32"), ("tiny_qwen3_moe_dir", "bfloat16")])
+def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, request: pytest.FixtureRequest,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.rollout import torch_engine
+
+    path = str(request.getfixturevalue(fixture))
+    eng = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
+    assert eng.fast_forward
+    reqs = _requests([2, 9, 5], n=2)
+    fast = eng.generate(reqs, SAMPLED)
+    eng._fast = None  # transformers' module forward, through the same slot cache
+    assert eng.generate(reqs, SAMPLED) == fast  # same tokens, bitwise the same log-probs
+    eng.close()
+    # a fast forward that is off by one rounding step is caught at start-up, and not used
+    call = torch_engine._FastQwen3.__call__
+    monkeypatch.setattr(torch_engine._FastQwen3, "__call__",
+                        lambda self, *a: torch.nextafter(call(self, *a), torch.tensor(float("inf"))))
+    slow = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
+    assert not slow.fast_forward and slow.generate(reqs, SAMPLED) == fast
+    slow.close()

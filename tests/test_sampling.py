@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.rollout.sampling import check_sampling, filter_logits, sample_tokens
+from miles.rollout.sampling import check_sampling, filter_logits, filter_logits_rows, sample_tokens
 
 NEG = float("-inf")
 
@@ -50,3 +50,14 @@ def test_greedy_is_argmax_and_bad_params_raise() -> None:
                 dict(temperature=1.0, top_p=1.0, top_k=-2)):
         with pytest.raises(ValueError):
             check_sampling(**bad)
+
+
+def test_per_row_filters_equal_the_scalar_filter_row_by_row() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [(0, 1.0), (5, 1.0), (0, 0.3), (7, 0.8), (1, 0.9), (50, 0.999)]  # off, top-k, top-p, both, ...
+    got = filter_logits_rows(logits, torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params]))
+    for row, (k, p) in enumerate(params):
+        want = filter_logits(logits[row : row + 1], top_k=k, top_p=p)[0]
+        assert torch.equal(got[row], want), (k, p)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).sum() == 5 and torch.isfinite(got[4]).sum() == 1
