@@ -450,9 +450,20 @@ def test_release_and_resume_memory(tiny_qwen3_dir) -> None:
     with pytest.raises(RuntimeError, match="resume_memory"):
         eng.generate(reqs, SAMPLED)
     with pytest.raises(RuntimeError, match="resume_memory"):
-        eng.update_weights(weights, version=1)
+        eng.state_dict()
     eng.resume_memory()
     assert all(torch.equal(v, weights[k]) for k, v in eng.state_dict().items())
+    assert eng.generate(reqs, SAMPLED) == first
+    # a full weight update brings a released engine back by itself, with the new weights
+    eng.release_memory()
+    with pytest.raises(ValueError, match="wrong shapes"):  # still checked against the real shapes
+        eng.update_weights({k: v[..., :1] for k, v in weights.items()}, version=1)
+    assert eng.health()["released"]
+    newer = {k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}
+    eng.update_weights(newer, version=1)
+    assert not eng.health()["released"] and eng.weight_version() == 1
+    assert all(torch.equal(v, newer[k]) for k, v in eng.state_dict().items())
+    eng.update_weights(weights, version=0)
     assert eng.generate(reqs, SAMPLED) == first
     # rows still in flight (here: queued while paused) come back aborted, never hang
     eng.pause()

@@ -241,8 +241,9 @@ class TrainerConfig:
     """Final learning rate of a decaying ``lr_schedule``, as a fraction of ``lr`` (0 to 1)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip (0 disables)."""
-    max_tokens_per_microbatch: int = 0
-    """Padded tokens (rows x longest row) per forward/backward; gradients accumulate over passes (0: one pass)."""
+    max_tokens_per_microbatch: int = 8192
+    """Padded tokens (rows x longest row) per forward/backward, rows sorted by length so each pass pads
+    only to its own longest; gradients accumulate over passes, the loss is the same (0: one pass)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of storing them."""
     eval_every: int = 50

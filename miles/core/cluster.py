@@ -26,7 +26,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,23 +289,31 @@ class Actors:
         """torch threads per actor (the larger of the engine and trainer counts)."""
         return max(self.engine_threads, self.trainer_threads)
 
-    def offload_engines(self) -> dict[str, float]:
-        """colocate: every engine releases its memory (KV cache, weights) so the trainer has it.
+    def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
+        """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
 
-        Call after the rollout (and any evaluation) and before the train step; generating while
-        released is an error. A no-op (empty metrics) for disaggregated or ``offload_engines=false``.
+        Returns the calls' refs, to ``ray.get`` once the train step is under way (the release
+        overlaps it). Call after the rollout (and any evaluation); generating while released is an
+        error, and the next weight sync brings the engines back. Nothing for disaggregated or
+        ``offload_engines=false``.
         """
+        if not self.offload:
+            return []
+        return [e.release_memory.remote() for e in (self.engines if engines is None else engines)]
+
+    def offload_engines(self) -> dict[str, float]:
+        """:meth:`start_offload` and wait for it; ``perf/engine_offload_s`` (empty metrics when off)."""
         if not self.offload:
             return {}
         t0 = time.perf_counter()
-        ray.get([e.release_memory.remote() for e in self.engines])
+        ray.get(self.start_offload())
         return {"perf/engine_offload_s": time.perf_counter() - t0}
 
     def restore_engines(self) -> dict[str, float]:
         """colocate: undo :meth:`offload_engines`, bit-exactly. No-op when not offloading.
 
-        Call after the train step and *before* the weight sync: a released engine refuses
-        ``update_weights`` as well as ``generate``.
+        Not needed before a weight sync: a full weight update brings a released engine back by
+        itself, with the new weights (without reading the offloaded copy).
         """
         if not self.offload:
             return {}

@@ -59,10 +59,9 @@ class LoopContext:
     """Critic ranks (:class:`miles.train.critic.FSDPCritic`) when ``algo.estimator`` is ``gae``."""
     transport: Transport | None = None
     """Weight-sync transport (``weight_sync.transport``); None: the Ray object store."""
-    offload_engines: Callable[[], dict[str, float]] = dict
-    """colocate: engines release memory for the train step (:meth:`miles.core.cluster.Actors.offload_engines`)."""
-    restore_engines: Callable[[], dict[str, float]] = dict
-    """...and take it back before the weight sync."""
+    start_offload: Callable[[Sequence[Any]], list[Any]] = lambda engines: []
+    """colocate: engines start releasing memory for the train step (:meth:`miles.core.cluster.Actors.start_offload`);
+    the weight sync after it brings them back."""
     log_distributions: Callable[[dict[str, list[float]], int], None] | None = None
     """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""
 
@@ -113,7 +112,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
         # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
         # the critic ranks regress their values on the GAE returns at the same time
-        metrics |= ctx.offload_engines()
+        offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
         if metrics["train/trainable_samples"] > 0:
             batch = ray.put(batch)
             critic_step = [c.train_step.remote(batch, returns, values) for c in ctx.critics] if gae else []
@@ -124,7 +123,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
             raise RuntimeError(f"step {step}: every sample failed ({_why_untrainable(samples)}); see the log above")
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
             log.warning("step %d: no trainable sample (%s); skipping the update", step, _why_untrainable(samples))
-        metrics |= ctx.restore_engines()
+        ray.get(offloading)
         t2 = time.perf_counter()
 
         # 5. sync: the engines still in rotation sample from the new weights from now on

@@ -109,7 +109,7 @@ def run_job(
             run=run, task=parts["task"], rollout=rollout,
             trainers=actors.trainers, engines=actors.engines, advantage_fn=parts["advantage_fn"],
             critics=actors.critics, transport=transport,
-            offload_engines=actors.offload_engines, restore_engines=actors.restore_engines,
+            start_offload=actors.start_offload,
             log_distributions=tracker.log_distributions,
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )

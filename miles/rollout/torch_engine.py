@@ -67,7 +67,10 @@ the scheduler thread between two steps, never during a forward):
   cache and offloads the weights (to a safetensors file on CPU, to host memory
   on an accelerator), restored bit-exactly on resume; rows still in flight (a
   caller should have none) come back ``ABORTED``.
-  ``generate``, ``update_weights`` and ``state_dict`` raise while released.
+  ``generate`` and ``state_dict`` raise while released. A full ``update_weights``
+  (the weight sync after a train step) brings a released engine back with the
+  new weights directly, without reading the offloaded copy: a colocated step
+  is release -> train -> sync, with no separate resume call.
 
 MoE routing capture (``capture_routing=True``): forward hooks on the router
 modules (``*.mlp.gate`` with a ``top_k``, e.g. ``Qwen3MoeTopKRouter``, whose
@@ -352,6 +355,7 @@ class TorchEngine:
         for k, v in self._weights.items():
             first_name.setdefault(id(v), k)
         self._required = list(first_name.values())
+        self._shapes = {k: tuple(v.shape) for k, v in self._weights.items()}  # fixed; checked while released
         self._tokenizer: Any = None
         self._offload: str | dict[str, Tensor] | None = None  # weights while released
         self.capture_routing = capture_routing
@@ -429,22 +433,24 @@ class TorchEngine:
         Returns ``{"update_s", "quant_s", "bytes", "bytes_per_s"}`` (bytes as received).
         """
         t0 = time.perf_counter()
-        self._check_usable("update_weights")
+        self._check_open("update_weights")
         missing = [k for k in self._required if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._weights]
         if missing or unexpected:
             raise ValueError(f"update_weights(version={version}): names must match the engine's model "
                              f"exactly; missing {_listing(missing)}, unexpected {_listing(unexpected)}. "
                              "Send the full HF state dict of the same architecture.")
-        bad = [f"{k}: sent {tuple(v.shape)}, expected {tuple(self._weights[k].shape)}"
-               for k, v in state_dict.items() if v.shape != self._weights[k].shape]
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {self._shapes[k]}"
+               for k, v in state_dict.items() if tuple(v.shape) != self._shapes[k]]
         bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
                 if self._weights[k].is_floating_point() and not v.is_floating_point()]
         if bad:
             raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
 
         def apply() -> tuple[float, float]:
-            self._check_usable("update_weights")
+            self._check_open("update_weights")
+            if self._released:  # every weight is about to be overwritten: allocate, skip the offloaded copy
+                self._reacquire()
             t_copy = time.perf_counter()
             for k, v in state_dict.items():
                 self._weights[k].copy_(v)  # casts to the engine dtype and device
@@ -547,9 +553,12 @@ class TorchEngine:
                                  f"({type(e).__name__}: {e}); use stop_token_ids instead") from e
         return self._tokenizer
 
-    def _check_usable(self, what: str) -> None:
+    def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"engine {self.engine_id}: {what} after close()")
+
+    def _check_usable(self, what: str) -> None:
+        self._check_open(what)
         if self._released:
             raise RuntimeError(f"engine {self.engine_id}: {what} while memory is released; "
                                "call resume_memory() first")
@@ -949,6 +958,16 @@ class TorchEngine:
             saved = self._offload or {}
         for k, v in saved.items():
             self._weights[k].data = v.to(self.device)
+        self._st["noise"] = torch.ones(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._offload, self._released = None, False
+
+    def _reacquire(self) -> None:
+        """Released -> usable with uninitialised weights (a full update fills them); drops the offloaded copy."""
+        if isinstance(self._offload, str):
+            os.unlink(self._offload)
+        for k in self._required:
+            w = self._weights[k]
+            w.data = torch.empty(self._shapes[k], dtype=w.dtype, device=self.device)
         self._st["noise"] = torch.ones(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
         self._offload, self._released = None, False
 

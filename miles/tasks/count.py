@@ -17,7 +17,7 @@ import random
 
 from miles.tasks.procedural import Problem, ProceduralTask
 
-__all__ = ["CountTask"]
+__all__ = ["CountTask", "count_reward"]
 
 
 class CountTask(ProceduralTask):
@@ -42,3 +42,20 @@ class CountTask(ProceduralTask):
         start, span = key
         end = start + span - 1
         return Problem(prompt=f"Count from {start} to {end}.", label=" ".join(map(str, range(start, end + 1))))
+
+
+def count_reward(response_text: str, label: str) -> float:
+    """Partial credit: the numbers right, in order from the first, over the longer of answer and response.
+
+    ``"37 38 39"`` for ``"37 38 39 40"`` scores 0.75; ``"37 38 40 41"`` scores 0.5 (the count broke
+    at the third number); an exact answer scores 1.0 and a response that runs past the end is
+    charged for the extra numbers (``"1 2 3"`` for ``"1 2"`` scores 2/3). Non-numbers end the count.
+    A long count is then a graded signal instead of almost always 0.
+    """
+    want, got = str(label).split(), response_text.split()
+    right = 0
+    for w, g in zip(want, got, strict=False):
+        if w != g:
+            break
+        right += 1
+    return right / max(len(want), len(got), 1)
