@@ -138,3 +138,32 @@ def test_two_engines_with_dynamic_sampling(tmp_path: Path) -> None:
         assert m["rollout/groups"][step] >= 32
         assert m["train/trainable_samples"][step] + m["train/excluded_samples"][step] == 256
         assert m["train/excluded_samples"][step] == 8 * m["rollout/padded_groups"][step]
+
+
+ALGO_OWN_METRICS = {"ppo": {"critic/value_loss", "critic/explained_var", "critic/vf_clip_frac"},
+                    "dapo": {"train/overlong_penalty_mean", "train/clip_frac_high"},
+                    "sft": {"train/sft_weighted_frac"}}
+
+
+def test_every_shipped_algo_runs_end_to_end(ray_cluster, tmp_path: Path) -> None:
+    """`python -m miles algo=X` for every X in conf/algo: two real steps each, its own metrics logged."""
+    import math
+
+    from miles.bench.e2e import compose
+    from miles.config.validate import group_options
+    from miles.core.run import run_job
+
+    algos = group_options("algo")
+    assert {"grpo", "dr_grpo", "gspo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
+            "sft"} <= set(algos)
+    for algo in algos:
+        overrides = [f"algo={algo}", "algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4",
+                     "trainer.num_steps=2", "trainer.eval_every=0", "task.num_eval_prompts=4",
+                     "rollout.eval_samples_per_prompt=2", "warm_start.steps=5", "tracking=none",
+                     f"warm_start.cache_dir={tmp_path / 'cache'}"]
+        run, resolved = compose(overrides)
+        seen: dict[int, dict] = {}
+        run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s, seen=seen: seen.setdefault(s, dict(m)))
+        last = seen[2]
+        assert math.isfinite(last["train/loss"]) and last["train/trainable_samples"] > 0, algo
+        assert ALGO_OWN_METRICS.get(algo, set()) <= set(last), f"{algo}: {sorted(last)}"
