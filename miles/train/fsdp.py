@@ -339,6 +339,8 @@ class FSDPTrainer:
     def send_weights(self, sender: Any, version: int) -> Any:
         """Collective. Rank 0 hands the full state dict to ``sender.send(state_dict, version)`` and returns
         what it returns (:mod:`miles.weights.sync`); other ranks return None."""
+        if not self.sharded:  # one unsharded rank: its live tensors, which ``send`` copies before returning
+            return sender.send({k: v.detach() for k, v in self.model.state_dict().items()}, version)
         sd = self.full_state_dict()
         return None if sd is None else sender.send(sd, version)
 
