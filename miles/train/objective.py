@@ -17,24 +17,11 @@ This module is pure tensor math: no process group, no model, testable on its own
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from miles.algos.losses import MismatchLevel, MismatchMode, aggregate, kl_penalty, mismatch_weights
+from miles.algos.protocols import PolicyLossFn
 from miles.config.schema import AlgoConfig
-
-
-class PolicyLossFn(Protocol):
-    """``(logp [B,T], old_logp [B,T], advantages [B] or [B,T], *, loss_mask [B,T]) -> (loss [B,T], {name: 0/1 [B,T]})``.
-
-    ``loss_mask`` is 1 on trained tokens; token-level losses ignore it, sequence-level ones (GSPO)
-    need it for their ratio. Each indicator's token mean becomes the metric ``train/<name>``.
-    """
-
-    def __call__(
-        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, loss_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 def policy_objective(
