@@ -582,7 +582,7 @@ def test_engine_as_threaded_ray_actor(ray_cluster, tiny_qwen3_dir, engine: Torch
 @pytest.mark.parametrize("fixture,dtype", [("tiny_qwen3_dir", "float32"), ("tiny_qwen3_moe_dir", "bfloat16")])
 def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, request: pytest.FixtureRequest,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from miles.rollout import torch_engine
+    from miles.rollout import slot_cache
 
     path = str(request.getfixturevalue(fixture))
     eng = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
@@ -593,8 +593,8 @@ def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, re
     assert eng.generate(reqs, SAMPLED) == fast  # same tokens, bitwise the same log-probs
     eng.close()
     # a fast forward that is off by one rounding step is caught at start-up, and not used
-    call = torch_engine._FastQwen3.__call__
-    monkeypatch.setattr(torch_engine._FastQwen3, "__call__",
+    call = slot_cache.FastQwen3.__call__
+    monkeypatch.setattr(slot_cache.FastQwen3, "__call__",
                         lambda self, *a: torch.nextafter(call(self, *a), torch.tensor(float("inf"))))
     slow = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
     assert not slow.fast_forward and slow.generate(reqs, SAMPLED) == fast

@@ -16,18 +16,12 @@ once: the last occupied slot moves into its place, so the occupied slots stay
 ``[0, n)`` and a decode step is one dense batch of ``n`` rows with no copies of
 the cache.
 
-KV cache. One static buffer per layer, ``[slots, kv_heads, capacity, head_dim]``,
-grown by doubling when a longer request arrives (never per step). Token ``t``
-of a row lives at index ``t`` (its position), so a decode step writes each
-row's new K/V at its own position and attends to indices ``<= position``
-through a boolean mask; the RoPE positions are the row's true positions. A
-row's numbers therefore equal an unpadded forward over prompt + response
-(to float rounding), whatever its neighbours. The model is the transformers
-module (sdpa attention) driven through a :class:`~transformers.Cache`
-subclass; for Qwen3 / Qwen3-MoE the same operations are replayed without the
-module dispatch (:class:`_FastQwen3`, 1.6-2x faster per step on the tiny CPU
-model), used only when a start-up check finds it bitwise equal to the module
-forward, so the trainer's modelling code and the engine agree exactly.
+KV cache and forward (:mod:`miles.rollout.slot_cache`): one static buffer per
+layer and slot; token ``t`` of a row lives at index ``t`` (its position), so a
+row's numbers equal an unpadded forward over prompt + response, whatever its
+neighbours. For Qwen3 / Qwen3-MoE the forward is replayed without module
+dispatch, used only when a start-up check finds it bitwise equal to the
+module forward.
 
 Sampling and log-probs (:mod:`miles.rollout.sampling`). Each row has its own
 temperature / top-k / top-p / greedy / stops / ``max_new_tokens``. The log-prob
@@ -86,7 +80,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import itertools
 import logging
 import os
 import tempfile
@@ -100,12 +93,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache
 
 from miles.config.schema import PrecisionConfig
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
+from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches
 
 log = logging.getLogger(__name__)
 
@@ -124,137 +117,6 @@ def _row_seed(seed: int, index: int) -> int:
     """The generator seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
     digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-class _SlotCache(Cache):
-    """Static per-slot K/V buffers driven by the engine; transformers' attention calls :meth:`update`.
-
-    Layer ``l`` holds ``k[l], v[l]: [slots, kv_heads, capacity, head_dim]`` (allocated at first
-    use, from the shapes the model hands in). Before each forward the engine sets the mode:
-    ``prefill(dst, src)``: prompt row ``src[i]`` is written into slot ``dst[i]`` at indices
-    ``[0, T)`` and attention runs over the prompts alone; ``decode(arange, pos, kv_len)``: slot
-    ``b < len(arange)`` gets its new K/V at index ``pos[b]`` and attends to indices ``[0, kv_len)``.
-    """
-
-    def __init__(self, slots: int) -> None:
-        super().__init__(layers=[])
-        self.slots, self.capacity = slots, 0
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-        self._decode = False
-        self._pos, self._kv_len = torch.zeros(0, dtype=torch.long), 0
-        self._dst = self._src = torch.zeros(0, dtype=torch.long)
-        self._arange = torch.zeros(0, dtype=torch.long)
-
-    def prefill(self, dst: Tensor, src: Tensor) -> None:
-        self._decode, self._dst, self._src = False, dst, src
-
-    def decode(self, arange: Tensor, pos: Tensor, kv_len: int) -> None:
-        self._decode, self._arange, self._pos, self._kv_len = True, arange, pos, kv_len
-
-    def _layer(self, i: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        if i == len(self.k):
-            shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
-            self.k.append(like.new_zeros(shape))
-            self.v.append(like.new_zeros(shape))
-        elif self.k[i].shape[2] < self.capacity:  # grown since: copy into the larger buffer
-            for buf in (self.k, self.v):
-                old = buf[i]
-                buf[i] = old.new_zeros((*old.shape[:2], self.capacity, old.shape[3]))
-                buf[i][:, :, : old.shape[2]] = old
-        return self.k[i], self.v[i]
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
-               ) -> tuple[Tensor, Tensor]:
-        k, v = self._layer(layer_idx, key_states)
-        if self._decode:  # key_states: [B, kv_heads, 1, head_dim]
-            k[self._arange, :, self._pos] = key_states[:, :, 0]
-            v[self._arange, :, self._pos] = value_states[:, :, 0]
-            b = key_states.shape[0]
-            return k[:b, :, : self._kv_len], v[:b, :, : self._kv_len]
-        t = key_states.shape[2]
-        k[self._dst, :, :t] = key_states[self._src]
-        v[self._dst, :, :t] = value_states[self._src]
-        return key_states, value_states
-
-    def move(self, dst: Tensor, src: Tensor) -> None:
-        """Slot ``src[i]`` -> slot ``dst[i]`` in every layer."""
-        for buf in itertools.chain(self.k, self.v):
-            buf[dst] = buf[src]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.capacity
-
-
-class _FastQwen3:
-    """The Qwen3 / Qwen3-MoE decoder forward written out as plain tensor ops (no module dispatch).
-
-    The same operations in the same order as transformers' modelling code with sdpa attention (so
-    the same numbers: the engine checks bitwise equality against the module forward at start-up and
-    falls back to the module forward if they differ), minus the per-module Python overhead, which
-    dominates a tiny model on CPU: about 2x faster per step at batch 1, 1.6x at 32. Weights are read
-    from the live parameters at every call, so weight updates need nothing here. The MLP is still
-    called as a module (dense, or MoE with its router hooks; inlining the dense one measured no faster).
-    """
-
-    SUPPORTED = ("qwen3", "qwen3_moe")
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
-        self.model, self.layers = model.base_model, list(model.base_model.layers)
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rep = self.heads // self.kv_heads
-        rotary = self.model.rotary_emb
-        self.inv_freq, self.rope_scaling = rotary.inv_freq, rotary.attention_scaling
-
-    @staticmethod
-    def supports(model: torch.nn.Module) -> bool:
-        cfg = model.config
-        rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-        return (cfg.model_type in _FastQwen3.SUPPORTED and rope == "default"
-                and all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or [])
-                and not getattr(cfg, "use_sliding_window", False))
-
-    def _norm(self, module: torch.nn.Module, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # fused, bitwise equal to the module's fp32 math (checked at start-up)
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
-        return module(x)
-
-    def __call__(self, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: _SlotCache) -> Tensor:
-        """ids, position_ids: [B, T]; mask: [B, 1, T, kv] bool -> normed hidden states [B, T, D]."""
-        F = torch.nn.functional
-        b, t = ids.shape
-        h_, kv_, d_ = self.heads, self.kv_heads, self.head_dim
-        x = F.embedding(ids, self.model.embed_tokens.weight)
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [B, 1, T, hd]
-        sin = (emb.sin() * self.rope_scaling).to(x.dtype)[:, None]
-        half = d_ // 2
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._norm(layer.input_layernorm, x)
-            q = self._norm(attn.q_norm, F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(b, t, h_, d_))
-            k = self._norm(attn.k_norm, F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(b, t, kv_, d_))
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(b, t, kv_, d_).transpose(1, 2)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = (q * cos) + (torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin)
-            k = (k * cos) + (torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin)
-            keys, values = cache.update(k, v, i)
-            if self.rep == 1:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
-            elif t == 1:  # as transformers' pack_gqa: the query heads of a KV head become its rows
-                out = F.scaled_dot_product_attention(q.reshape(b, kv_, self.rep, d_), keys, values,
-                                                     attn_mask=mask, scale=attn.scaling).reshape(b, -1, 1, d_)
-            else:  # as transformers' repeat_kv
-                keys = keys[:, :, None].expand(b, kv_, self.rep, *keys.shape[2:]).reshape(b, h_, -1, d_)
-                values = values[:, :, None].expand(b, kv_, self.rep, *values.shape[2:]).reshape(b, h_, -1, d_)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
-            out = out.transpose(1, 2).contiguous().reshape(b, t, -1).contiguous()
-            x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
-        return self._norm(self.model.norm, x)
 
 
 @dataclass(eq=False)
@@ -363,9 +225,9 @@ class TorchEngine:
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)
 
         self._alloc_slots()
-        self._fast = _FastQwen3(self.model) if _FastQwen3.supports(self.model) else None
+        self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
         with torch.no_grad():
-            if self._fast is not None and not self._fast_forward_matches():
+            if self._fast is not None and not forward_matches(self._run_model, self.vocab_size, self.device):
                 log.warning("engine %d: the fast %s forward does not match transformers' bitwise on this "
                             "machine; using the module forward", engine_id, self.model.config.model_type)
                 self._fast = None
@@ -599,7 +461,7 @@ class TorchEngine:
         self._arange = torch.arange(s, device=self.device)
         self._positions = torch.arange(self.max_positions or 1 << 16, device=self.device)
         self._eos = torch.tensor(self.eos_ids, device=self.device)
-        self._cache = _SlotCache(s)
+        self._cache = SlotCache(s)
 
     def _grow(self, name: str, dim: int, size: int, fill: int = 0) -> None:
         """Widen ``self._st[name]`` along ``dim`` to ``size`` (new entries ``fill``), keeping its contents."""
@@ -740,34 +602,13 @@ class TorchEngine:
         """Base model forward through the slot cache: final-normed hidden states [B, T, D]."""
         return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
 
-    def _run_model(self, fast: bool, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: _SlotCache) -> Tensor:
+    def _run_model(self, fast: bool, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: SlotCache) -> Tensor:
         if fast:
             assert self._fast is not None
             return self._fast(ids, mask, position_ids, cache)
         out = self._base(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                          **{self._cache_kwarg: cache})
         return out.last_hidden_state
-
-    def _fast_forward_matches(self) -> bool:
-        """Whether the fast forward gives bitwise the module forward's hidden states (prefill + 2 steps)."""
-        dev = self.device
-        ids = torch.randint(0, self.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0)).to(dev)
-        lens, arange, positions = torch.tensor([3, 5], device=dev), torch.arange(2, device=dev), self._positions[:5]
-        prefill_mask = (positions[None, :] <= positions[:, None])[None] & (positions[None, None, :] < lens[:, None, None])
-        outs = []
-        for fast in (False, True):
-            cache = _SlotCache(2)
-            cache.capacity = 8
-            cache.prefill(arange, arange)
-            hidden = [self._run_model(fast, ids, prefill_mask[:, None], positions.expand(2, 5), cache)[arange, lens - 1]]
-            pos, tok = lens.clone(), ids[:, 0]
-            for _ in range(2):
-                cache.decode(arange, pos, int(pos.max()) + 1)
-                mask = (self._positions[: int(pos.max()) + 1][None, :] <= pos[:, None])[:, None, None, :]
-                hidden.append(self._run_model(fast, tok[:, None], mask, pos[:, None], cache)[:, -1])
-                pos = pos + 1
-            outs.append(torch.cat(hidden))
-        return torch.equal(outs[0], outs[1])
 
     def _decode(self) -> None:
         """One token for every occupied slot."""
@@ -927,7 +768,7 @@ class TorchEngine:
             log.warning("engine %d: release_memory aborts %d running and %d queued rows", self.engine_id,
                         self._n, len(self._waiting))
             self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
-        self._cache = _SlotCache(self.max_batch_size)  # the old buffers are freed
+        self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
         for k in ("out_tok", "out_lp", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
             self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
         unique = {k: self._weights[k] for k in self._required}
