@@ -35,7 +35,7 @@ How it works
 
 The default is isolation with a 10 s deadline: one hung call would otherwise stall every engine
 and trainer of the run, and its cost on 256 exact-answer items a step is a few milliseconds
-(``python -m miles.rewards.bench``).
+(``python -m miles.bench rewards``).
 """
 
 from __future__ import annotations

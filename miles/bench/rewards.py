@@ -1,6 +1,6 @@
 """Per-step cost of scoring rewards in worker processes, against calling the function in-process.
 
-    python -m miles.rewards.bench [--items 256] [--repeats 30]
+    python -m miles.bench rewards [--items 256] [--repeats 30]
 
 Scores one step's worth of exact-answer items (the built-in reward) four ways, alternating, and
 prints the median time per step of each: a plain loop over the function (the reference), the
@@ -11,6 +11,7 @@ prints how long the runner takes to build and to have its workers ready.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from miles.tasks.procedural import exact_answer_reward
 REWARD = TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m miles.bench rewards", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=256, help="responses scored per step")
     parser.add_argument("--repeats", type=int, default=30, help="steps timed per variant")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     items = [RewardItem(str(i % 100), str((i * 7) % 100)) for i in range(args.items)]
 
     t0 = time.perf_counter()
@@ -56,7 +58,11 @@ def main() -> None:
         print(f"  {name:18s} {med * 1e3:8.3f} ms/step   overhead {1e3 * (med - ref):7.3f} ms   x{med / ref:7.1f}")
     for r in runners.values():
         r.close()
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    print(json.dumps({"items": args.items, "ms_per_step": {k: v * 1e3 for k, v in medians.items()},
+                      "ratio_vs_in_process": {k: v / ref for k, v in medians.items()}}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
