@@ -213,6 +213,8 @@ def _check_algo_trainer_sync(run: MilesConfig) -> None:
         if not v > 0:
             raise ConfigError(f"{k}: must be > 0, found {v}")
     for k, v in {"trainer.max_tokens_per_microbatch": t.max_tokens_per_microbatch,
+                 "algo.critic.max_grad_norm": a.critic.max_grad_norm,
+                 "algo.critic.lr_warmup_steps": a.critic.lr_warmup_steps,
                  "algo.overlong_buffer_len": a.overlong_buffer_len,
                  "algo.overlong_penalty_factor": a.overlong_penalty_factor}.items():
         if v < 0:
@@ -222,6 +224,9 @@ def _check_algo_trainer_sync(run: MilesConfig) -> None:
             f"algo.overlong_buffer_len ({a.overlong_buffer_len}) must be smaller than rollout.max_new_tokens "
             f"({run.rollout.max_new_tokens}): the penalty ramps over the last overlong_buffer_len tokens"
         )
+    if not a.policy_loss.partial:
+        raise ConfigError("algo.policy_loss._partial_: must be true (the trainer calls the loss per "
+                          f"mini-batch), found false for '{a.policy_loss.target}'")
     if a.estimator == "gae" and a.policy_loss.target.endswith(".gspo_loss"):
         raise ConfigError("algo.policy_loss: gspo_loss takes one advantage per sequence; with "
                           "algo.estimator=gae (per-token advantages) use ppo_clip_loss or dual_clip_ppo_loss")

@@ -47,9 +47,6 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
             check_advantage_fn(parts["advantage_fn"], num_samples=a.num_samples_per_prompt)
     except ValueError as e:
         raise ConfigError(f"algo.advantage: {e}") from None
-    if not a.policy_loss.partial:
-        raise ConfigError("algo.policy_loss._partial_: must be true (the trainer calls the loss per "
-                          f"mini-batch), found false for '{a.policy_loss.target}'")
     loss_fn = build(a.policy_loss, allow=allow, key="algo.policy_loss", clip_low=a.clip_low, clip_high=a.clip_high)
     try:
         check_policy_loss_fn(loss_fn, per_token=a.estimator == "gae")

@@ -62,10 +62,7 @@ class FSDPCritic:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        c = run.algo.critic
-        if c.lr <= 0 or c.max_grad_norm < 0 or c.lr_warmup_steps < 0:
-            raise ValueError(f"FSDPCritic: algo.critic.lr must be > 0, max_grad_norm and lr_warmup_steps >= 0; "
-                             f"found {c.lr}, {c.max_grad_norm}, {c.lr_warmup_steps}")
+        c = run.algo.critic  # ranges were checked by miles.config.validate
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.rank, self.world_size, self.run = rank, world_size, run

@@ -56,7 +56,6 @@ import torch.distributed as dist
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
-from miles.config.validate import ConfigError
 from miles.core.types import TrainBatch
 from miles.train.batching import (
     PaddedBatch,
@@ -67,7 +66,7 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import policy_objective
-from miles.train.optim import SCHEDULES, flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
+from miles.train.optim import flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -105,16 +104,7 @@ class FSDPTrainer:
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        if not run.algo.policy_loss.partial:
-            raise ConfigError("algo.policy_loss._partial_: must be true (the trainer calls the loss per "
-                              f"mini-batch), found false for '{run.algo.policy_loss.target}'")
-        t = run.trainer
-        if t.max_tokens_per_microbatch < 0:
-            raise ConfigError("trainer.max_tokens_per_microbatch: must be 0 (one pass per mini-batch) or "
-                              f"positive, found {t.max_tokens_per_microbatch}")
-        if t.lr_schedule not in SCHEDULES or not 0.0 <= t.min_lr_ratio <= 1.0:
-            raise ConfigError(f"trainer.lr_schedule / min_lr_ratio: need one of {', '.join(SCHEDULES)} and a "
-                              f"ratio in [0, 1], found {t.lr_schedule!r} and {t.min_lr_ratio}")
+        t = run.trainer  # ranges and combinations were checked by miles.config.validate
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
