@@ -246,6 +246,9 @@ class TrainerConfig:
     only to its own longest; gradients accumulate over passes, the loss is the same (0: one pass)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of storing them."""
+    shared_prompt_forward: bool = True
+    """Compute each distinct prompt of a micro-batch once and attend its n responses to it (same
+    log-probs and gradients; :mod:`miles.train.shared_prompt`). Off with activation checkpointing."""
     eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
 

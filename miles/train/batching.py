@@ -47,6 +47,14 @@ class PaddedBatch:
     rollout_logp: torch.Tensor  # [B, Tr] fp32: engine log-probs (0 on padding)
     advantages: torch.Tensor  # [B] fp32, or [B, Tr] fp32 with per-token advantages (0 on padding)
     response_lengths: tuple[int, ...]  # R_i
+    prompt_lengths: torch.Tensor  # [B] int64: P_i
+    prompt_index: torch.Tensor  # [B] int64: which distinct prompt row i has (0 .. U-1, first-seen order)
+    prompt_rows: torch.Tensor  # [U] int64: the first row with each distinct prompt
+
+    @property
+    def num_prompts(self) -> int:
+        """U: distinct prompts among the rows (GRPO's n samples of a prompt share one)."""
+        return int(self.prompt_rows.numel())
 
     def to(self, device: torch.device | str) -> PaddedBatch:
         """Move every tensor to ``device``."""
@@ -97,6 +105,11 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
     rollout_logp = torch.tensor(rows(batch.rollout_logprobs, resp_len, 0.0), dtype=torch.float32)
     advantages = (torch.tensor(batch.advantages, dtype=torch.float32) if token_adv is None
                   else torch.tensor(rows(token_adv, resp_len, 0.0), dtype=torch.float32))
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_index = [distinct.setdefault(tuple(p), len(distinct)) for p in batch.prompt_ids]
+    first_rows: dict[int, int] = {}
+    for i, u in enumerate(prompt_index):
+        first_rows.setdefault(u, i)
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -108,6 +121,9 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
         rollout_logp=rollout_logp,
         advantages=advantages,
         response_lengths=tuple(len(r) for r in batch.response_ids),
+        prompt_lengths=prompt_lens,
+        prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+        prompt_rows=torch.tensor([first_rows[u] for u in range(len(first_rows))], dtype=torch.long),
     )
 
 

@@ -66,6 +66,7 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import policy_objective
+from miles.train.shared_prompt import cache_keyword, shared_prompt_logits, worth_sharing
 from miles.train.optim import flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
 
 
@@ -154,6 +155,10 @@ class FSDPTrainer:
             self.ref_model = load_sharded(trainable=False)
             self.ref_model.requires_grad_(False)
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache)
+        self.cache_kw = cache_keyword(self.model) if t.shared_prompt_forward and self.keeps_logits else None
+        if t.activation_checkpointing:
+            self.cache_kw = None
         # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
         # faster on a sharded tiny model); plain tensors on CPU keep torch's default
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
@@ -171,8 +176,11 @@ class FSDPTrainer:
         """Logits at the positions that predict each response token: [B, Tr, V].
 
         Only the positions from the earliest predicting one on reach the LM head (``logits_to_keep``):
-        prompt positions need no logits.
+        prompt positions need no logits. Micro-batches whose rows share prompts compute each prompt
+        once (``trainer.shared_prompt_forward``, :mod:`miles.train.shared_prompt`).
         """
+        if self.cache_kw is not None and worth_sharing(p):
+            return shared_prompt_logits(model, p, self.pad_id, self.cache_kw)
         first = int(p.logit_index[:, 0].min()) if self.keeps_logits else 0
         kwargs = {"logits_to_keep": p.input_ids.shape[1] - first} if first > 0 else {}
         out = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
