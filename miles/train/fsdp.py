@@ -66,8 +66,8 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import policy_objective
-from miles.train.shared_prompt import cache_keyword, shared_prompt_logits, worth_sharing
 from miles.train.optim import flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
+from miles.train.shared_prompt import cache_keyword, shared_prompt_logits, worth_sharing
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
