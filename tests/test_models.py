@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from miles.config.validate import validate
 from miles.models.checkpoint import ensure_checkpoint
@@ -152,3 +152,29 @@ def test_model_path_is_returned_unchanged(tmp_path: Path, tiny_qwen3_dir: Path) 
     run = validate({"model": {"path": str(tiny_qwen3_dir)}, "warm_start": {"cache_dir": str(tmp_path)}})
     assert ensure_checkpoint(run, qwen3_spec("tiny", path=str(tiny_qwen3_dir)), ArithmeticTask()) == tiny_qwen3_dir
     assert not any(tmp_path.iterdir())  # nothing built
+
+
+def test_warm_start_micro_batches_give_the_gradient_of_one_pass(tiny_qwen3_dir: Path) -> None:
+    """A warm-start batch over the token budget is split by length; the accumulated gradient is the one pass's."""
+    import random
+
+    from miles.tasks.count import CountTask
+    from miles.train.sft import _accumulate, collate_sft
+
+    task = CountTask(max_span=24)
+    tok = train_tokenizer(task.corpus(), 320)
+    examples = task.sft_examples(12, random.Random(0))
+    ids, _, _ = collate_sft(tok, examples)
+    assert len({len(r) for _, r in examples}) > 4  # varied lengths: the split changes the padding
+    grads, losses = [], []
+    for budget in (0, ids.shape[1] * 3):  # one pass; then passes of at most 3 rows of the longest
+        config = AutoConfig.from_pretrained(tiny_qwen3_dir)
+        config.vocab_size = len(tok)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        losses.append(_accumulate(model, tok, examples, True, budget))
+        grads.append({k: v.grad.clone() for k, v in model.named_parameters()})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert max(g.abs().max().item() for g in grads[0].values()) > 1e-3
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-4, msg=k)

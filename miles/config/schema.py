@@ -57,6 +57,9 @@ class WarmStartConfig:
     """Examples per SFT step."""
     lr: float = 5e-3
     """AdamW learning rate for the warm start."""
+    max_tokens_per_microbatch: int = 8192
+    """Padded tokens (rows x longest row) per forward/backward: a batch over it is sorted by length and
+    split, gradients accumulated (same loss; less padding on answers of varied length). 0: one pass."""
     cache_dir: str = "~/.cache/miles/checkpoints"
     """Where built checkpoints are cached, keyed by a hash of everything that shapes them."""
 

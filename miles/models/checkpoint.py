@@ -60,7 +60,8 @@ def checkpoint_key(run: MilesConfig, spec: ModelSpec) -> str:
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs),
                  "files": _file_digests(run.task.source.kwargs)},
         "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
-        "warm_start": {"steps": ws.steps, "batch_size": ws.batch_size, "lr": ws.lr},
+        "warm_start": {"steps": ws.steps, "batch_size": ws.batch_size, "lr": ws.lr,
+                       "max_tokens_per_microbatch": ws.max_tokens_per_microbatch},
         "seed": run.seed,
     }
     blob = json.dumps(payload, sort_keys=True, default=_jsonable)
@@ -123,7 +124,8 @@ def _build(run: MilesConfig, spec: ModelSpec, task, out: Path) -> None:
     torch.manual_seed(run.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     ws = run.warm_start
-    metrics = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=run.seed)
+    metrics = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=run.seed,
+                         max_tokens_per_microbatch=ws.max_tokens_per_microbatch)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.pad_token_id,
