@@ -215,11 +215,22 @@ def test_dapo_config_is_clip_higher_token_mean_no_kl_with_overlong_shaping():
     assert (a.clip_low, a.clip_high, a.loss_agg, a.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
     assert 0 < a.overlong_buffer_len < run.rollout.max_new_tokens and a.overlong_penalty_factor == 1.0
     assert a.estimator == "group"
-    # dynamic sampling: the override documented in dapo.yaml composes
-    overrides = ["algo=dapo", "rollout.filters=[{_target_: miles.rollout.filters.nonzero_reward_std, _partial_: true}]"]
+    # dynamic sampling is part of the algorithm: the filter is built ahead of rollout.filters, once
+    assert a.dynamic_sampling and run.rollout.filters == ()
+    from miles.core.run import build_components
+    from miles.rollout.filters import nonzero_reward_std
+
+    filters = build_components(run)["filters"]
+    assert [f.func for f in filters] == [nonzero_reward_std]
     with initialize_config_module("miles.conf", version_base="1.3"):
-        run = validate(compose("config", overrides=overrides))
-    assert [f.target for f in run.rollout.filters] == ["miles.rollout.filters.nonzero_reward_std"]
+        both = validate(compose("config", overrides=[
+            "algo=dapo", "rollout.filters=[{_target_: miles.rollout.filters.nonzero_reward_std, _partial_: true, "
+            "min_std: 0.1}]"]))
+    filters = build_components(both)["filters"]
+    assert len(filters) == 1 and filters[0].keywords == {"min_std": 0.1}  # the user's own, not a second copy
+    with initialize_config_module("miles.conf", version_base="1.3"):
+        grpo = validate(compose("config", overrides=["algo=grpo"]))
+    assert not grpo.algo.dynamic_sampling and build_components(grpo)["filters"] == []
 
 
 def test_rejection_sampling_weights_and_sft_loss():

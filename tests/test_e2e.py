@@ -141,7 +141,8 @@ def test_two_engines_with_dynamic_sampling(tmp_path: Path) -> None:
 
 
 ALGO_OWN_METRICS = {"ppo": {"critic/value_loss", "critic/explained_var", "critic/vf_clip_frac"},
-                    "dapo": {"train/overlong_penalty_mean", "train/clip_frac_high"},
+                    "dapo": {"train/overlong_penalty_mean", "train/clip_frac_high",
+                             "rollout/filtered_by/nonzero_reward_std"},
                     "sft": {"train/sft_weighted_frac"}}
 
 

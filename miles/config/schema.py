@@ -114,6 +114,10 @@ class AlgoConfig:
     """DAPO soft overlong punishment: ramp to -1 over the last this many tokens before rollout.max_new_tokens (0: off)."""
     overlong_penalty_factor: float = 1.0
     """Scale of the soft overlong punishment (0: off)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: groups whose rewards are all equal are dropped and replaced by fresh prompts
+    (:func:`miles.rollout.filters.nonzero_reward_std` ahead of ``rollout.filters``; over-sampling up to
+    ``rollout.max_oversample_rounds``)."""
 
 
 @dataclass(**_frozen)

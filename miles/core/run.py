@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -36,6 +37,12 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         "filters": [build(f, allow=allow, key=f"rollout.filters[{i}]._target_")
                     for i, f in enumerate(run.rollout.filters)],
     }
+    if run.algo.dynamic_sampling:
+        from miles.rollout.filters import nonzero_reward_std
+
+        named = [f.func if isinstance(f, functools.partial) else f for f in parts["filters"]]
+        if nonzero_reward_std not in named:
+            parts["filters"].insert(0, functools.partial(nonzero_reward_std))
     check_rollout_config(run.rollout)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
     # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts
