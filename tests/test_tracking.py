@@ -282,3 +282,44 @@ def test_system_metrics_are_logged_when_switched_on(store: str) -> None:
     metrics = MlflowClient(store).get_run(tracker.run_id).data.metrics
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
     assert 0 <= metrics["system/cpu_utilization_percentage"] <= 100
+
+
+def test_hydra_saved_configs_are_redacted(tmp_path: Path) -> None:
+    """The job's .hydra/config.yaml, hydra.yaml and overrides.yaml keep no secret (a real Hydra app)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "app.yaml").write_text(textwrap.dedent("""
+        db: {host: localhost, password: hunter2}
+        lr: 0.1
+        hydra:
+          run: {dir: out}
+          callbacks:
+            redact_outputs: {_target_: miles.tracking.snapshot.RedactHydraOutputs}
+    """))
+    (tmp_path / "app.py").write_text(textwrap.dedent("""
+        import hydra
+
+        @hydra.main(version_base="1.3", config_path=".", config_name="app")
+        def main(cfg):
+            assert cfg.db.password == "hunter2" and cfg.svc.api_key == "sk-123"  # the job itself sees them
+        main()
+    """))
+    subprocess.run([sys.executable, "app.py", "+svc.api_key=sk-123", "lr=0.2"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    saved = {p.name: p.read_text() for p in (tmp_path / "out" / ".hydra").glob("*.yaml")}
+    assert set(saved) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    for name, text in saved.items():
+        assert "hunter2" not in text and "sk-123" not in text, name
+    assert "lr=0.2" in saved["overrides.yaml"] and "+svc.api_key=***" in saved["overrides.yaml"]
+    assert "host: localhost" in saved["config.yaml"] and "password: '***'" in saved["config.yaml"]
+
+
+def test_miles_config_registers_the_redaction_callback() -> None:
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("miles.conf", version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True)
+    targets = {c._target_ for c in cfg.hydra.callbacks.values()}
+    assert "miles.tracking.snapshot.RedactHydraOutputs" in targets

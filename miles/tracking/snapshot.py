@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.experimental.callback import Callback
 
 REDACTED = "***"
 # a key names a secret when one of its words is one of these, or its last word is "token"
@@ -105,6 +106,44 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 def redact_yaml(text: str) -> str:
     """A YAML document with secret values replaced (key order kept; floats round-trip exactly)."""
     return yaml.safe_dump(redact_tree(yaml.safe_load(text)), sort_keys=False)
+
+
+def redact_strings(d: Any) -> Any:
+    """:func:`redact_tree`, and every string leaf through :func:`redact_text` (``key=value`` overrides in lists)."""
+    if isinstance(d, Mapping):
+        return {k: (REDACTED if is_secret_key(k) and v is not None else redact_strings(v)) for k, v in d.items()}
+    if isinstance(d, list | tuple):
+        return [redact_strings(v) for v in d]
+    return redact_text(d) if isinstance(d, str) else d
+
+
+def redact_hydra_outputs(directory: str | Path) -> list[Path]:
+    """Rewrite the YAML files Hydra saved for a job (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``
+    in ``directory``) with secret values replaced; returns the files rewritten."""
+    done = []
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        clean = yaml.safe_dump(redact_strings(yaml.safe_load(text)), sort_keys=False)
+        if clean != text:
+            path.write_text(clean)
+            done.append(path)
+    return done
+
+
+class RedactHydraOutputs(Callback):
+    """Hydra callback: a job's saved ``.hydra/*.yaml`` copies of the config lose their secrets before it runs.
+
+    Hydra writes them just before ``on_job_start``; MLflow gets its own redacted snapshot
+    (:func:`redact_yaml`), and this keeps the local copies to the same rule.
+    """
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        subdir = config.hydra.output_subdir
+        if subdir is not None:
+            redact_hydra_outputs(Path(config.hydra.runtime.output_dir) / subdir)
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
