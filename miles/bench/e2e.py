@@ -2,9 +2,11 @@
 
 Both sides get the same checkpoint (model and tokenizer, built by miles from the
 workload's config), the same task and chat template, prompts per step, samples
-per prompt, max new tokens, temperature, learning rate and warmup, clip range,
+per prompt, max new tokens, temperature, AdamW settings and learning-rate schedule (miles'
+:func:`~miles.train.optim.lr_multiplier` on both sides), clip range,
 loss aggregation (token mean over the batch: TRL's ``loss_type="dapo"``), group
-reward scaling, no KL, no dropout, and the same number of steps. They run one
+reward scaling, no KL, no dropout, activation checkpointing as miles has it (off; TRL's
+default is on), and the same number of steps. They run one
 after the other in this process's command, with the same CPU budget: TRL in
 this process with ``--threads`` torch threads; miles with its actors at the
 same thread count (colocated engine and trainer take turns, as TRL's
@@ -60,6 +62,9 @@ WORKLOADS: dict[str, list[str]] = {
 }
 """Config overrides of each workload (on top of the defaults), before the shared ones."""
 
+DEFAULT_STEPS: dict[str, int] = {"short": 20, "long": 6}
+"""RL steps per side by default: a short step is ~0.1 s, so its median is taken over more of them."""
+
 
 def compose(overrides: list[str]) -> tuple[Any, str]:
     """Hydra-compose ``miles.conf`` with ``overrides``; returns (validated MilesConfig, resolved YAML)."""
@@ -97,6 +102,8 @@ def run_trl(run: Any, checkpoint: Path, task: Any, reward_fn: Any, threads: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from miles.train.optim import lr_multiplier
+
     torch.set_num_threads(threads)
     a, r, t = run.algo, run.rollout, run.trainer
     rng = random.Random(run.seed)
@@ -123,17 +130,23 @@ def run_trl(run: Any, checkpoint: Path, task: Any, reward_fn: Any, threads: int,
         output_dir=str(out_dir / "trl"), max_steps=t.num_steps, per_device_train_batch_size=a.num_prompts_per_step
         * a.num_samples_per_prompt, gradient_accumulation_steps=1, num_generations=a.num_samples_per_prompt,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        learning_rate=t.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=t.lr_warmup_steps,
-        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        learning_rate=t.lr, max_grad_norm=t.max_grad_norm,
         epsilon=a.clip_low, epsilon_high=a.clip_high, beta=0.0, loss_type="dapo", scale_rewards="group",
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=run.seed,
         disable_dropout=True, shuffle_dataset=False, dataloader_num_workers=0,
+        gradient_checkpointing=t.activation_checkpointing,  # TRL's default is on; miles' is off
     )
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    # miles' optimizer and LR schedule exactly: HF's "constant_with_warmup" starts at lr 0 (its first
+    # update is a no-op) where miles' warmup starts at lr / warmup_steps
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, warmup_steps=t.lr_warmup_steps, total_steps=t.num_steps, schedule=t.lr_schedule,
+        min_lr_ratio=t.min_lr_ratio))
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
+                          processing_class=tokenizer, callbacks=[timer], optimizers=(optimizer, scheduler))
     trainer.train()
     saved = out_dir / "trl-final"
     trainer.model.save_pretrained(saved, safe_serialization=True)
@@ -214,7 +227,8 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="short,long", help="comma-separated: short, long")
-    p.add_argument("--steps", type=int, default=6, help="RL steps per side (the median skips step 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="RL steps per side (the median skips step 1); default: short 20, long 6")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process on each side")
     p.add_argument("--override", action="append", default=[], help="extra miles config override (repeatable)")
     args = p.parse_args(argv)
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload(s) {unknown}; valid: {', '.join(WORKLOADS)}")
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         p.error("--steps must be >= 2 (the median skips step 1)")
     try:
         import trl  # noqa: F401
@@ -233,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="miles-bench-e2e-") as tmp:
         for name in names:
-            result[name] = bench_workload(name, args.steps, args.threads, args.override, Path(tmp))
+            steps = args.steps or DEFAULT_STEPS[name]
+            result[name] = bench_workload(name, steps, args.threads, args.override, Path(tmp))
             w = result[name]
             print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
                   f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "

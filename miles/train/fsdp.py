@@ -16,7 +16,9 @@ One ``train_step`` (every rank is called with the same full batch):
    length, padded per micro-batch; every rank runs the same number, the largest any rank needs);
 2. ``old_logp``: with one mini-batch the current weights *are* the proximal policy, so
    ``logp.detach()`` (same numbers); otherwise a no-grad pass before the first update;
-3. per mini-batch: per micro-batch forward, :func:`miles.train.objective.policy_objective` with the
+3. per mini-batch: per micro-batch forward (rows that share a prompt compute it once,
+   ``trainer.shared_prompt_forward``, :mod:`miles.train.shared_prompt`),
+   :func:`miles.train.objective.policy_objective` with the
    mini-batch's global token counts (one all-reduce), backward of ``W * loss`` (FSDP averages
    gradients over ranks; the objective is already this micro-batch's share of a sum), gradients
    accumulated (reduced once, after the last micro-batch); then grad-norm clip, AdamW step, unless
