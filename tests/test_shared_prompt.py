@@ -97,7 +97,7 @@ def test_one_token_responses_need_only_the_prompt_pass(tiny_qwen3_dir: Path):
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_sharing_only_where_it_saves_a_quarter():
+def test_sharing_only_where_it_saves_five_percent():
     def batch(prompts: list[list[int]], response_len: int) -> TrainBatch:
         n = len(prompts)
         return TrainBatch(prompt_ids=prompts, response_ids=[[1] * response_len] * n,
@@ -109,7 +109,9 @@ def test_sharing_only_where_it_saves_a_quarter():
     grpo = pad_batch(batch([[9] * 20] * 8, 4))
     assert shared_tokens(grpo) == (8 * 24, 20 + 8 * 3) and worth_sharing(grpo)
     long_answers = pad_batch(batch([[9] * 4] * 8, 60))  # 8 x 64 plain vs 4 + 8 x 59 shared: 7% saved
-    assert not worth_sharing(long_answers)
+    assert worth_sharing(long_answers)
+    short_prompt = pad_batch(batch([[9] * 2] * 8, 60))  # 8 x 62 plain vs 2 + 8 x 59 shared: 4.4% saved
+    assert not worth_sharing(short_prompt)
 
 
 # --- in the trainer ---------------------------------------------------------------------------------------

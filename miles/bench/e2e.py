@@ -55,9 +55,9 @@ WORKLOADS: dict[str, list[str]] = {
     ],
     "long": [
         "model=qwen3", "model.flavor=20m", "task=count", "algo=grpo", "algo.num_prompts_per_step=16",
-        "algo.num_samples_per_prompt=8", "rollout.max_new_tokens=192", "warm_start.steps=60",
+        "algo.num_samples_per_prompt=8", "rollout.max_new_tokens=192", "warm_start.steps=120",
         "warm_start.batch_size=32", "warm_start.lr=1e-3", "warm_start.max_tokens_per_microbatch=2048",
-        "task.num_eval_prompts=32",
+        "trainer.max_tokens_per_microbatch=2048", "task.num_eval_prompts=64",
     ],
 }
 """Config overrides of each workload (on top of the defaults), before the shared ones."""

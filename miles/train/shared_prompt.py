@@ -17,7 +17,9 @@ so the log-probs agree to float rounding (attention sums in a different order) a
 gradients; the tests check both against the plain path. Work goes from ``B * (P + R)`` tokens to
 ``U * P_max + B * (R - 1)``.
 
-:func:`worth_sharing` decides per micro-batch (at least a quarter of the tokens saved).
+:func:`worth_sharing` decides per micro-batch (at least 5% of the tokens saved). Measured on CPU:
+a tiny model at 8 prompts x 8 samples x (26 + 4) tokens, 44 -> 25 ms per train step; a 19M model
+at 16 x 8 x (20 + 1..192), 12.3 -> 11.6 s.
 Incompatible with activation checkpointing (the recomputed layer would append to the cache again)
 and needs a model whose forward takes ``past_key_values`` (every HF decoder does); the trainer
 falls back to the plain forward otherwise.
@@ -32,7 +34,7 @@ from transformers import DynamicCache
 
 from miles.train.batching import PaddedBatch
 
-MIN_SAVING = 0.25
+MIN_SAVING = 0.05
 """Share the prompt pass only when it saves at least this fraction of the tokens of the plain forward."""
 
 
