@@ -21,6 +21,10 @@ def test_group_normalized_hand_computed():
     torch.testing.assert_close(adv, expected, atol=1e-4, rtol=0)
     # every group with spread has zero mean and unit mean square (population std)
     assert adv[0].square().mean().item() == pytest.approx(1.0, abs=1e-5)
+    # Bessel's std (TRL / verl): group 0 has sample std sqrt(1/3) = 0.57735 -> +-0.86603
+    unbiased = group_normalized(rewards, unbiased_std=True)
+    torch.testing.assert_close(unbiased[0], torch.tensor([0.86603, -0.86603, -0.86603, 0.86603]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(unbiased[1], torch.zeros(4))
 
 
 def test_group_normalized_mean_only_and_shape_error():

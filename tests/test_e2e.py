@@ -85,6 +85,13 @@ def test_placement_that_never_becomes_ready_fails_within_its_timeout(ray_cluster
     assert time.perf_counter() - t0 < 30
 
 
+def test_eval_standard_error_is_over_prompts() -> None:
+    from miles.core.loop import _standard_error
+
+    assert _standard_error([1.0, 0.0, 1.0, 0.0]) == pytest.approx(0.57735 / 2, abs=1e-5)
+    assert _standard_error([0.5]) == 0.0 and _standard_error([0.3, 0.3, 0.3]) == 0.0
+
+
 def test_short_seeded_run_improves(ray_cluster, tmp_path: Path) -> None:
     """The default recipe, shortened to 80 steps: reward and held-out accuracy rise from the start."""
     from miles.core.run import run_job
@@ -99,6 +106,8 @@ def test_short_seeded_run_improves(ray_cluster, tmp_path: Path) -> None:
     print(f"eval/accuracy {start['eval/accuracy']:.3f} -> {final['eval/accuracy']:.3f}, "
           f"reward (20-step means) {first:.3f} -> {last:.3f}")
     assert final["eval/accuracy"] > start["eval/accuracy"] + 0.03
+    # the noise of that figure: per-prompt means over 128 prompts, 4 samples each
+    assert 0.01 < final["eval/accuracy_se"] < 0.06
     assert last > first + 0.03
     lrs = {s: m["train/lr"] for s, m in seen if s > 0}  # linear warmup over trainer.lr_warmup_steps
     assert lrs[1] == pytest.approx(run.trainer.lr / run.trainer.lr_warmup_steps)

@@ -54,17 +54,19 @@ from __future__ import annotations
 import torch
 
 
-def group_normalized(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_normalized(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6,
+                     unbiased_std: bool = False) -> torch.Tensor:
     """GRPO advantages. rewards: [G, n] (G prompts, n samples each) -> advantages [G, n] fp32.
 
-    ``(r - mean_group) / (std_group + eps)`` with the population std (see the module docstring);
-    with ``normalize_std=False`` just ``r - mean_group``.
+    ``(r - mean_group) / (std_group + eps)`` with the population std (see the module docstring),
+    or Bessel's std with ``unbiased_std=True`` (TRL's and verl's convention, for like-for-like
+    comparisons); with ``normalize_std=False`` just ``r - mean_group``.
     """
     r = _check_groups("group_normalized", rewards, min_samples=2)
     centered = r - r.mean(dim=1, keepdim=True)
     if not normalize_std:
         return centered
-    return centered / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centered / (r.std(dim=1, unbiased=unbiased_std, keepdim=True) + eps)
 
 
 def _check_groups(name: str, rewards: torch.Tensor, min_samples: int = 1) -> torch.Tensor:

@@ -5,7 +5,7 @@ workload's config), the same task and chat template, prompts per step, samples
 per prompt, max new tokens, temperature, AdamW settings and learning-rate schedule (miles'
 :func:`~miles.train.optim.lr_multiplier` on both sides), clip range,
 loss aggregation (token mean over the batch: TRL's ``loss_type="dapo"``), group
-reward scaling, no KL, no dropout, activation checkpointing as miles has it (off; TRL's
+reward scaling with Bessel's std as TRL does it (``algo.advantage.unbiased_std``), no KL, no dropout, activation checkpointing as miles has it (off; TRL's
 default is on), and the same number of steps. They run one
 after the other in this process's command, with the same CPU budget: TRL in
 this process with ``--threads`` torch threads; miles with its actors at the
@@ -19,7 +19,11 @@ Workloads:
   calls, weight sync, process hops on the miles side).
 * ``long``: the ``20m`` Qwen3 flavor (19M parameters) on the ``count`` task,
   whose answers run from one number to 64 (a few to ~190 tokens), 16 prompts x
-  8 samples, 192 max new tokens. Generation and padding dominate here.
+  8 samples, 192 max new tokens. Generation and padding dominate here. miles trains
+  it in micro-batches of 2048 padded tokens (``trainer.max_tokens_per_microbatch``; the
+  default 8192 suits the tiny model, while on this 19M model on CPU smaller passes are faster:
+  a train step of this shape takes 14.0 s at 8192, 12.2 s at 4096, 11.6 s at 2048); TRL
+  trains the 128 samples in one pass, its default.
 
 Step time is the median over steps 2..N (step 1 pays one-time warmup on both
 sides). Eval accuracy is measured for both by the same function
@@ -29,7 +33,8 @@ and on TRL's final model saved and loaded into a miles engine.
 
 The last line printed is JSON: per workload ``step_time_s_miles``,
 ``step_time_s_trl``, ``ratio_step_time_trl_over_miles``, ``eval_accuracy_miles``,
-``eval_accuracy_trl`` (and the settings). TRL is the optional ``bench`` extra.
+``eval_accuracy_trl``, their standard errors over the eval prompts (``eval_accuracy_se_*``)
+and the settings. TRL is the optional ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ def run_miles(run: Any, resolved: str, overrides: list[str]) -> dict[str, Any]:
             steps.append(metrics["perf/step_time_s"])
 
     final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=on_metrics)
-    return {"step_times": steps, "eval_accuracy": final["eval/accuracy"], "reward_mean": final.get("train/reward_mean")}
+    return {"step_times": steps, "eval_accuracy": final["eval/accuracy"], "eval_accuracy_se": final["eval/accuracy_se"],
+            "reward_mean": final.get("train/reward_mean")}
 
 
 def run_trl(run: Any, checkpoint: Path, task: Any, reward_fn: Any, threads: int, out_dir: Path) -> dict[str, Any]:
@@ -155,8 +161,8 @@ def run_trl(run: Any, checkpoint: Path, task: Any, reward_fn: Any, threads: int,
     return {"step_times": timer.times, "model_dir": saved}
 
 
-def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> float:
-    """``eval/accuracy`` of ``checkpoint`` by the loop's own evaluation, on one engine actor."""
+def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
+    """The loop's own evaluation of ``checkpoint`` (``eval/accuracy``, ``eval/accuracy_se``, ...) on one engine."""
     import ray
     from transformers import AutoTokenizer
 
@@ -177,7 +183,7 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> float:
         rollout = RolloutManager([engine], tokenizer, reward, config=run.rollout)
         ctx = LoopContext(run=run, task=task, rollout=rollout, trainers=[],
                           engines=[engine], advantage_fn=lambda x: x, log_metrics=lambda m, s: None)
-        return float(evaluate(ctx, task.eval_problems(run.task.num_eval_prompts))["eval/accuracy"])
+        return evaluate(ctx, task.eval_problems(run.task.num_eval_prompts))
     finally:
         if rollout is not None:
             rollout.close()
@@ -190,7 +196,9 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
     from miles.core.run import build_components
     from miles.models.checkpoint import ensure_checkpoint
 
-    overrides = [*WORKLOADS[name], f"trainer.num_steps={steps}", "trainer.eval_every=0", "tracking=none",
+    # TRL's GRPO divides by Bessel's std of the group (miles' default is the population std)
+    overrides = [*WORKLOADS[name], "+algo.advantage.unbiased_std=true", f"trainer.num_steps={steps}",
+                 "trainer.eval_every=0", "tracking=none",
                  f"placement.torch_threads_per_actor={threads}", *extra]
     run, resolved = compose(overrides)
     parts = build_components(run)
@@ -199,7 +207,7 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
     miles_out = run_miles(run, resolved, overrides)
     log.info("[%s] TRL GRPOTrainer", name)
     trl_out = run_trl(run, checkpoint, parts["task"], parts["reward_fn"], threads, out_dir / name)
-    trl_acc = eval_checkpoint(run, trl_out["model_dir"], parts["task"])
+    trl_eval = eval_checkpoint(run, trl_out["model_dir"], parts["task"])
 
     def median_after_first(xs: list[float]) -> float:
         return statistics.median(xs[1:] if len(xs) > 1 else xs)
@@ -211,7 +219,10 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
         "step_time_s_trl": round(s_trl, 4),
         "ratio_step_time_trl_over_miles": round(s_trl / s_miles, 3),
         "eval_accuracy_miles": round(miles_out["eval_accuracy"], 4),
-        "eval_accuracy_trl": round(trl_acc, 4),
+        "eval_accuracy_trl": round(trl_eval["eval/accuracy"], 4),
+        # standard errors over the eval prompts: a difference within ~2 of them is noise
+        "eval_accuracy_se_miles": round(miles_out["eval_accuracy_se"], 4),
+        "eval_accuracy_se_trl": round(trl_eval["eval/accuracy_se"], 4),
         "steps": steps,
         "prompts_per_step": a.num_prompts_per_step,
         "samples_per_prompt": a.num_samples_per_prompt,
@@ -252,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             w = result[name]
             print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
                   f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
-                  f"{w['eval_accuracy_miles']:.3f}, TRL {w['eval_accuracy_trl']:.3f}", flush=True)
+                  f"{w['eval_accuracy_miles']:.3f} +- {w['eval_accuracy_se_miles']:.3f}, TRL "
+                  f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}", flush=True)
     print(json.dumps(result))
     return 0
 

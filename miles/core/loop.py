@@ -23,7 +23,9 @@ One step, synchronously:
 from __future__ import annotations
 
 import logging
+import math
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -151,7 +153,8 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
 
     ``eval/accuracy`` is pass@1 estimated from ``rollout.eval_samples_per_prompt`` samples per prompt at
     ``rollout.eval_temperature`` (the mean reward; greedy with one sample when the temperature is 0);
-    ``eval/greedy_accuracy`` is greedy decoding, logged alongside.
+    ``eval/greedy_accuracy`` is greedy decoding, logged alongside. ``eval/accuracy_se`` is the standard
+    error of ``eval/accuracy`` over prompts: differences within about two of it are noise.
     """
     r = ctx.run.rollout
     greedy = SamplingParams(greedy=True, max_new_tokens=r.max_new_tokens)
@@ -160,14 +163,23 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
         sampling = SamplingParams(temperature=r.eval_temperature, max_new_tokens=r.max_new_tokens)
         groups, m = ctx.rollout.rollout(problems, r.eval_samples_per_prompt, sampling, seed=ctx.run.seed)
         out["eval/accuracy"] = sum(s.reward for g in groups for s in g) / sum(len(g) for g in groups)
+        out["eval/accuracy_se"] = _standard_error([sum(s.reward for s in g) / len(g) for g in groups])
         out[f"eval/pass_at_{r.eval_samples_per_prompt}"] = sum(max(s.reward for s in g) > 0 for g in groups) / len(groups)
         out["eval/response_len_mean"] = m["rollout/response_len_mean"]
     groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=ctx.run.seed)
     out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
     out["eval/failed"] = m["rollout/failed"]  # a failed response scores 0 above
     out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])
+    out.setdefault("eval/accuracy_se", _standard_error([g[0].reward for g in groups]))
     out.setdefault("eval/response_len_mean", m["rollout/response_len_mean"])
     return out
+
+
+def _standard_error(per_prompt: Sequence[float]) -> float:
+    """Standard error of the mean over prompts (samples of one prompt are not independent draws)."""
+    if len(per_prompt) < 2:
+        return 0.0
+    return statistics.stdev(per_prompt) / math.sqrt(len(per_prompt))
 
 
 def assign_advantages(groups: Sequence[Sequence[Sample]], advantage_fn: Callable[[torch.Tensor], torch.Tensor]
