@@ -67,7 +67,7 @@ WORKLOADS: dict[str, list[str]] = {
 }
 """Config overrides of each workload (on top of the defaults), before the shared ones."""
 
-DEFAULT_STEPS: dict[str, int] = {"short": 20, "long": 6}
+DEFAULT_STEPS: dict[str, int] = {"short": 100, "long": 6}
 """RL steps per side by default: a short step is ~0.1 s, so its median is taken over more of them."""
 
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="short,long", help="comma-separated: short, long")
     p.add_argument("--steps", type=int, default=None,
-                   help="RL steps per side (the median skips step 1); default: short 20, long 6")
+                   help="RL steps per side (the median skips step 1); default: short 100, long 6")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process on each side")
     p.add_argument("--override", action="append", default=[], help="extra miles config override (repeatable)")
     args = p.parse_args(argv)
