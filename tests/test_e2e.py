@@ -169,7 +169,7 @@ def test_every_shipped_algo_runs_end_to_end(ray_cluster, tmp_path: Path) -> None
     for algo in algos:
         overrides = [f"algo={algo}", "algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4",
                      "trainer.num_steps=2", "trainer.eval_every=0", "task.num_eval_prompts=4",
-                     "rollout.eval_samples_per_prompt=2", "warm_start.steps=5", "tracking=none",
+                     "rollout.eval_samples_per_prompt=2", "warm_start.steps=40", "tracking=none",
                      f"warm_start.cache_dir={tmp_path / 'cache'}"]
         run, resolved = compose(overrides)
         seen: dict[int, dict] = {}
