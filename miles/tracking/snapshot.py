@@ -65,13 +65,15 @@ def is_secret_key(key: str) -> bool:
             or (bool(words) and words[-1] == "token"))
 
 
-def redact_tree(d: Any) -> Any:
-    """A copy of nested dicts/lists with the values under secret-looking keys replaced by ``***``."""
+def redact_tree(d: Any, *, strings: bool = False) -> Any:
+    """A copy of nested dicts/lists with the values under secret-looking keys replaced by ``***``; with
+    ``strings``, every string leaf also goes through :func:`redact_text` (``key=value`` overrides in lists)."""
     if isinstance(d, Mapping):
-        return {k: (REDACTED if is_secret_key(k) and v is not None else redact_tree(v)) for k, v in d.items()}
+        return {k: (REDACTED if is_secret_key(k) and v is not None else redact_tree(v, strings=strings))
+                for k, v in d.items()}
     if isinstance(d, list | tuple):
-        return [redact_tree(v) for v in d]
-    return d
+        return [redact_tree(v, strings=strings) for v in d]
+    return redact_text(d) if strings and isinstance(d, str) else d
 
 
 def redact_text(text: str) -> str:
@@ -108,15 +110,6 @@ def redact_yaml(text: str) -> str:
     return yaml.safe_dump(redact_tree(yaml.safe_load(text)), sort_keys=False)
 
 
-def redact_strings(d: Any) -> Any:
-    """:func:`redact_tree`, and every string leaf through :func:`redact_text` (``key=value`` overrides in lists)."""
-    if isinstance(d, Mapping):
-        return {k: (REDACTED if is_secret_key(k) and v is not None else redact_strings(v)) for k, v in d.items()}
-    if isinstance(d, list | tuple):
-        return [redact_strings(v) for v in d]
-    return redact_text(d) if isinstance(d, str) else d
-
-
 def redact_hydra_outputs(directory: str | Path) -> list[Path]:
     """Rewrite the YAML files Hydra saved for a job (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``
     in ``directory``) with secret values replaced; returns the files rewritten."""
@@ -126,7 +119,7 @@ def redact_hydra_outputs(directory: str | Path) -> list[Path]:
         if not path.is_file():
             continue
         text = path.read_text()
-        clean = yaml.safe_dump(redact_strings(yaml.safe_load(text)), sort_keys=False)
+        clean = yaml.safe_dump(redact_tree(yaml.safe_load(text), strings=True), sort_keys=False)
         if clean != text:
             path.write_text(clean)
             done.append(path)

@@ -105,11 +105,13 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
     rollout_logp = torch.tensor(rows(batch.rollout_logprobs, resp_len, 0.0), dtype=torch.float32)
     advantages = (torch.tensor(batch.advantages, dtype=torch.float32) if token_adv is None
                   else torch.tensor(rows(token_adv, resp_len, 0.0), dtype=torch.float32))
-    distinct: dict[tuple[int, ...], int] = {}
-    prompt_index = [distinct.setdefault(tuple(p), len(distinct)) for p in batch.prompt_ids]
-    first_rows: dict[int, int] = {}
-    for i, u in enumerate(prompt_index):
-        first_rows.setdefault(u, i)
+    distinct: dict[tuple[int, ...], int] = {}  # prompt -> index of its first row in prompt_rows
+    prompt_index, prompt_rows = [], []
+    for i, p in enumerate(batch.prompt_ids):
+        u = distinct.setdefault(tuple(p), len(distinct))
+        if u == len(prompt_rows):
+            prompt_rows.append(i)
+        prompt_index.append(u)
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -123,7 +125,7 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
         response_lengths=tuple(len(r) for r in batch.response_ids),
         prompt_lengths=prompt_lens,
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
-        prompt_rows=torch.tensor([first_rows[u] for u in range(len(first_rows))], dtype=torch.long),
+        prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
     )
 
 

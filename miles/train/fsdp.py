@@ -158,9 +158,8 @@ class FSDPTrainer:
             self.ref_model.requires_grad_(False)
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache)
-        self.cache_kw = cache_keyword(self.model) if t.shared_prompt_forward and self.keeps_logits else None
-        if t.activation_checkpointing:
-            self.cache_kw = None
+        share = t.shared_prompt_forward and self.keeps_logits and not t.activation_checkpointing
+        self.cache_kw = cache_keyword(self.model) if share else None
         # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
         # faster on a sharded tiny model); plain tensors on CPU keep torch's default
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,

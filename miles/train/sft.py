@@ -129,7 +129,8 @@ def _accumulate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, exam
     total = int((labels[:, 1:] != IGNORE_INDEX).sum())  # labelled (shifted) tokens of the whole batch
     loss_sum = 0.0
     for group in split_microbatches(lengths, max_tokens, count_microbatches(lengths, max_tokens)):
-        ids, mask, lab = collate_sft(tokenizer, [examples[i] for i in group], chat_template)
+        rows, width = torch.tensor(group), max(lengths[i] for i in group)  # right-padded: trim to the group's longest
+        ids, mask, lab = (t[rows, :width] for t in (input_ids, attention_mask, labels))
         part = sft_loss(model(input_ids=ids, attention_mask=mask).logits, lab, reduction="sum") / total
         part.backward()
         loss_sum += part.item()
