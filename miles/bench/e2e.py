@@ -28,13 +28,26 @@ Workloads:
 Step time is the median over steps 2..N (step 1 pays one-time warmup on both
 sides). Eval accuracy is measured for both by the same function
 (:func:`miles.core.loop.evaluate`: pass@1 from ``rollout.eval_samples_per_prompt``
-samples on the task's held-out prompts), on miles' final weights inside its run
-and on TRL's final model saved and loaded into a miles engine.
+samples on the task's held-out prompts, sampled with the run's seed on both sides),
+on miles' final weights inside its run and on TRL's final model saved and loaded
+into a miles engine.
+
+Seeds (``--seeds 0,1,2``). Both sides start from the same checkpoint (built once,
+with the config's seed); each RL seed then runs miles and TRL once. A few RL steps
+at a warm-up learning rate move a small model by a noisy amount: on ``long``, the
+final accuracy of one framework varies by ~0.2 between seeds, far more than the
+standard error of one evaluation. So one seed cannot tell two frameworks apart;
+several can. With one seed, ``eval_accuracy_se_*`` is the standard error over the
+eval prompts; with several, it is the standard error of the mean over seeds, and
+``eval_accuracy_diff_miles_minus_trl`` with ``eval_accuracy_diff_se`` compares the
+two sides seed by seed (same seed: same prompts for evaluation, same sampling noise
+there). Step times pool the steps 2..N of every seed.
 
 The last line printed is JSON: per workload ``step_time_s_miles``,
 ``step_time_s_trl``, ``ratio_step_time_trl_over_miles``, ``eval_accuracy_miles``,
-``eval_accuracy_trl``, their standard errors over the eval prompts (``eval_accuracy_se_*``)
-and the settings. TRL is the optional ``bench`` extra.
+``eval_accuracy_trl`` (means over seeds), their standard errors
+(``eval_accuracy_se_*``), the paired difference, ``per_seed`` results and the
+settings. TRL is the optional ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -192,7 +205,9 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
             ray.shutdown()
 
 
-def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_dir: Path) -> dict[str, Any]:
+def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_dir: Path,
+                   seeds: list[int] | None = None) -> dict[str, Any]:
+    """Both sides on workload ``name`` for every RL seed in ``seeds`` (default: the config's seed)."""
     from miles.core.run import build_components
     from miles.models.checkpoint import ensure_checkpoint
 
@@ -200,29 +215,32 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
     overrides = [*WORKLOADS[name], "+algo.advantage.unbiased_std=true", f"trainer.num_steps={steps}",
                  "trainer.eval_every=0", "tracking=none",
                  f"placement.torch_threads_per_actor={threads}", *extra]
-    run, resolved = compose(overrides)
+    run, _ = compose(overrides)
     parts = build_components(run)
-    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
-    log.info("[%s] miles: %s", name, " ".join(overrides))
-    miles_out = run_miles(run, resolved, overrides)
-    log.info("[%s] TRL GRPOTrainer", name)
-    trl_out = run_trl(run, checkpoint, parts["task"], parts["reward_fn"], threads, out_dir / name)
-    trl_eval = eval_checkpoint(run, trl_out["model_dir"], parts["task"])
-
-    def median_after_first(xs: list[float]) -> float:
-        return statistics.median(xs[1:] if len(xs) > 1 else xs)
-
-    s_miles, s_trl = median_after_first(miles_out["step_times"]), median_after_first(trl_out["step_times"])
+    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])  # once, with the config's seed
+    per_seed = []
+    for seed in seeds if seeds is not None else [run.seed]:
+        seeded = [*overrides, f"seed={seed}", f"model.path={checkpoint}"]
+        run_s, resolved = compose(seeded)
+        task, reward_fn = build_components(run_s)["task"], parts["reward_fn"]
+        log.info("[%s] seed %d, miles: %s", name, seed, " ".join(seeded))
+        miles_out = run_miles(run_s, resolved, seeded)
+        log.info("[%s] seed %d, TRL GRPOTrainer", name, seed)
+        trl_out = run_trl(run_s, checkpoint, task, reward_fn, threads, out_dir / name / f"seed{seed}")
+        trl_eval = eval_checkpoint(run_s, trl_out["model_dir"], task)
+        per_seed.append({
+            "seed": seed,
+            "step_times_miles": [round(x, 4) for x in miles_out["step_times"]],
+            "step_times_trl": [round(x, 4) for x in trl_out["step_times"]],
+            "eval_accuracy_miles": round(miles_out["eval_accuracy"], 4),
+            "eval_accuracy_trl": round(trl_eval["eval/accuracy"], 4),
+            "eval_accuracy_se_miles": round(miles_out["eval_accuracy_se"], 4),
+            "eval_accuracy_se_trl": round(trl_eval["eval/accuracy_se"], 4),
+        })
+        log.info("[%s] seed %d: eval accuracy miles %.3f, TRL %.3f", name, seed,
+                 per_seed[-1]["eval_accuracy_miles"], per_seed[-1]["eval_accuracy_trl"])
     a = run.algo
-    return {
-        "step_time_s_miles": round(s_miles, 4),
-        "step_time_s_trl": round(s_trl, 4),
-        "ratio_step_time_trl_over_miles": round(s_trl / s_miles, 3),
-        "eval_accuracy_miles": round(miles_out["eval_accuracy"], 4),
-        "eval_accuracy_trl": round(trl_eval["eval/accuracy"], 4),
-        # standard errors over the eval prompts: a difference within ~2 of them is noise
-        "eval_accuracy_se_miles": round(miles_out["eval_accuracy_se"], 4),
-        "eval_accuracy_se_trl": round(trl_eval["eval/accuracy_se"], 4),
+    return summarize(per_seed) | {
         "steps": steps,
         "prompts_per_step": a.num_prompts_per_step,
         "samples_per_prompt": a.num_samples_per_prompt,
@@ -230,8 +248,54 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
         "model": f"{run.model.target.rsplit('.', 1)[-1]}/{run.model.flavor}",
         "task": run.task.name,
         "threads": threads,
-        "step_times_miles": [round(x, 4) for x in miles_out["step_times"]],
-        "step_times_trl": [round(x, 4) for x in trl_out["step_times"]],
+        "per_seed": per_seed,
+    }
+
+
+def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step times and eval accuracies of both sides over the seeds of one workload.
+
+    Step times: the median of every seed's steps 2..N together. Accuracy: the mean over seeds; its
+    standard error is the one over eval prompts for a single seed, the one over seeds otherwise. The
+    difference miles - TRL is taken seed by seed (paired) with the standard error of its mean.
+    """
+    if not per_seed:
+        raise ValueError("summarize: no seeds")
+
+    def after_first(xs: list[float]) -> list[float]:
+        return xs[1:] if len(xs) > 1 else xs
+
+    def mean_se(xs: list[float]) -> tuple[float, float]:
+        return statistics.fmean(xs), statistics.stdev(xs) / len(xs) ** 0.5
+
+    s_miles = statistics.median([x for p in per_seed for x in after_first(p["step_times_miles"])])
+    s_trl = statistics.median([x for p in per_seed for x in after_first(p["step_times_trl"])])
+    acc = {side: [p[f"eval_accuracy_{side}"] for p in per_seed] for side in ("miles", "trl")}
+    diff = [m - t for m, t in zip(acc["miles"], acc["trl"], strict=True)]
+    if len(per_seed) == 1:
+        (p,) = per_seed
+        se = {side: p[f"eval_accuracy_se_{side}"] for side in acc}
+        # as if independent: the two evaluations share prompts and sampling noise, so this overstates it
+        diff_se = (se["miles"] ** 2 + se["trl"] ** 2) ** 0.5
+        mean = {side: xs[0] for side, xs in acc.items()}
+        diff_mean = diff[0]
+    else:
+        mean, se = {}, {}
+        for side, xs in acc.items():
+            mean[side], se[side] = mean_se(xs)
+        diff_mean, diff_se = mean_se(diff)
+    return {
+        "step_time_s_miles": round(s_miles, 4),
+        "step_time_s_trl": round(s_trl, 4),
+        "ratio_step_time_trl_over_miles": round(s_trl / s_miles, 3),
+        "eval_accuracy_miles": round(mean["miles"], 4),
+        "eval_accuracy_trl": round(mean["trl"], 4),
+        # a difference within ~2 standard errors is noise
+        "eval_accuracy_se_miles": round(se["miles"], 4),
+        "eval_accuracy_se_trl": round(se["trl"], 4),
+        "eval_accuracy_diff_miles_minus_trl": round(diff_mean, 4),
+        "eval_accuracy_diff_se": round(diff_se, 4),
+        "seeds": [p["seed"] for p in per_seed],
     }
 
 
@@ -241,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps per side (the median skips step 1); default: short 100, long 6")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process on each side")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated RL seeds, each run on both sides from the same checkpoint "
+                        "(default: the config's seed); accuracy is then averaged over seeds")
     p.add_argument("--override", action="append", default=[], help="extra miles config override (repeatable)")
     args = p.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
@@ -249,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown workload(s) {unknown}; valid: {', '.join(WORKLOADS)}")
     if args.steps is not None and args.steps < 2:
         p.error("--steps must be >= 2 (the median skips step 1)")
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            p.error(f"--seeds must list distinct non-negative integers, got {args.seeds!r}")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -259,12 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="miles-bench-e2e-") as tmp:
         for name in names:
             steps = args.steps or DEFAULT_STEPS[name]
-            result[name] = bench_workload(name, steps, args.threads, args.override, Path(tmp))
+            result[name] = bench_workload(name, steps, args.threads, args.override, Path(tmp), seeds)
             w = result[name]
             print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
                   f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
                   f"{w['eval_accuracy_miles']:.3f} +- {w['eval_accuracy_se_miles']:.3f}, TRL "
-                  f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}", flush=True)
+                  f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}, miles - TRL "
+                  f"{w['eval_accuracy_diff_miles_minus_trl']:+.3f} +- {w['eval_accuracy_diff_se']:.3f} "
+                  f"(seeds {w['seeds']})", flush=True)
     print(json.dumps(result))
     return 0
 
