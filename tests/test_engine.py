@@ -599,3 +599,51 @@ def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, re
     slow = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
     assert not slow.fast_forward and slow.generate(reqs, SAMPLED) == fast
     slow.close()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_tokens_follow_the_models_distribution(tiny_qwen3_dir, tmp_path: Path, temperature: float) -> None:
+    """Every sampled token, at every position (across noise chunks), is a draw from softmax(logits / T).
+
+    Randomized probability integral transform: for token x at a position with distribution p (tokens
+    in id order), u = F(x - 1) + V * p(x) with V ~ U(0, 1). When each token is drawn from p given the
+    tokens before it, the u of all positions of all rows are i.i.d. U(0, 1): checked with a
+    Kolmogorov-Smirnov bound at p = 0.001, and for independence by their correlation one position and
+    one noise chunk apart. A wrong temperature or an off-by-one between the sampled and the scored
+    position moves the u away from uniform; noise reused across chunks correlates them.
+    """
+    # a random-init model is almost uniform over its vocabulary, where nearly any sampler passes:
+    # a sharper LM head gives peaked, context-dependent distributions (about 1 nat per token)
+    model = _hf_model(tiny_qwen3_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(tmp_path)
+    eng = TorchEngine(str(tmp_path), FP32, seed=0)
+    assert eng.noise_chunk < 48  # the responses cross noise-chunk boundaries
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=48)
+    reqs = [GenerateRequest(request_id=f"p{i}", prompt_ids=tuple(3 + (11 * i + 3 * t) % 87 for t in range(6)),
+                            n=250, seed=i) for i in range(4)]
+    results = eng.generate(reqs, sampling)
+    eng.close()
+    prompts = {q.request_id: q.prompt_ids for q in reqs}
+    g = torch.Generator().manual_seed(0)
+    us, entropy = [], []
+    for r in results:
+        probs = (_forward_logits(model, prompts[r.request_id], r.response_ids).double() / temperature).softmax(-1)
+        tok = torch.tensor(r.response_ids)
+        below = probs.cumsum(-1).gather(1, tok[:, None])[:, 0] - probs.gather(1, tok[:, None])[:, 0]
+        us.append(below + torch.rand(len(tok), generator=g, dtype=torch.float64) * probs.gather(1, tok[:, None])[:, 0])
+        entropy.append(-(probs * probs.clamp_min(1e-300).log()).sum(-1))
+    assert 0.3 < torch.cat(entropy).mean().item() < 3.0  # neither near-greedy nor near-uniform
+    # independent across positions: no correlation between a token's u and the u's 1 and one noise
+    # chunk later in its row (noise reused across chunks would correlate the latter)
+    for lag in (1, eng.noise_chunk):
+        pairs = torch.cat([torch.stack([x[:-lag], x[lag:]], 1) for x in us if len(x) > lag])
+        r = torch.corrcoef(pairs.T)[0, 1].item()
+        assert abs(r) < 4 / len(pairs) ** 0.5, f"lag {lag}: correlation {r:.3f} over {len(pairs)} pairs"
+    u = torch.cat(us).sort().values
+    m = len(u)
+    assert m > 4000
+    grid = torch.arange(1, m + 1, dtype=torch.float64) / m
+    ks = max((grid - u).max().item(), (u - (grid - 1 / m)).max().item())
+    assert ks < 1.95 / m**0.5, f"KS distance {ks:.4f} over {m} tokens (bound {1.95 / m**0.5:.4f})"
