@@ -225,3 +225,32 @@ def test_math_verify_runs_under_the_runner() -> None:
         out = r.score([RewardItem("\\frac{1}{2}", "0.5"), RewardItem("1/3", "0.5"), RewardItem("1", "")])
     assert [o.reward for o in out] == [1.0, 0.0, None]
     assert out[2].failure.startswith("raised ValueError: math_verify_reward: cannot parse the label")
+
+
+UNGUARDED_SCRIPT = '''
+from miles.config import TargetConfig
+from miles.rewards.runner import RewardItem, RewardRunner
+
+# top-level code, no __main__ guard: every spawned worker re-runs it while importing this script
+with RewardRunner(TargetConfig(target="miles.tasks.count.count_reward", partial=True), timeout_s=30.0) as r:
+    r.score([RewardItem("1 2", "1 2")])
+'''
+
+
+def test_a_script_without_a_main_guard_is_told_so(tmp_path: Path) -> None:
+    """A worker that dies while starting names the cause when the main script has no ``__main__`` guard."""
+    import subprocess
+
+    script = tmp_path / "train_without_guard.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "exited with code 1 while importing the reward function" in p.stderr
+    assert 'if __name__ == "__main__":' in p.stderr and str(script) in p.stderr
+    # under the guard the same code runs
+    guarded = tmp_path / "train_with_guard.py"
+    body = UNGUARDED_SCRIPT.split("\n# top-level")[0] + "\n\nif __name__ == \"__main__\":\n" + "\n".join(
+        "    " + line for line in UNGUARDED_SCRIPT.split("\n") if line.startswith(("with ", "    r.score")))
+    guarded.write_text(body + "\n")
+    p = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

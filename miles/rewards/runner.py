@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import sys
 import threading
 import time
 import weakref
@@ -278,7 +279,8 @@ class RewardRunner:
             code = w.proc.exitcode
             if not w.ready:
                 raise RuntimeError(f"reward worker for '{self.fn.target}' exited with code {code} while "
-                                   "importing the reward function; import it once in a Python shell to see why")
+                                   "importing the reward function; import it once in a Python shell to see why"
+                                   + _unguarded_main_hint())
             if w.job is not None and len(w.job) - w.position == 1:
                 self.num_crashes += 1
             self._fail_current(w, results, sizes, queue, f"reward worker died (exit code {code})")
@@ -395,3 +397,12 @@ def _kill_all(workers: list[_Worker]) -> None:
     for w in workers:
         if w.proc.is_alive():
             w.proc.kill()
+
+
+def _unguarded_main_hint() -> str:
+    """A spawned worker re-imports the main script: unguarded top-level code runs again there and fails."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__spec__", None) is not None or not getattr(main, "__file__", None):
+        return ""  # ``python -m ...`` or an interactive session: the script is not re-run
+    return (f". Workers start as fresh interpreters that re-import the main script ({main.__file__}): if it "
+            "starts miles at top level, put that code under `if __name__ == \"__main__\":`")
