@@ -222,7 +222,7 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
     for seed in seeds if seeds is not None else [run.seed]:
         seeded = [*overrides, f"seed={seed}", f"model.path={checkpoint}"]
         run_s, resolved = compose(seeded)
-        task, reward_fn = build_components(run_s)["task"], parts["reward_fn"]
+        task, reward_fn = parts["task"], parts["reward_fn"]  # neither depends on the seed
         log.info("[%s] seed %d, miles: %s", name, seed, " ".join(seeded))
         miles_out = run_miles(run_s, resolved, seeded)
         log.info("[%s] seed %d, TRL GRPOTrainer", name, seed)
@@ -265,25 +265,19 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     def after_first(xs: list[float]) -> list[float]:
         return xs[1:] if len(xs) > 1 else xs
 
-    def mean_se(xs: list[float]) -> tuple[float, float]:
-        return statistics.fmean(xs), statistics.stdev(xs) / len(xs) ** 0.5
-
     s_miles = statistics.median([x for p in per_seed for x in after_first(p["step_times_miles"])])
     s_trl = statistics.median([x for p in per_seed for x in after_first(p["step_times_trl"])])
     acc = {side: [p[f"eval_accuracy_{side}"] for p in per_seed] for side in ("miles", "trl")}
     diff = [m - t for m, t in zip(acc["miles"], acc["trl"], strict=True)]
+    mean = {side: statistics.fmean(xs) for side, xs in acc.items()}
+    diff_mean = statistics.fmean(diff)
     if len(per_seed) == 1:
-        (p,) = per_seed
-        se = {side: p[f"eval_accuracy_se_{side}"] for side in acc}
+        se = {side: per_seed[0][f"eval_accuracy_se_{side}"] for side in acc}
         # as if independent: the two evaluations share prompts and sampling noise, so this overstates it
         diff_se = (se["miles"] ** 2 + se["trl"] ** 2) ** 0.5
-        mean = {side: xs[0] for side, xs in acc.items()}
-        diff_mean = diff[0]
     else:
-        mean, se = {}, {}
-        for side, xs in acc.items():
-            mean[side], se[side] = mean_se(xs)
-        diff_mean, diff_se = mean_se(diff)
+        se = {side: statistics.stdev(xs) / len(xs) ** 0.5 for side, xs in acc.items()}
+        diff_se = statistics.stdev(diff) / len(diff) ** 0.5
     return {
         "step_time_s_miles": round(s_miles, 4),
         "step_time_s_trl": round(s_trl, 4),
