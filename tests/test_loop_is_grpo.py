@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp_ranks import hf_logprobs, hf_model_from
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def test_each_step_is_the_reference_grpo_update(ray_cluster, tmp_path: Path, mon
     opt = torch.optim.AdamW(ref.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
         s, warmup_steps=t.lr_warmup_steps, total_steps=t.num_steps, schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio))
-    start = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    start = hf_model_from(checkpoint)
 
     def logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
@@ -76,8 +77,8 @@ def test_each_step_is_the_reference_grpo_update(ray_cluster, tmp_path: Path, mon
             lp = logprobs(ref, p, r)
             gap = max(gap, (lp.detach() - torch.tensor(rollout_lp)).abs().max().item())
             if step > 1:
-                with torch.no_grad():
-                    moved = max(moved, (logprobs(start, p, r) - torch.tensor(rollout_lp)).abs().max().item())
+                (at_start,) = hf_logprobs(start, [p], [r])
+                moved = max(moved, (torch.tensor(at_start) - torch.tensor(rollout_lp)).abs().max().item())
             # TRL's GRPO loss with loss_type="dapo": PPO-clip per token, summed, over the batch's tokens
             ratio = torch.exp(lp - lp.detach())
             per_token = -torch.minimum(ratio * a, ratio.clamp(1 - run.algo.clip_low, 1 + run.algo.clip_high) * a)
