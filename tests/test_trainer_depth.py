@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -46,12 +47,13 @@ def _assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 def test_microbatch_plan_respects_the_budget():
     lengths = [5, 9, 3, 9, 4, 7, 2, 8]
     assert count_microbatches(lengths, 0) == 1 and split_microbatches(lengths, 0, 1) == [[1, 3, 7, 5, 0, 4, 2, 6]]
-    # longest first: [9, 9] = 18, [8, 7] = 16, [5, 4, 3] = 15, [2] (every group padded to its first length)
-    assert count_microbatches(lengths, 18) == 4
-    groups = split_microbatches(lengths, 18, 4)
-    assert groups == [[1, 3], [7, 5], [0, 4, 2], [6]]
+    # budget 360, a pass costs 360 / 64 = 5.6 tokens: [90..87] pads 6 tokens and saves a pass; [50, 49, 10, 9]
+    # would pad 82 (cutting at the budget, as a greedy cut does), [50, 49] + [10, 9] pads 1 for one more pass
+    spread = [10, 90, 49, 88, 9, 89, 50, 87]
+    assert split_microbatches(spread, 360, count_microbatches(spread, 360)) == [[1, 5, 3, 7], [6, 2], [0, 4]]
     # ranks may need more passes than this one: split further, never over the budget, nothing lost
-    for k in range(4, 9):
+    assert count_microbatches(lengths, 18) == 7
+    for k in range(7, 9):
         groups = split_microbatches(lengths, 18, k)
         assert len(groups) == k and sorted(i for g in groups for i in g) == list(range(8))
         assert all(len(g) * max(lengths[i] for i in g) <= 18 for g in groups)
@@ -61,6 +63,32 @@ def test_microbatch_plan_respects_the_budget():
         split_microbatches(lengths, 18, 9)
     with pytest.raises(ValueError, match="must be 0 .off. or positive"):
         count_microbatches(lengths, -1)
+
+
+def test_microbatch_cut_is_the_cheapest_one():
+    """Against every contiguous cut of the sorted lengths: none within the budget costs less."""
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))]
+        budget = rng.randint(40, 160)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        cuts = []
+        for mask in range(2 ** (len(order) - 1)):
+            groups, start = [], 0
+            for k in range(1, len(order)):
+                if mask >> (k - 1) & 1:
+                    groups.append(order[start:k])
+                    start = k
+            groups.append(order[start:])
+            if all(len(g) == 1 or len(g) * lengths[g[0]] <= budget for g in groups):
+                cuts.append(groups)
+        got = split_microbatches(lengths, budget, count_microbatches(lengths, budget))
+        assert sorted(i for g in got for i in g) == list(range(len(lengths)))
+        assert all(len(g) == 1 or len(g) * lengths[g[0]] <= budget for g in got)
+        def cost(groups: list[list[int]], lengths: list[int] = lengths, budget: int = budget) -> float:
+            return sum(len(g) * max(lengths[i] for i in g) + budget / 64 for g in groups)
+
+        assert cost(got) == pytest.approx(min(cost(c) for c in cuts))
 
 
 def test_lr_schedules_hand_checked():
@@ -106,12 +134,12 @@ def test_checkpointed_layers_give_the_same_gradients(hf_model: torch.nn.Module, 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                                       "seq_mean_token_sum_norm"])
-def test_four_microbatches_give_the_gradient_of_one(tiny_qwen3_dir: Path, hf_model: torch.nn.Module, loss_agg: str):
+def test_microbatches_give_the_gradient_of_one(tiny_qwen3_dir: Path, hf_model: torch.nn.Module, loss_agg: str):
     run = validate({"algo": {"loss_agg": loss_agg, "kl_coef": 0.05, "entropy_coef": 0.01},
                     "precision": {"tis_clip": 2.0}, "rollout": {"max_new_tokens": 8}})
     batch = rl_batch(hf_model)
-    budget = 24  # lengths 12, 10, 9, 9, 8, 7, 6, 5 -> [12, 10], [9, 9], [8, 7, 6], [5]
-    assert count_microbatches(_lengths(batch), budget) == 4
+    budget = 24  # lengths 12, 10, 9, 9, 8, 7, 6, 5 -> [12], [10], [9, 9], [8], [7], [6], [5] (a pass costs 0.4)
+    assert count_microbatches(_lengths(batch), budget) == 7
     with local_trainer(tiny_qwen3_dir, run) as t:
         whole = t.compute_gradients(batch)
     with local_trainer(tiny_qwen3_dir, _with_trainer(run, max_tokens_per_microbatch=budget)) as t:
