@@ -116,8 +116,11 @@ def test_sharing_only_where_it_saves_five_percent():
 
 # --- in the trainer ---------------------------------------------------------------------------------------
 
-def test_trainer_update_is_the_same_with_and_without_sharing(tiny_qwen3_dir: Path):
-    run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0},
+@pytest.mark.parametrize("budget", [8192, 6], ids=["one-pass", "micro-batched"])
+def test_trainer_update_is_the_same_with_and_without_sharing(tiny_qwen3_dir: Path, budget: int):
+    """Old log-probs, reference log-probs, gradients and the update; at budget 6 the responses of a prompt
+    spread over several micro-batches that read one prompt pass (several passes with and without)."""
+    run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0, "max_tokens_per_microbatch": budget},
                     "algo": {"kl_coef": 0.05, "entropy_coef": 0.01, "num_minibatches": 2},
                     "precision": {"tis_clip": 2.0}})
     batch = grouped_batch(hf_model_from(tiny_qwen3_dir), n=4, prompt_lens=(9, 14, 11, 12))
@@ -128,6 +131,10 @@ def test_trainer_update_is_the_same_with_and_without_sharing(tiny_qwen3_dir: Pat
             metrics = t.train_step(batch)
             out[share] = grads, metrics, t.full_state_dict()
     (g0, m0, sd0), (g1, m1, sd1) = out[False], out[True]
+    if budget == 6:
+        assert m1["train/num_microbatches"] >= 6 and m0["train/num_microbatches"] == len(batch)
+    # each prompt once: 2 mini-batches x 2 prompts x 14 padded positions, then the response tails
+    assert m1["perf/train_forward_tokens"] < 0.6 * m0["perf/train_forward_tokens"]
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], atol=1e-6, rtol=1e-4, msg=k)
     for k in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train/num_tokens"):
@@ -146,14 +153,15 @@ def test_activation_checkpointing_turns_sharing_off(tiny_qwen3_dir: Path):
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_with_sharing_match_one_without(ray_cluster, tiny_qwen3_dir: Path):
-    """Two forwards per backward under FSDP2: the same gradients as one unsharded rank's plain forward."""
+    """FSDP2 with the prompt pass read by several micro-batches and back-propagated in the last one's
+    backward: the same gradients as one unsharded rank's plain forward."""
     run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0}, "algo": {"entropy_coef": 0.01}})
     batch = grouped_batch(hf_model_from(tiny_qwen3_dir), n=4, prompt_lens=(9, 14, 11, 12))
     with local_trainer(tiny_qwen3_dir, _with_trainer(run, shared_prompt_forward=False)) as t:
         want = t.compute_gradients(batch)
         m1 = t.train_step(batch)
         sd1 = t.full_state_dict()
-    two = Group(ray_cluster, 2, tiny_qwen3_dir, run)
+    two = Group(ray_cluster, 2, tiny_qwen3_dir, _with_trainer(run, max_tokens_per_microbatch=6))
     try:
         got = two.call("compute_gradients", batch)[0]
         m2 = two.call("train_step", batch)[0]
@@ -165,3 +173,31 @@ def test_two_fsdp_ranks_with_sharing_match_one_without(ray_cluster, tiny_qwen3_d
     assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=1e-5, abs=1e-6)
     for k in sd1:
         torch.testing.assert_close(sd2[k], sd1[k], atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_sharing_when_only_one_could(ray_cluster, tiny_qwen3_dir: Path):
+    """Rank 0's half repeats its prompts, rank 1's does not: both must run the same passes (FSDP's
+    all-gathers are collective), so neither shares, and the result is one rank's."""
+    model = hf_model_from(tiny_qwen3_dir)
+    grouped = grouped_batch(model, n=4, prompt_lens=(9, 14))  # 8 samples, 2 prompts
+    pairs = grouped_batch(model, n=2, prompt_lens=(11, 12, 10, 13))
+    prompts = [p + [3 + i] for i, p in enumerate(pairs.prompt_ids)]  # 8 samples, 8 prompts
+    distinct = dataclasses.replace(pairs, prompt_ids=prompts,
+                                   rollout_logprobs=hf_logprobs(model, prompts, pairs.response_ids))
+    batch = TrainBatch(**{f.name: getattr(grouped, f.name) + getattr(distinct, f.name)
+                          for f in dataclasses.fields(TrainBatch) if f.name != "token_advantages"})
+    run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0}})
+    with local_trainer(tiny_qwen3_dir, _with_trainer(run, shared_prompt_forward=False)) as t:
+        want = t.compute_gradients(batch)
+    two = Group(ray_cluster, 2, tiny_qwen3_dir, run)
+    try:
+        got = two.call("compute_gradients", batch)[0]
+        m = two.call("train_step", batch)[0]
+    finally:
+        two.close()
+    plain_tokens = sum(len(g) * max(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in g)
+                       for g in (range(8), range(8, 16)))
+    assert m["perf/train_forward_tokens"] == plain_tokens
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-4, msg=k)

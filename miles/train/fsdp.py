@@ -13,11 +13,13 @@ One ``train_step`` (every rank is called with the same full batch):
 1. split the batch into ``algo.num_minibatches`` contiguous mini-batches, and each mini-batch into
    W contiguous rank shards (mini-batch first, so the updates do not depend on W); each rank shard
    into micro-batches of at most ``trainer.max_tokens_per_microbatch`` padded tokens (sorted by
-   length, padded per micro-batch; every rank runs the same number, the largest any rank needs);
+   length, padded per micro-batch; every rank runs the same number, the largest any rank needs).
+   With ``trainer.shared_prompt_forward`` (when it saves tokens on every rank) the distinct prompts
+   of a rank's mini-batch are computed once and the micro-batches hold the responses alone, cut by
+   response length (:mod:`miles.train.shared_prompt`);
 2. ``old_logp``: with one mini-batch the current weights *are* the proximal policy, so
    ``logp.detach()`` (same numbers); otherwise a no-grad pass before the first update;
-3. per mini-batch: per micro-batch forward (rows that share a prompt compute it once,
-   ``trainer.shared_prompt_forward``, :mod:`miles.train.shared_prompt`),
+3. per mini-batch: the prompt pass if shared, per micro-batch forward,
    :func:`miles.train.objective.policy_objective` with the
    mini-batch's global token counts (one all-reduce), backward of ``W * loss`` (FSDP averages
    gradients over ranks; the objective is already this micro-batch's share of a sum), gradients
@@ -49,6 +51,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +72,31 @@ from miles.train.batching import (
 )
 from miles.train.objective import policy_objective
 from miles.train.optim import flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
-from miles.train.shared_prompt import cache_keyword, shared_prompt_logits, worth_sharing
+from miles.train.shared_prompt import (
+    PromptPass,
+    cache_keyword,
+    distinct_prompts,
+    prompt_pass,
+    response_logits_after,
+    worth_sharing_lists,
+)
+
+
+@dataclass
+class _Plan:
+    """One rank's share of a mini-batch as forward passes: micro-batches and, when the prompts are
+    shared, the distinct prompts and each micro-batch's rows' index into them."""
+
+    micro: list[PaddedBatch]
+    prompts: list[list[int]] | None = None
+    prompt_of: list[torch.Tensor] | None = None
+
+    def forward_tokens(self) -> int:
+        """Token positions the forward passes compute, padding included (the prompt pass once)."""
+        if self.prompts is None:
+            return sum(p.input_ids.numel() for p in self.micro)
+        prompt = len(self.prompts) * max(len(x) for x in self.prompts)
+        return prompt + sum(p.targets.shape[0] * (p.targets.shape[1] - 1) for p in self.micro)
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -173,23 +200,40 @@ class FSDPTrainer:
 
     # --- forward helpers -------------------------------------------------------------------------
 
-    def _logits(self, model: torch.nn.Module, p: PaddedBatch) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, p: PaddedBatch, prompts: PromptPass | None = None,
+                prompt_of: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at the positions that predict each response token: [B, Tr, V].
 
         Only the positions from the earliest predicting one on reach the LM head (``logits_to_keep``):
-        prompt positions need no logits. Micro-batches whose rows share prompts compute each prompt
-        once (``trainer.shared_prompt_forward``, :mod:`miles.train.shared_prompt`).
+        prompt positions need no logits. With ``prompts`` (the mini-batch's prompt pass) the rows'
+        prompts are read from it (``prompt_of``: [B] index into it) and only the responses run.
         """
-        if self.cache_kw is not None and worth_sharing(p):
-            return shared_prompt_logits(model, p, self.pad_id, self.cache_kw)
+        if prompts is not None:
+            assert self.cache_kw is not None and prompt_of is not None
+            return response_logits_after(model, prompts, p, prompt_of, self.cache_kw)
         first = int(p.logit_index[:, 0].min()) if self.keeps_logits else 0
         kwargs = {"logits_to_keep": p.input_ids.shape[1] - first} if first > 0 else {}
         out = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
                     use_cache=False, **kwargs)
         return response_logits(out.logits, (p.logit_index - first).clamp(min=0))
 
-    def _logp(self, model: torch.nn.Module, p: PaddedBatch) -> torch.Tensor:
-        return token_logprobs(self._logits(model, p), p.targets, temperature=self.run.rollout.temperature)
+    def _logp(self, model: torch.nn.Module, p: PaddedBatch, prompts: PromptPass | None = None,
+              prompt_of: torch.Tensor | None = None) -> torch.Tensor:
+        return token_logprobs(self._logits(model, p, prompts, prompt_of), p.targets,
+                              temperature=self.run.rollout.temperature)
+
+    def _prompt_pass(self, model: torch.nn.Module, plan: _Plan) -> PromptPass | None:
+        if plan.prompts is None:
+            return None
+        assert self.cache_kw is not None
+        return prompt_pass(model, plan.prompts, self.pad_id, self.cache_kw, device=self.device)
+
+    @torch.no_grad()
+    def _plan_logps(self, model: torch.nn.Module, plan: _Plan) -> list[torch.Tensor]:
+        """No-grad log-probs [B, Tr] of every micro-batch of ``plan`` under ``model``. Collective."""
+        prompts = self._prompt_pass(model, plan)
+        return [self._logp(model, p, prompts, plan.prompt_of[j] if plan.prompt_of else None)
+                for j, p in enumerate(plan.micro)]
 
     def _logp_and_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token log-probs and entropies [B, Tr] from one log-softmax of logits [B, Tr, V].
@@ -212,14 +256,27 @@ class FSDPTrainer:
             dist.all_reduce(t, op=op)
         return t
 
-    def _microbatches(self, shards: list[TrainBatch]) -> list[list[tuple[list[int], PaddedBatch]]]:
-        """Each shard as (sample indices, padded micro-batch) pairs; all ranks get the same counts. Collective."""
+    def _plans(self, shards: list[TrainBatch]) -> list[tuple[list[list[int]], _Plan]]:
+        """Each shard's sample indices per micro-batch and its :class:`_Plan`; all ranks get the same
+        micro-batch counts and the same sharing decision (the passes are collective). Collective."""
         budget = self.run.trainer.max_tokens_per_microbatch
-        lengths = [[len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)] for s in shards]
+        share = self.cache_kw is not None and all(
+            worth_sharing_lists(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
+        share = bool(self._all_reduce(torch.tensor([int(share)], device=self.device), op=dist.ReduceOp.MIN))
+        # the tokens each row puts through its pass: the response alone when the prompts are shared
+        lengths = [[len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]
+                   for s in shards]
         need = self._all_reduce(torch.tensor([count_microbatches(n, budget) for n in lengths], device=self.device),
                                 op=dist.ReduceOp.MAX).tolist()
-        return [[(g, pad_batch(s.select(g), pad_id=self.pad_id).to(self.device))
-                 for g in split_microbatches(n, budget, k)] for s, n, k in zip(shards, lengths, need, strict=True)]
+        out = []
+        for s, n, k in zip(shards, lengths, need, strict=True):
+            groups = split_microbatches(n, budget, k)
+            plan = _Plan(micro=[pad_batch(s.select(g), pad_id=self.pad_id).to(self.device) for g in groups])
+            if share:
+                plan.prompts, of = distinct_prompts(s.prompt_ids)
+                plan.prompt_of = [torch.tensor([of[i] for i in g], device=self.device) for g in groups]
+            out.append((groups, plan))
+        return out
 
     def _sync_gradients(self, sync: bool) -> None:
         """Reduce gradients in this backward (the last micro-batch) or only accumulate them locally."""
@@ -228,39 +285,45 @@ class FSDPTrainer:
 
     # --- public API --------------------------------------------------------------------------------
 
-    def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[list[PaddedBatch]], torch.Tensor, list, list]:
-        """This rank's micro-batches per mini-batch, global counts, and the no-grad log-probs. Collective.
+    def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[_Plan], torch.Tensor, list, list]:
+        """This rank's plan per mini-batch, global counts, and the no-grad log-probs. Collective.
 
-        Returns ``(micro, counts [num_mb, 2] (global loss tokens, sequences), old_logps, ref_logps)``;
+        Returns ``(plans, counts [num_mb, 2] (global loss tokens, sequences), old_logps, ref_logps)``;
         the log-prob lists are indexed ``[mini-batch][micro-batch]`` and hold None where not needed.
         """
         ws = self.world_size
         if len(batch) == 0 or len(batch) % (num_mb * ws):
             raise ValueError(f"train_step: {len(batch)} samples do not split evenly into "
                              f"algo.num_minibatches ({num_mb}) x world size ({ws})")
-        micro = [[p for _, p in mbs] for mbs in
-                 self._microbatches([batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)])]
-        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in mbs),
-                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in mbs)] for mbs in micro],
+        plans = [plan for _, plan in self._plans([batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)])]
+        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in plan.micro),
+                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in plan.micro)] for plan in plans],
                               dtype=torch.float64, device=self.device)
         counts = self._all_reduce(counts).float()
-        with torch.no_grad():
-            old_logps = [[self._logp(self.model, p) if num_mb > 1 else None for p in mbs] for mbs in micro]
-            ref_logps = [[self._logp(self.ref_model, p) if self.ref_model else None for p in mbs] for mbs in micro]
-        return micro, counts, old_logps, ref_logps
+        none = [[None] * len(plan.micro) for plan in plans]
+        old_logps = [self._plan_logps(self.model, plan) for plan in plans] if num_mb > 1 else none
+        ref_logps = [self._plan_logps(self.ref_model, plan) for plan in plans] if self.ref_model else none
+        return plans, counts, old_logps, ref_logps
 
-    def _backward(self, mbs: list[PaddedBatch], counts: torch.Tensor, old_logps: list, ref_logps: list,
+    def _backward(self, plan: _Plan, counts: torch.Tensor, old_logps: list, ref_logps: list,
                   sums: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
         """Forward + backward of one mini-batch's micro-batches, gradients accumulated; returns the loss share.
 
         ``counts``: [2] global loss tokens and sequences of the mini-batch. Metrics are added to
-        ``sums`` times ``weight``.
+        ``sums`` times ``weight``. With shared prompts, the micro-batches before the last read the
+        prompt pass's leaves; the last backward carries what they collected into the prompt pass.
         """
         algo = self.run.algo
         loss_sum = torch.zeros((), device=self.device)
+        mbs = plan.micro
+        prompts = self._prompt_pass(self.model, plan)
+        leaves = prompts.leaves() if prompts is not None and len(mbs) > 1 else prompts
         for j, p in enumerate(mbs):
-            self._sync_gradients(j == len(mbs) - 1)
-            logp, entropy = self._logp_and_entropy(self._logits(self.model, p), p.targets)
+            last = j == len(mbs) - 1
+            self._sync_gradients(last)
+            logits = self._logits(self.model, p, prompts if last else leaves,
+                                  plan.prompt_of[j] if plan.prompt_of else None)
+            logp, entropy = self._logp_and_entropy(logits, p.targets)
             loss, metrics = policy_objective(
                 logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
                 rollout_logp=p.rollout_logp, advantages=p.advantages,
@@ -269,7 +332,9 @@ class FSDPTrainer:
                 mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[j],
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
             )
-            (loss * self.world_size).backward()  # FSDP divides the reduced gradient by W; loss is a share of a sum
+            # FSDP divides the reduced gradient by W; loss is a share of a sum
+            roots, grads = prompts.pending(leaves) if last and prompts is not None and leaves is not None else ([], [])
+            torch.autograd.backward([loss * self.world_size, *roots], [None, *grads])
             loss_sum += loss.detach()
             for k, v in metrics.items():  # shares of the mini-batch value: they add up over micro-batches
                 sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
@@ -284,13 +349,13 @@ class FSDPTrainer:
         """
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
-        micro, counts, old_logps, ref_logps = self._prepare(batch, num_mb)
+        plans, counts, old_logps, ref_logps = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
         skipped, grad_norms = 0, []
         max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
-        for m, mbs in enumerate(micro):
-            loss_sum = self._backward(mbs, counts[m], old_logps[m], ref_logps[m], sums, 1.0 / num_mb)
+        for m, plan in enumerate(plans):
+            loss_sum = self._backward(plan, counts[m], old_logps[m], ref_logps[m], sums, 1.0 / num_mb)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             global_loss = self._all_reduce(loss_sum)
@@ -309,7 +374,10 @@ class FSDPTrainer:
         out["train/nonfinite_skipped"] = float(skipped)
         out["train/lr"] = lr_used
         out["train/num_tokens"] = float(counts[:, 0].sum())
-        out["train/num_microbatches"] = float(sum(len(mbs) for mbs in micro))
+        out["train/num_microbatches"] = float(sum(len(plan.micro) for plan in plans))
+        # padded token positions every rank's passes computed, against train/num_tokens (the loss tokens)
+        out["perf/train_forward_tokens"] = float(self._all_reduce(
+            torch.tensor([float(sum(plan.forward_tokens() for plan in plans))], device=self.device)))
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
         out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
@@ -323,8 +391,9 @@ class FSDPTrainer:
         the same lists.
         """
         out: list[list[float]] = [[] for _ in range(len(batch))]
-        for g, p in self._microbatches([batch])[0]:
-            for i, row in zip(g, unpad_response(self._logp(self.model, p), p.response_lengths), strict=True):
+        groups, plan = self._plans([batch])[0]
+        for g, p, logp in zip(groups, plan.micro, self._plan_logps(self.model, plan), strict=True):
+            for i, row in zip(g, unpad_response(logp, p.response_lengths), strict=True):
                 out[i] = row
         return out
 
@@ -351,8 +420,8 @@ class FSDPTrainer:
         optimizer step, gradients cleared afterwards. Rank 0 gets ``{parameter name: full fp32 CPU
         gradient}``, other ranks None.
         """
-        micro, counts, old_logps, ref_logps = self._prepare(batch, 1)
-        self._backward(micro[0], counts[0], old_logps[0], ref_logps[0], {}, 1.0)
+        plans, counts, old_logps, ref_logps = self._prepare(batch, 1)
+        self._backward(plans[0], counts[0], old_logps[0], ref_logps[0], {}, 1.0)
         grads = {}
         for name, param in self.model.named_parameters():
             g = param.grad if param.grad is not None else torch.zeros_like(param)
