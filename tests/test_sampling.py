@@ -61,3 +61,15 @@ def test_per_row_filters_equal_the_scalar_filter_row_by_row() -> None:
         want = filter_logits(logits[row : row + 1], top_k=k, top_p=p)[0]
         assert torch.equal(got[row], want), (k, p)
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).sum() == 5 and torch.isfinite(got[4]).sum() == 1
+
+
+def test_evaluation_never_draws_a_training_groups_noise() -> None:
+    """Evaluation groups have a seed stream of their own: no run seed's evaluation shares a seed with any
+    training group of that run or of another (training group i of run seed s is seeded s * 1_000_003 + i)."""
+    from miles.core.loop import eval_seed
+
+    training = {s * 1_000_003 + i for s in range(8) for i in range(20_000)}
+    evaluation = [eval_seed(s) + g for s in range(8) for g in range(1_000)]
+    assert len(set(evaluation)) == len(evaluation)
+    assert training.isdisjoint(evaluation)
+    assert eval_seed(3) == eval_seed(3) != eval_seed(4)
