@@ -60,8 +60,9 @@ def test_distinct_prompts_and_first_rows_are_found():
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_same_logits_and_gradients_as_the_plain_forward(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, moe: bool):
     model = hf_model_from(tiny_qwen3_moe_dir if moe else tiny_qwen3_dir)
-    p = pad_batch(grouped_batch(model))
-    assert p.num_prompts == 3 and worth_sharing(p)
+    batch = grouped_batch(model)
+    p = pad_batch(batch)
+    assert p.num_prompts == 3 and worth_sharing(batch.prompt_ids, [len(r) for r in batch.response_ids])
     kw = cache_keyword(model)
     assert kw is not None
 
@@ -85,33 +86,37 @@ def test_same_logits_and_gradients_as_the_plain_forward(tiny_qwen3_dir: Path, ti
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-4, msg=k)
 
 
-def test_one_token_responses_need_only_the_prompt_pass(tiny_qwen3_dir: Path):
+def test_sharing_only_where_it_saves_five_percent():
+    def rows(prompts: list[list[int]], response_len: int) -> tuple[list[list[int]], list[int]]:
+        return prompts, [response_len] * len(prompts)
+
+    assert not worth_sharing(*rows([[i, 5, 6, 7] for i in range(8)], 2))  # nothing repeats
+    grpo = rows([[9] * 20] * 8, 4)
+    assert shared_tokens(*grpo) == (8 * 24, 20 + 8 * 3) and worth_sharing(*grpo)
+    assert worth_sharing(*rows([[9] * 4] * 8, 60))  # 8 x 64 plain vs 4 + 8 x 59 shared: 7% saved
+    assert not worth_sharing(*rows([[9] * 2] * 8, 60))  # 8 x 62 plain vs 2 + 8 x 59 shared: 4.4% saved
+
+
+def test_one_token_responses_still_run_the_response_pass(tiny_qwen3_dir: Path):
+    """Ranks must run the same passes: a micro-batch of one-token responses runs a (dropped) response
+    pass like any other, and its logits are still the prompt pass's."""
     model = hf_model_from(tiny_qwen3_dir)
     batch = grouped_batch(model)
     batch = dataclasses.replace(batch, response_ids=[r[:1] for r in batch.response_ids],
                                 rollout_logprobs=[x[:1] for x in batch.rollout_logprobs],
                                 loss_mask=[[1] for _ in batch.loss_mask])
     p = pad_batch(batch)
+    calls = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
+                                       with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logits = shared_prompt_logits(model, p, 0, cache_keyword(model))
+    finally:
+        hook.remove()
+    assert calls == [(3, 14), (len(batch), 1)]  # the prompt pass, then the response pass
     with torch.no_grad():
-        torch.testing.assert_close(shared_prompt_logits(model, p, 0, cache_keyword(model)), _plain_logits(model, p),
-                                   atol=1e-5, rtol=1e-5)
-
-
-def test_sharing_only_where_it_saves_five_percent():
-    def batch(prompts: list[list[int]], response_len: int) -> TrainBatch:
-        n = len(prompts)
-        return TrainBatch(prompt_ids=prompts, response_ids=[[1] * response_len] * n,
-                          rollout_logprobs=[[0.0] * response_len] * n, loss_mask=[[1] * response_len] * n,
-                          advantages=[0.0] * n)
-
-    distinct = pad_batch(batch([[i, 5, 6, 7] for i in range(8)], 2))
-    assert not worth_sharing(distinct)  # nothing repeats
-    grpo = pad_batch(batch([[9] * 20] * 8, 4))
-    assert shared_tokens(grpo) == (8 * 24, 20 + 8 * 3) and worth_sharing(grpo)
-    long_answers = pad_batch(batch([[9] * 4] * 8, 60))  # 8 x 64 plain vs 4 + 8 x 59 shared: 7% saved
-    assert worth_sharing(long_answers)
-    short_prompt = pad_batch(batch([[9] * 2] * 8, 60))  # 8 x 62 plain vs 2 + 8 x 59 shared: 4.4% saved
-    assert not worth_sharing(short_prompt)
+        torch.testing.assert_close(logits, _plain_logits(model, p), atol=1e-5, rtol=1e-5)
 
 
 # --- in the trainer ---------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ from miles.train.shared_prompt import (
     distinct_prompts,
     prompt_pass,
     response_logits_after,
-    worth_sharing_lists,
+    worth_sharing,
 )
 
 
@@ -96,7 +96,7 @@ class _Plan:
         if self.prompts is None:
             return sum(p.input_ids.numel() for p in self.micro)
         prompt = len(self.prompts) * max(len(x) for x in self.prompts)
-        return prompt + sum(p.targets.shape[0] * (p.targets.shape[1] - 1) for p in self.micro)
+        return prompt + sum(p.targets.shape[0] * max(1, p.targets.shape[1] - 1) for p in self.micro)
 
 
 def checkpoint_activations(layer: torch.nn.Module) -> None:
@@ -261,7 +261,7 @@ class FSDPTrainer:
         micro-batch counts and the same sharing decision (the passes are collective). Collective."""
         budget = self.run.trainer.max_tokens_per_microbatch
         share = self.cache_kw is not None and all(
-            worth_sharing_lists(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
+            worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
         share = bool(self._all_reduce(torch.tensor([int(share)], device=self.device), op=dist.ReduceOp.MIN))
         # the tokens each row puts through its pass: the response alone when the prompts are shared
         lengths = [[len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]

@@ -62,29 +62,20 @@ def distinct_prompts(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int
     return [list(p) for p in index], of
 
 
-def shared_tokens(p: PaddedBatch) -> tuple[int, int]:
-    """(tokens of the plain forward, tokens of the two shared passes) for micro-batch ``p``."""
-    rows, width = p.input_ids.shape
-    prompt_width = int(p.prompt_lengths[p.prompt_rows].max())
-    return rows * width, p.num_prompts * prompt_width + rows * (p.targets.shape[1] - 1)
-
-
-def worth_sharing(p: PaddedBatch) -> bool:
-    """True when the distinct prompts are fewer than the rows and the two passes save ``MIN_SAVING``."""
-    if p.num_prompts >= p.input_ids.shape[0]:
-        return False
-    plain, shared = shared_tokens(p)
-    return shared <= (1.0 - MIN_SAVING) * plain
-
-
-def worth_sharing_lists(prompt_ids: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> bool:
-    """:func:`worth_sharing` for a whole mini-batch, counted on real tokens: ``U * P_max`` prompt tokens
-    plus the responses, against every row's prompt plus response."""
+def shared_tokens(prompt_ids: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> tuple[int, int]:
+    """(real tokens of the plain forward, of the two shared passes) for these rows: every row's prompt
+    plus response, against ``U * P_max`` prompt tokens plus every response but its last token."""
     prompts, _ = distinct_prompts(prompt_ids)
-    if len(prompts) >= len(prompt_ids):
-        return False
     plain = sum(len(p) for p in prompt_ids) + sum(response_lengths)
-    shared = len(prompts) * max(len(p) for p in prompts) + sum(max(0, r - 1) for r in response_lengths)
+    shared = len(prompts) * max(len(p) for p in prompts) + sum(max(1, r - 1) for r in response_lengths)
+    return plain, shared
+
+
+def worth_sharing(prompt_ids: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> bool:
+    """True when the distinct prompts are fewer than the rows and the two passes save ``MIN_SAVING``."""
+    if len({tuple(p) for p in prompt_ids}) >= len(prompt_ids):
+        return False
+    plain, shared = shared_tokens(prompt_ids, response_lengths)
     return shared <= (1.0 - MIN_SAVING) * plain
 
 
@@ -142,19 +133,22 @@ def prompt_pass(model: torch.nn.Module, prompts: Sequence[Sequence[int]], pad_id
 def response_logits_after(model: torch.nn.Module, pp: PromptPass, p: PaddedBatch, prompt_of: torch.Tensor,
                           cache_kw: str = "cache") -> torch.Tensor:
     """Logits predicting each response token of micro-batch ``p``, [B, Tr, V], its rows' prompts read
-    from ``pp`` (``prompt_of``: [B] index of each row's prompt in ``pp``)."""
+    from ``pp`` (``prompt_of``: [B] index of each row's prompt in ``pp``).
+
+    The response pass always runs, over at least one position (for one-token responses its logits are
+    dropped): data-parallel ranks must run the same passes.
+    """
     head = pp.head.index_select(0, prompt_of).unsqueeze(1)  # [B, 1, V]: predicts response token 0
-    steps = p.targets.shape[1] - 1
-    if steps == 0:
-        return head
+    width = p.targets.shape[1]
+    steps = max(1, width - 1)
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(pp.keys, pp.values, strict=True)):
         cache.update(k.index_select(0, prompt_of), v.index_select(0, prompt_of), layer)
     mask = torch.cat([pp.mask.index_select(0, prompt_of), p.response_mask[:, :steps].long()], dim=1)
     position_ids = pp.lengths.index_select(0, prompt_of).unsqueeze(-1) + torch.arange(steps, device=head.device)
     tail = model(input_ids=p.targets[:, :steps], attention_mask=mask, position_ids=position_ids,
-                 use_cache=True, **{cache_kw: cache}).logits  # [B, Tr - 1, V]
-    return torch.cat([head, tail], dim=1)
+                 use_cache=True, **{cache_kw: cache}).logits  # [B, steps, V]
+    return torch.cat([head, tail[:, : width - 1]], dim=1)
 
 
 def shared_prompt_logits(model: torch.nn.Module, p: PaddedBatch, pad_id: int, cache_kw: str = "cache"
