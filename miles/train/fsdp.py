@@ -333,7 +333,7 @@ class FSDPTrainer:
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
             )
             # FSDP divides the reduced gradient by W; loss is a share of a sum
-            roots, grads = prompts.pending(leaves) if last and prompts is not None and leaves is not None else ([], [])
+            roots, grads = prompts.pending(leaves) if last and prompts is not None else ([], [])
             torch.autograd.backward([loss * self.world_size, *roots], [None, *grads])
             loss_sum += loss.detach()
             for k, v in metrics.items():  # shares of the mini-batch value: they add up over micro-batches
