@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from miles.bench.e2e import main, summarize
+from miles.bench.e2e import main, sign_flip_p, summarize
 
 
 def _seed(seed: int, acc_miles: float, acc_trl: float, steps_miles: list[float], steps_trl: list[float]) -> dict:
@@ -39,6 +39,10 @@ def test_several_seeds_average_and_pair_the_accuracies() -> None:
     diffs = [-0.15, 0.10, -0.04]
     assert out["eval_accuracy_diff_miles_minus_trl"] == pytest.approx(round(statistics.fmean(diffs), 4))
     assert out["eval_accuracy_diff_se"] == pytest.approx(round(statistics.stdev(diffs) / 3 ** 0.5, 4))
+    assert out["seeds_miles_lower"] == 2
+    assert out["ratio_step_time_per_seed"] == [2.0, 2.0, 2.0]
+    # |sum| of the 8 sign patterns of (-0.15, 0.10, -0.04) reaching |-0.09|: all but (+, +, -) and (-, -, +)
+    assert out["eval_accuracy_diff_p"] == pytest.approx(6 / 8)
     assert out["seeds"] == [0, 3, 4]
     with pytest.raises(ValueError, match="no seeds"):
         summarize([])
@@ -49,3 +53,12 @@ def test_bad_seeds_are_usage_errors(seeds: str, capsys: pytest.CaptureFixture) -
     with pytest.raises(SystemExit) as e:
         main(["--seeds", seeds])
     assert e.value.code == 2 and "--seeds" in capsys.readouterr().err
+
+
+def test_sign_flip_p_exact_and_sampled() -> None:
+    assert sign_flip_p([0.1]) == 1.0
+    assert sign_flip_p([0.1] * 10) == pytest.approx(2 / 2**10)  # only all-plus and all-minus reach it
+    assert sign_flip_p([0.1, -0.1] * 5) == 1.0
+    many = [0.05] * 20 + [-0.01] * 4  # 24 seeds: sampled; mostly one-sided, so small
+    assert 0 < sign_flip_p(many) < 0.01
+    assert sign_flip_p(many) == sign_flip_p(many)  # seeded

@@ -46,8 +46,9 @@ there). Step times pool the steps 2..N of every seed.
 The last line printed is JSON: per workload ``step_time_s_miles``,
 ``step_time_s_trl``, ``ratio_step_time_trl_over_miles``, ``eval_accuracy_miles``,
 ``eval_accuracy_trl`` (means over seeds), their standard errors
-(``eval_accuracy_se_*``), the paired difference, ``per_seed`` results and the
-settings. TRL is the optional ``bench`` extra.
+(``eval_accuracy_se_*``), the paired difference with its sign-flip p-value
+(``eval_accuracy_diff_p``) and the number of seeds where miles ends lower, each seed's own step-time
+ratio, ``per_seed`` results and the settings. TRL is the optional ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -267,6 +268,8 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
     s_miles = statistics.median([x for p in per_seed for x in after_first(p["step_times_miles"])])
     s_trl = statistics.median([x for p in per_seed for x in after_first(p["step_times_trl"])])
+    ratios = [statistics.median(after_first(p["step_times_trl"])) / statistics.median(after_first(p["step_times_miles"]))
+              for p in per_seed]
     acc = {side: [p[f"eval_accuracy_{side}"] for p in per_seed] for side in ("miles", "trl")}
     diff = [m - t for m, t in zip(acc["miles"], acc["trl"], strict=True)]
     mean = {side: statistics.fmean(xs) for side, xs in acc.items()}
@@ -289,8 +292,31 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
         "eval_accuracy_se_trl": round(se["trl"], 4),
         "eval_accuracy_diff_miles_minus_trl": round(diff_mean, 4),
         "eval_accuracy_diff_se": round(diff_se, 4),
+        "eval_accuracy_diff_p": round(sign_flip_p(diff), 4),
+        "seeds_miles_lower": sum(d < 0 for d in diff),
+        "ratio_step_time_per_seed": [round(x, 3) for x in ratios],
         "seeds": [p["seed"] for p in per_seed],
     }
+
+
+def sign_flip_p(diffs: list[float], draws: int = 20_000) -> float:
+    """Two-sided p-value of the mean paired difference under "same distribution on both sides" (each
+    difference's sign is then a coin flip): exact over all sign patterns up to 16 seeds, else from
+    ``draws`` seeded random patterns (counting the observed one). 1.0 for a single seed."""
+    import itertools
+    import random
+
+    n = len(diffs)
+    observed = abs(sum(diffs)) - 1e-12
+    if n <= 16:
+        patterns = itertools.product((1, -1), repeat=n)
+        total = 2**n
+    else:
+        rng = random.Random(0)
+        patterns = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(draws))
+        total = draws
+    hits = sum(abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= observed for signs in patterns)
+    return hits / total if n <= 16 else (hits + 1) / (total + 1)  # a sampled p-value is never 0
 
 
 def main(argv: list[str] | None = None) -> int:
