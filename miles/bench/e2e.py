@@ -309,14 +309,13 @@ def sign_flip_p(diffs: list[float], draws: int = 20_000) -> float:
     n = len(diffs)
     observed = abs(sum(diffs)) - 1e-12
     if n <= 16:
-        patterns = itertools.product((1, -1), repeat=n)
-        total = 2**n
+        patterns, total, counted = itertools.product((1, -1), repeat=n), 2**n, 0
     else:
         rng = random.Random(0)
-        patterns = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(draws))
-        total = draws
+        # the observed pattern counts once, so a sampled p-value is never 0
+        patterns, total, counted = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(draws)), draws + 1, 1
     hits = sum(abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= observed for signs in patterns)
-    return hits / total if n <= 16 else (hits + 1) / (total + 1)  # a sampled p-value is never 0
+    return (hits + counted) / total
 
 
 def main(argv: list[str] | None = None) -> int:
