@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
 
-from miles.bench.e2e import main, sign_flip_p, summarize
+from miles.bench.e2e import main, sign_flip_ci, sign_flip_p, summarize
 
 
 def _seed(seed: int, acc_miles: float, acc_trl: float, steps_miles: list[float], steps_trl: list[float]) -> dict:
@@ -43,6 +44,7 @@ def test_several_seeds_average_and_pair_the_accuracies() -> None:
     assert out["ratio_step_time_per_seed"] == [2.0, 2.0, 2.0]
     # |sum| of the 8 sign patterns of (-0.15, 0.10, -0.04) reaching |-0.09|: all but (+, +, -) and (-, -, +)
     assert out["eval_accuracy_diff_p"] == pytest.approx(6 / 8)
+    assert out["eval_accuracy_diff_ci95"] == [None, None]  # 3 seeds: no shift can be rejected at 5%
     assert out["seeds"] == [0, 3, 4]
     with pytest.raises(ValueError, match="no seeds"):
         summarize([])
@@ -62,3 +64,28 @@ def test_sign_flip_p_exact_and_sampled() -> None:
     many = [0.05] * 20 + [-0.01] * 4  # 24 seeds: sampled; mostly one-sided, so small
     assert 0 < sign_flip_p(many) < 0.01
     assert sign_flip_p(many) == sign_flip_p(many)  # seeded
+
+
+def _brute_p(diffs: list[float]) -> float:
+    signs = itertools.product((1, -1), repeat=len(diffs))
+    observed = abs(sum(diffs)) - 1e-12
+    return sum(abs(sum(s * d for s, d in zip(p, diffs, strict=True))) >= observed for p in signs) / 2 ** len(diffs)
+
+
+def test_sign_flip_ci_is_the_set_the_test_does_not_reject() -> None:
+    diffs = [0.023, 0.018, -0.054, -0.018, 0.005, -0.051, -0.059, -0.118, -0.013, -0.04, -0.032]
+    lo, hi = sign_flip_ci(diffs)
+    mean = statistics.fmean(diffs)
+    assert lo < mean < hi < 0.0  # this made-up sample is lower on the whole, so 0 is outside
+    assert _brute_p(diffs) < 0.05
+    for bound, outward in ((lo, -1), (hi, 1)):
+        assert _brute_p([d - (bound - outward * 1e-5) for d in diffs]) > 0.05  # just inside: kept
+        assert _brute_p([d - (bound + outward * 1e-5) for d in diffs]) <= 0.05  # just outside: rejected
+    # a difference of one sign and no spread: the interval shrinks to it
+    assert sign_flip_ci([0.1] * 8) == pytest.approx((0.1, 0.1), abs=2e-6)
+    assert sign_flip_ci([0.1, -0.2, 0.3, 0.0, 0.05]) == (None, None)  # 5 seeds: 2/32 > 0.05
+    many = [0.05] * 20 + [-0.01] * 4  # sampled patterns
+    lo, hi = sign_flip_ci(many)
+    assert 0 < lo < statistics.fmean(many) < hi
+    with pytest.raises(ValueError, match="level"):
+        sign_flip_ci(diffs, level=1.0)

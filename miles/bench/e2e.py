@@ -39,7 +39,8 @@ final accuracy of one framework varies by ~0.2 between seeds, far more than the
 standard error of one evaluation. So one seed cannot tell two frameworks apart;
 several can. With one seed, ``eval_accuracy_se_*`` is the standard error over the
 eval prompts; with several, it is the standard error of the mean over seeds, and
-``eval_accuracy_diff_miles_minus_trl`` with ``eval_accuracy_diff_se`` compares the
+``eval_accuracy_diff_miles_minus_trl`` with ``eval_accuracy_diff_se`` and the interval
+``eval_accuracy_diff_ci95`` (the shifts a sign-flip test does not reject) compares the
 two sides seed by seed (same seed: same prompts for evaluation, same sampling noise
 there). Step times pool the steps 2..N of every seed.
 
@@ -293,29 +294,70 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
         "eval_accuracy_diff_miles_minus_trl": round(diff_mean, 4),
         "eval_accuracy_diff_se": round(diff_se, 4),
         "eval_accuracy_diff_p": round(sign_flip_p(diff), 4),
+        # None: too few seeds (5 or fewer) for the sign-flip test to reject any difference at 5%
+        "eval_accuracy_diff_ci95": [None if b is None else round(b, 4) for b in sign_flip_ci(diff)],
         "seeds_miles_lower": sum(d < 0 for d in diff),
         "ratio_step_time_per_seed": [round(x, 3) for x in ratios],
         "seeds": [p["seed"] for p in per_seed],
     }
 
 
+def _sign_patterns(n: int, draws: int) -> tuple[torch.Tensor, int]:
+    """Sign patterns for the sign-flip test of ``n`` paired differences: all ``2**n`` of them up to 16
+    seeds, else ``draws`` seeded random ones. Returns ``([P, n] of +-1 (float64), counted)``, where
+    ``counted`` is 1 for sampled patterns (the observed one then counts once, so a p-value is never 0)."""
+    if n <= 16:
+        bits = (torch.arange(2**n)[:, None] >> torch.arange(n)) & 1
+        return (1 - 2 * bits).double(), 0
+    gen = torch.Generator().manual_seed(0)
+    return (1 - 2 * torch.randint(0, 2, (draws, n), generator=gen)).double(), 1
+
+
+def _flip_p(patterns: torch.Tensor, counted: int, x: torch.Tensor) -> float:
+    observed = abs(float(x.sum())) - 1e-12
+    hits = int(((patterns @ x).abs() >= observed).sum())
+    return (hits + counted) / (patterns.shape[0] + counted)
+
+
 def sign_flip_p(diffs: list[float], draws: int = 20_000) -> float:
     """Two-sided p-value of the mean paired difference under "same distribution on both sides" (each
     difference's sign is then a coin flip): exact over all sign patterns up to 16 seeds, else from
     ``draws`` seeded random patterns (counting the observed one). 1.0 for a single seed."""
-    import itertools
-    import random
+    patterns, counted = _sign_patterns(len(diffs), draws)
+    return _flip_p(patterns, counted, torch.tensor(diffs, dtype=torch.float64))
 
-    n = len(diffs)
-    observed = abs(sum(diffs)) - 1e-12
-    if n <= 16:
-        patterns, total, counted = itertools.product((1, -1), repeat=n), 2**n, 0
-    else:
-        rng = random.Random(0)
-        # the observed pattern counts once, so a sampled p-value is never 0
-        patterns, total, counted = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(draws)), draws + 1, 1
-    hits = sum(abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= observed for signs in patterns)
-    return (hits + counted) / total
+
+def sign_flip_ci(diffs: list[float], level: float = 0.95,
+                 draws: int = 20_000) -> tuple[float | None, float | None]:
+    """Confidence interval of the mean paired difference: the shifts ``delta`` that the sign-flip test
+    of ``diffs - delta`` does not reject at ``1 - level`` (differences symmetric about ``delta``).
+
+    Each bound is found by bisection, to 1e-6, between the mean (p = 1) and a shift beyond every
+    difference on its side (all shifted differences of one sign: only the all-plus and all-minus
+    patterns reach the sum, the smallest p there is). ``(None, None)``: too few seeds for any shift
+    to be rejected at this level (``2 / 2**n > 1 - level``: 5 seeds or fewer at 95%).
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    alpha = 1 - level
+    d = torch.tensor(diffs, dtype=torch.float64)
+    patterns, counted = _sign_patterns(len(diffs), draws)
+    mean = float(d.mean())
+    low, high = float(d.min()) - 1.0, float(d.max()) + 1.0
+    if _flip_p(patterns, counted, d - low) > alpha:  # even a shift past every difference stands
+        return None, None
+
+    def bound(far: float) -> float:
+        inside, outside = mean, far  # p(inside) > alpha >= p(outside)
+        while abs(outside - inside) > 1e-6:
+            mid = (inside + outside) / 2
+            if _flip_p(patterns, counted, d - mid) > alpha:
+                inside = mid
+            else:
+                outside = mid
+        return inside
+
+    return bound(low), bound(high)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
                   f"{w['eval_accuracy_miles']:.3f} +- {w['eval_accuracy_se_miles']:.3f}, TRL "
                   f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}, miles - TRL "
-                  f"{w['eval_accuracy_diff_miles_minus_trl']:+.3f} +- {w['eval_accuracy_diff_se']:.3f} "
-                  f"(seeds {w['seeds']})", flush=True)
+                  f"{w['eval_accuracy_diff_miles_minus_trl']:+.3f} +- {w['eval_accuracy_diff_se']:.3f}, "
+                  f"95% interval {w['eval_accuracy_diff_ci95']} (seeds {w['seeds']})", flush=True)
     print(json.dumps(result))
     return 0
 
