@@ -40,7 +40,8 @@ def _run(cfg: DictConfig) -> float | None:
     overrides = list(HydraConfig.get().overrides.task)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
-        result = run_job(run, resolved_yaml=resolved, overrides=overrides, launch=job_launch(cfg))
+        result = run_job(run, resolved_yaml=resolved, overrides=overrides, launch=job_launch(cfg),
+                         output_dir=HydraConfig.get().runtime.output_dir)
     except ConfigError as e:  # e.g. a placement the cluster cannot hold
         log.error("config error: %s", e)
         raise SystemExit(2) from None

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,10 @@ def reproduce(run_id: str, *, tracking_uri: str | None = None, changes: list[str
     log.info("reproducing run %s (%s) from %s", run_id, source.tags.get("mlflow.runName", "?"), uri)
     launch = Launch(argv=tuple(argv if argv is not None else sys.argv), composed_yaml=source.composed_yaml,
                     source_run_id=run_id, tags={"miles.reproduce.code_differs": str(bool(diff)).lower()})
-    return run_job(run, resolved_yaml=resolved, overrides=[*source.overrides, *(changes or [])], launch=launch)
+    # run checkpoints (trainer.save_every without a save_dir) go under outputs/, as `python -m miles` puts them
+    output_dir = Path("outputs") / "reproduce" / f"{run_id}-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    return run_job(run, resolved_yaml=resolved, overrides=[*source.overrides, *(changes or [])], launch=launch,
+                   output_dir=str(output_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,6 +260,18 @@ class TrainerConfig:
     every rank. Off with activation checkpointing."""
     eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
+    save_every: int = 0
+    """Write a run checkpoint (trainer state, loop state, config: :mod:`miles.core.resume`) after every
+    this many steps and after the last one; 0: never."""
+    save_dir: str | None = None
+    """Where run checkpoints go, one ``step_<k>`` directory each; null: ``checkpoints`` in the job's
+    output directory under ``python -m miles`` (required when the run is started otherwise)."""
+    keep_checkpoints: int = 2
+    """How many of the newest run checkpoints to keep in ``save_dir`` (older ones are deleted)."""
+    resume_from: str | None = None
+    """Continue a run from a checkpoint: a ``step_<k>`` directory, or a ``save_dir`` (its newest). Steps
+    ``k + 1`` to ``num_steps`` then run as they would have without the stop (same prompts, sampling
+    noise and updates); the step-0 evaluation is not repeated."""
 
 
 @dataclass(**_frozen)

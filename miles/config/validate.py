@@ -198,7 +198,31 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+    _check_checkpointing(run)
     _check_algo_trainer_sync(run)
+
+
+def _check_checkpointing(run: MilesConfig) -> None:
+    """Run checkpoints: ranges, and a ``resume_from`` that names a checkpoint with steps left to run."""
+    from miles.core import resume
+
+    t = run.trainer
+    if t.save_every < 0:
+        raise ConfigError(f"trainer.save_every: must be 0 (never) or more, found {t.save_every}")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.keep_checkpoints: must be at least 1, found {t.keep_checkpoints}")
+    if run.algo.estimator == "gae" and (t.save_every or t.resume_from):
+        raise ConfigError("trainer.save_every / trainer.resume_from: run checkpoints do not hold the critic "
+                          "yet, so algo.estimator=gae cannot be resumed; use a critic-free algo or save_every=0")
+    if t.resume_from is None:
+        return
+    try:
+        state = resume.load(t.resume_from)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"trainer.resume_from: {e}") from None
+    if state.step >= t.num_steps:
+        raise ConfigError(f"trainer.resume_from: {state.path} is at step {state.step}, and trainer.num_steps is "
+                          f"{t.num_steps}: nothing left to run (raise trainer.num_steps to go on)")
 
 
 def _check_algo_trainer_sync(run: MilesConfig) -> None:

@@ -18,10 +18,14 @@ One step, synchronously:
 6. **Log.** Reward, losses, mismatch, timings and weight-sync cost go to the
    tracker; evaluation on held-out prompts runs at step 0, every
    ``trainer.eval_every`` steps, and at the end.
+
+With ``trainer.save_every`` the loop writes run checkpoints, and ``trainer.resume_from`` continues
+from one (:mod:`miles.core.resume`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -39,6 +43,7 @@ import torch
 from miles.algos.gae import gae_from_lists
 from miles.algos.shaping import shape_overlong_rewards
 from miles.config.schema import MilesConfig
+from miles.core import resume
 from miles.core.progress import Progress
 from miles.core.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.rollout.manager import RolloutManager
@@ -67,6 +72,8 @@ class LoopContext:
     the weight sync after it brings them back."""
     log_distributions: Callable[[dict[str, list[float]], int], None] | None = None
     """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""
+    save_dir: str | None = None
+    """Where run checkpoints go when ``trainer.save_every`` is set (:mod:`miles.core.resume`)."""
 
 
 def train(ctx: LoopContext) -> dict[str, float]:
@@ -80,12 +87,17 @@ def train(ctx: LoopContext) -> dict[str, float]:
     )
     log_batch_sizes(run)
 
-    metrics = evaluate(ctx, eval_set)
-    ctx.log_metrics(metrics, 0)
-    log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
-    progress = Progress(run.trainer.num_steps)
-    next_group_id = 0
-    for step in range(1, run.trainer.num_steps + 1):
+    first, next_group_id = 1, 0
+    if run.trainer.resume_from is not None:
+        state = _resume(ctx)
+        first, next_group_id = state.step + 1, state.next_group_id
+        rng.setstate(state.rng_state)
+    else:
+        metrics = evaluate(ctx, eval_set)
+        ctx.log_metrics(metrics, 0)
+        log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
+    progress = Progress(run.trainer.num_steps, first=first)
+    for step in range(first, run.trainer.num_steps + 1):
         t0 = time.perf_counter()
 
         # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
@@ -145,8 +157,40 @@ def train(ctx: LoopContext) -> dict[str, float]:
             ctx.log_distributions({"train/reward": [s.reward for s in samples],
                                    "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
         progress.update(step, metrics)
+        every = run.trainer.save_every
+        if every and (step % every == 0 or step == run.trainer.num_steps):
+            _save(ctx, step, rng, next_group_id)
     progress.close()
     return metrics
+
+
+def _config_dict(run: MilesConfig) -> dict[str, Any]:
+    from miles.config.schema import to_yaml_dict
+
+    return to_yaml_dict(dataclasses.asdict(run))
+
+
+def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -> None:
+    t0 = time.perf_counter()
+    if ctx.save_dir is None:
+        raise RuntimeError("trainer.save_every is set but the loop got no save directory")
+    path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
+                       keep=ctx.run.trainer.keep_checkpoints)
+    log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
+
+
+def _resume(ctx: LoopContext) -> resume.LoopState:
+    """Trainer state and loop state of ``trainer.resume_from``; the engines get its weights."""
+    state = resume.load(ctx.run.trainer.resume_from)
+    changed = resume.config_differences(state.config, _config_dict(ctx.run))
+    if changed:
+        log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "
+                    "not follow the uninterrupted one", state.path, ", ".join(changed[:10])
+                    + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
+    ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
+    sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
+    log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
+    return state
 
 
 def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:

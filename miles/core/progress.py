@@ -13,14 +13,15 @@ SHOWN = (("train/reward_mean", "reward"), ("eval/accuracy", "eval_acc"), ("perf/
 
 
 class Progress:
-    def __init__(self, total: int, *, tty: bool | None = None):
-        self.total = total
+    def __init__(self, total: int, *, first: int = 1, tty: bool | None = None):
+        """``total`` steps, numbered from 1; this run does ``first`` to ``total`` (a resumed run: from ``k + 1``)."""
+        self.total, self.first = total, first
         self.start = time.perf_counter()
         self.bar = None
         if tty if tty is not None else sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="miles", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=first - 1, desc="miles", unit="step", dynamic_ncols=True)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         shown = {name: f"{metrics[k]:.3g}" for k, name in SHOWN if k in metrics}
@@ -29,7 +30,7 @@ class Progress:
             self.bar.update(1)
             return
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total - step)
+        eta = elapsed / (step - self.first + 1) * (self.total - step)
         log.info(
             "step %d/%d | %s | rollout %.2fs train %.2fs sync %.2fs | elapsed %.0fs eta %.0fs",
             step, self.total, " ".join(f"{k} {v}" for k, v in shown.items()),

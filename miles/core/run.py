@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,11 +70,14 @@ def run_job(
     overrides: list[str],
     on_metrics: Callable[[dict[str, float], int], None] | None = None,
     launch: Any = None,
+    output_dir: str | None = None,
 ) -> dict[str, float]:
     """Run one training job end to end; returns the final metrics.
 
     ``on_metrics(metrics, step)`` is called with every step's metrics after the tracker got them.
     ``launch`` (a :class:`miles.tracking.snapshot.Launch`): how the job was started, for the tracker.
+    ``output_dir``: the job's output directory (Hydra's); run checkpoints go to its ``checkpoints``
+    unless ``trainer.save_dir`` says otherwise.
     """
     import ray
     from transformers import AutoTokenizer
@@ -86,6 +90,10 @@ def run_job(
     from miles.tracking.mlflow_tracker import make_tracker
     from miles.weights.sync import make_transport
 
+    save_dir = run.trainer.save_dir or (str(Path(output_dir) / "checkpoints") if output_dir else None)
+    if run.trainer.save_every and save_dir is None:
+        raise ConfigError("trainer.save_every: set trainer.save_dir too (where the run checkpoints go); only "
+                          "`python -m miles` has an output directory to put them in by default")
     t_start = time.perf_counter()
     random.seed(run.seed)
     torch.manual_seed(run.seed)
@@ -115,6 +123,7 @@ def run_job(
             critics=actors.critics, transport=transport,
             start_offload=actors.start_offload,
             log_distributions=tracker.log_distributions,
+            save_dir=save_dir,
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
         final = train(ctx)

@@ -118,6 +118,8 @@ class MlflowTracker:
             tags["miles.sweep.job"] = str(launch.sweep_job)
         if launch.source_run_id:
             tags["miles.reproduced_from"] = launch.source_run_id
+        if run.trainer.resume_from is not None:
+            tags["miles.resumed_from"] = str(run.trainer.resume_from)
         tags.update(launch.tags)
         name = run.tracking.run_name or f"{run.algo.name}-{run.model.flavor}-{run.precision.name}-seed{run.seed}"
         if launch.sweep_job is not None and not run.tracking.run_name:

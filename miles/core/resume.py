@@ -1,0 +1,135 @@
+"""Run checkpoints: what a run needs to continue where it stopped, with the same numbers.
+
+``trainer.save_every=N`` writes ``<trainer.save_dir>/step_<k>`` after every N-th step and after the
+last one::
+
+    trainer/            the trainer ranks' state (:meth:`miles.train.fsdp.FSDPTrainer.save_state`):
+                        model, AdamW moments, learning-rate schedule counters (safetensors + JSON)
+    loop_state.json     the step, the prompt sampler's RNG state and the next group id (every
+                        group's sampling seed follows from the run seed and its id)
+    config.yaml         the resolved config of the run that wrote it
+
+A checkpoint is written into ``step_<k>.tmp`` and renamed into place once complete, so a crash
+leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only the newest
+``trainer.keep_checkpoints`` stay.
+
+``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
+the trainer state, sends those weights to the engines as version ``k`` and runs steps ``k + 1`` to
+``trainer.num_steps``. Prompts, sampling noise and updates then follow the uninterrupted run's:
+on CPU with a fixed seed its per-step metrics equal that run's. The trainer and the driver must
+see the same ``save_dir`` (one machine, or shared storage).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# keys a resumed run may change without changing what it computes
+_MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every", "trainer.save_dir",
+               "trainer.keep_checkpoints", "trainer.eval_every", "tracking.", "cluster.")
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """Where a run stands after ``step``: what :func:`miles.core.loop.train` needs to go on."""
+
+    step: int
+    rng_state: tuple
+    """``random.Random.getstate()`` of the loop's prompt sampler."""
+    next_group_id: int
+    config: dict[str, Any]
+    """The resolved config that wrote the checkpoint (for the comparison at resume)."""
+    path: Path
+
+
+def step_dir(save_dir: str | Path, step: int) -> Path:
+    return Path(save_dir).expanduser() / f"step_{step:06d}"
+
+
+def checkpoints(save_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``save_dir`` as ``(step, path)``, oldest first."""
+    root = Path(save_dir).expanduser()
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(x for x in found if (x[1] / "loop_state.json").is_file())
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` if it is a checkpoint, else the newest checkpoint inside it; ValueError if neither."""
+    p = Path(path).expanduser()
+    if (p / "loop_state.json").is_file():
+        return p
+    found = checkpoints(p)
+    if found:
+        return found[-1][1]
+    if not p.exists():
+        raise ValueError(f"{path}: no such directory")
+    raise ValueError(f"{path}: neither a run checkpoint (no loop_state.json) nor a directory holding "
+                     "step_<k> checkpoints; point it at one written with trainer.save_every")
+
+
+def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
+         config: dict[str, Any], keep: int) -> Path:
+    """Write the checkpoint of ``step`` (collective over ``trainers``); returns its directory."""
+    import ray
+
+    final = step_dir(save_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (tmp / "loop_state.json").write_text(json.dumps(
+        {"format": FORMAT, "step": step, "next_group_id": next_group_id,
+         "rng_state": [rng_state[0], list(rng_state[1]), rng_state[2]]}))
+    if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for _, old in checkpoints(save_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(path: str | Path) -> LoopState:
+    """Read the loop state of the checkpoint at (or newest under) ``path``."""
+    ckpt = find_checkpoint(path)
+    meta = json.loads((ckpt / "loop_state.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{ckpt}: loop state format {meta.get('format')!r}; this miles reads {FORMAT}")
+    if not (ckpt / "trainer" / "trainer_state.json").is_file():
+        raise ValueError(f"{ckpt}: no trainer/ state next to loop_state.json (an incomplete checkpoint?)")
+    version, internal, gauss = meta["rng_state"]
+    config = yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else {}
+    return LoopState(step=int(meta["step"]), rng_state=(version, tuple(internal), gauss),
+                     next_group_id=int(meta["next_group_id"]), config=config, path=ckpt)
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two config dicts, leaving out those a resume may change."""
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if a.get(k, "<unset>") != b.get(k, "<unset>")
+            and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in _MAY_DIFFER)]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flatten(v, f"{prefix}{k}.")
+    return out
