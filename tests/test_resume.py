@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from miles.config import ConfigError, validate
 from miles.core import resume
@@ -75,6 +76,14 @@ def test_only_the_newest_checkpoints_stay(ray_cluster, tmp_path: Path) -> None:
         resume.save([], tmp_path, step, (3, (1,), None), step, {"seed": 0}, keep=2)
     assert [s for s, _ in resume.checkpoints(tmp_path)] == [3, 4]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_checkpoint_config_keeps_no_secret(ray_cluster, tmp_path: Path) -> None:
+    d = resume.save([], tmp_path, 1, (3, (1,), None), 1, {"task": {"api_key": "sk-live-123", "n": 2}}, keep=1)
+    text = (d / "config.yaml").read_text()
+    assert "sk-live-123" not in text and "n: 2" in text
+    # the redacted value still compares equal to the live config's
+    assert resume.config_differences(yaml.safe_load(text), {"task": {"api_key": "other", "n": 2}}) == []
 
 
 @pytest.mark.slow

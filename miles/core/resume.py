@@ -7,7 +7,7 @@ last one::
                         model, AdamW moments, learning-rate schedule counters (safetensors + JSON)
     loop_state.json     the step, the prompt sampler's RNG state and the next group id (every
                         group's sampling seed follows from the run seed and its id)
-    config.yaml         the resolved config of the run that wrote it
+    config.yaml         the resolved config of the run that wrote it (secrets redacted)
 
 A checkpoint is written into ``step_<k>.tmp`` and renamed into place once complete, so a crash
 leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only the newest
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from miles.tracking.snapshot import redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(redact_tree(config), sort_keys=False))
     (tmp / "loop_state.json").write_text(json.dumps(
         {"format": FORMAT, "step": step, "next_group_id": next_group_id,
          "rng_state": [rng_state[0], list(rng_state[1]), rng_state[2]]}))
@@ -119,17 +121,11 @@ def load(path: str | Path) -> LoopState:
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two config dicts, leaving out those a resume may change."""
-    a, b = _flatten(saved), _flatten(current)
+    """Dotted keys whose values differ between two config dicts, leaving out those a resume may change
+    (secret values are compared redacted: the checkpoint's config.yaml holds them so)."""
+    from miles.tracking.mlflow_tracker import flatten
+
+    a, b = flatten(saved), flatten(current)
     keys = sorted(set(a) | set(b))
     return [k for k in keys if a.get(k, "<unset>") != b.get(k, "<unset>")
             and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in _MAY_DIFFER)]
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix[:-1]: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out |= _flatten(v, f"{prefix}{k}.")
-    return out
