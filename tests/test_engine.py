@@ -580,17 +580,24 @@ def test_engine_as_threaded_ray_actor(ray_cluster, tiny_qwen3_dir, engine: Torch
 
 
 @pytest.mark.parametrize("fixture,dtype", [("tiny_qwen3_dir", "float32"), ("tiny_qwen3_moe_dir", "bfloat16")])
-def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, request: pytest.FixtureRequest,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fast_forward_is_the_module_forward(fixture: str, dtype: str, request: pytest.FixtureRequest,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from miles.rollout import slot_cache
 
     path = str(request.getfixturevalue(fixture))
     eng = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
     assert eng.fast_forward
+    assert eng._fast.matmul_decode == (dtype == "float32")  # fp32 on CPU: decode attention as matmuls
     reqs = _requests([2, 9, 5], n=2)
+    sampled = eng.generate(reqs, SAMPLED)
+    eng._fast.matmul_decode = False  # sdpa throughout: the module forward's exact operations
     fast = eng.generate(reqs, SAMPLED)
     eng._fast = None  # transformers' module forward, through the same slot cache
     assert eng.generate(reqs, SAMPLED) == fast  # same tokens, bitwise the same log-probs
+    # with matmul decode attention: the same tokens, log-probs equal to float rounding
+    assert [r.response_ids for r in sampled] == [r.response_ids for r in fast]
+    torch.testing.assert_close(torch.tensor([x for r in sampled for x in r.logprobs]),
+                               torch.tensor([x for r in fast for x in r.logprobs]), atol=1e-5, rtol=0)
     eng.close()
     # a fast forward that is off by one rounding step is caught at start-up, and not used
     call = slot_cache.FastQwen3.__call__
@@ -599,6 +606,35 @@ def test_fast_forward_is_bitwise_the_module_forward(fixture: str, dtype: str, re
     slow = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
     assert not slow.fast_forward and slow.generate(reqs, SAMPLED) == fast
     slow.close()
+    if dtype == "float32":  # decode attention off by more than rounding: caught too
+        monkeypatch.setattr(slot_cache.FastQwen3, "__call__", call)
+        attention = slot_cache.decode_attention
+        monkeypatch.setattr(slot_cache, "decode_attention", lambda *a: attention(*a) + 1e-3)
+        slow = TorchEngine(path, PrecisionConfig(rollout_dtype=dtype), max_batch_size=3)
+        assert not slow.fast_forward
+        slow.close()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (4, 4), (6, 2)])
+def test_decode_attention_is_sdpa_to_rounding(heads: int, kv_heads: int) -> None:
+    from miles.rollout.slot_cache import decode_attention, decode_bias
+
+    g = torch.Generator().manual_seed(0)
+    b, length, d, capacity = 5, 11, 16, 20
+    q = torch.randn(b, heads, 1, d, generator=g)
+    # keys / values as the slot cache hands them: a view of the first `length` of `capacity` indices
+    keys = torch.randn(b, kv_heads, capacity, d, generator=g)[:, :, :length]
+    values = torch.randn(b, kv_heads, capacity, d, generator=g)[:, :, :length]
+    pos = torch.tensor([10, 0, 3, 7, 10])  # each row attends to indices <= its position
+    mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :]
+    got = decode_attention(q, keys, values, decode_bias(mask, q.dtype), scale=d ** -0.5)
+    rep = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask, scale=d ** -0.5)
+    assert got.shape == (b, heads, 1, d)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # row 1 sees index 0 only: its output is that value row, exactly what a wrong mask would break
+    torch.testing.assert_close(got[1, :, 0], values[1, :, 0].repeat_interleave(rep, 0), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -20,8 +20,10 @@ KV cache and forward (:mod:`miles.rollout.slot_cache`): one static buffer per
 layer and slot; token ``t`` of a row lives at index ``t`` (its position), so a
 row's numbers equal an unpadded forward over prompt + response, whatever its
 neighbours. For Qwen3 / Qwen3-MoE the forward is replayed without module
-dispatch, used only when a start-up check finds it bitwise equal to the
-module forward.
+dispatch, used only when a start-up check finds it equal to the module
+forward: bitwise, except that in fp32 on CPU a decode step's attention is two
+matmuls around a softmax, equal to sdpa to float rounding (checked to
+``DECODE_ATOL``) and faster there.
 
 Sampling and log-probs (:mod:`miles.rollout.sampling`). Each row has its own
 temperature / top-k / top-p / greedy / stops / ``max_new_tokens``. The log-prob
@@ -98,7 +100,7 @@ from miles.config.schema import PrecisionConfig
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
-from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches
+from miles.rollout.slot_cache import DECODE_ATOL, FastQwen3, SlotCache, forward_matches
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +227,14 @@ class TorchEngine:
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)
 
         self._alloc_slots()
-        self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
+        # fp32 on CPU: decode-step attention as two matmuls (faster there than sdpa's kernel; equal to rounding)
+        matmul_decode = self.device.type == "cpu" and self.dtype == torch.float32
+        self._fast = FastQwen3(self.model, matmul_decode=matmul_decode) if FastQwen3.supports(self.model) else None
         with torch.no_grad():
-            if self._fast is not None and not forward_matches(self._run_model, self.vocab_size, self.device):
-                log.warning("engine %d: the fast %s forward does not match transformers' bitwise on this "
-                            "machine; using the module forward", engine_id, self.model.config.model_type)
+            if self._fast is not None and not forward_matches(self._run_model, self.vocab_size, self.device,
+                                                              decode_atol=DECODE_ATOL if matmul_decode else 0.0):
+                log.warning("engine %d: the fast %s forward does not match transformers' on this machine; "
+                            "using the module forward", engine_id, self.model.config.model_type)
                 self._fast = None
         self.fast_forward = self._fast is not None
         # Scheduler state (touched by the scheduler thread; queues under self._cv).
