@@ -97,6 +97,29 @@ def test_unknown_placement_name_lists_the_options() -> None:
 
 # ---- on the session's Ray cluster (4 CPUs, no custom resources) --------------------------------
 
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_actor_env_switches_torch_onto_huge_pages(ray_cluster, huge_pages: bool) -> None:
+    from miles.core.cluster import actor_env
+
+    env = actor_env(_run({"huge_pages": huge_pages, "torch_threads_per_actor": 1}).placement, threads=1)
+    assert env["OMP_NUM_THREADS"] == "1" and ("THP_MEM_ALLOC_ENABLE" in env) == huge_pages
+
+    @ray_cluster.remote(num_cpus=0.25, runtime_env={"env_vars": env})
+    def big_tensor() -> tuple[str | None, int]:
+        import os
+
+        import torch
+
+        x = torch.empty(64 << 20, dtype=torch.uint8)  # above glibc's largest mmap threshold (32 MiB)
+        return os.environ.get("THP_MEM_ALLOC_ENABLE"), x.data_ptr() % 4096
+
+    switch, offset = ray_cluster.get(big_tensor.remote(), timeout=60)
+    assert switch == ("1" if huge_pages else None)
+    # switched on, torch page-aligns a large tensor and advises huge pages for it (madvise); whether the
+    # kernel then backs it with them depends on /sys/kernel/mm/transparent_hugepage and free memory
+    assert (offset == 0) == huge_pages
+
+
 def test_too_big_placement_fails_within_its_timeout_naming_each_pool(ray_cluster) -> None:
     from miles.core.cluster import reserve
 

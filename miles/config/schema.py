@@ -184,6 +184,10 @@ class PlacementConfig:
     """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated."""
     torch_threads_per_actor: int = 0
     """torch threads in each actor; 0: colocate splits the CPUs among actors busy at once, disaggregated uses the actor's own bundle."""
+    huge_pages: bool = True
+    """Engine and trainer actors put CPU tensors of 2 MiB or more on transparent huge pages (torch's
+    ``THP_MEM_ALLOC_ENABLE=1``): fewer page faults when a released engine regrows its KV cache and fewer
+    TLB misses in memory-bound decode steps (CPU only; GPU memory is unaffected)."""
     ready_timeout_s: float = 60.0
     """How long to wait for the placement group(s) before failing with the numbers."""
 

@@ -73,6 +73,21 @@ def start_ray(run: MilesConfig) -> bool:
     return True
 
 
+def actor_env(p: PlacementConfig, threads: int) -> dict[str, str]:
+    """Environment of an engine or trainer actor: its thread count, and torch's huge-page switch.
+
+    ``THP_MEM_ALLOC_ENABLE`` is read once per process, at torch's first allocation, so it can only
+    be set at process start. With it, CPU tensors of 2 MiB or more are 2 MiB-aligned and advised onto
+    transparent huge pages (where the kernel allows it: ``/sys/kernel/mm/transparent_hugepage``).
+    On the 19M Qwen3 on CPU, re-allocating an engine's 800 MB KV cache after a release took 0.11-0.16 s
+    against 0.35 s, and a 128-row rollout about 5% less time.
+    """
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if p.huge_pages:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -366,7 +381,7 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
             num_cpus=cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=i % len(pg.bundle_specs)),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}},
+            runtime_env={"env_vars": actor_env(p, threads)},
         )
 
     engines = [
