@@ -13,7 +13,7 @@ module dispatch (:class:`FastQwen3`, 1.6-2x faster per step on the tiny CPU
 model), used only when a start-up check finds it equal to the module forward:
 bitwise, except that in fp32 on CPU a decode step's attention is
 matmul -> softmax -> matmul (:func:`decode_attention`), equal to sdpa to float
-rounding (checked to 1e-5) and about 1.2-2x faster than sdpa's CPU kernel for
+rounding (checked to 1e-5) and 1.2-2.5x faster than sdpa's CPU kernel for
 one query row.
 """
 
@@ -98,15 +98,16 @@ class FastQwen3:
     from the live parameters at every call, so weight updates need nothing here. The MLP is still
     called as a module (dense, or MoE with its router hooks; inlining the dense one measured no faster).
 
-    ``matmul_decode``: one-token forwards (decode steps) use :func:`decode_attention` instead of
-    sdpa; equal to float rounding, not bitwise (the start-up check then compares decode steps to
-    1e-5 and prefills still bitwise). The engine sets it for fp32 on CPU, where it is faster.
+    ``matmul_decode`` (on for an fp32 model on CPU, where it is faster): one-token forwards (decode
+    steps) use :func:`decode_attention` instead of sdpa; equal to float rounding, not bitwise, so
+    the start-up check compares decode steps to :attr:`decode_atol` and prefills still bitwise.
     """
 
     SUPPORTED = ("qwen3", "qwen3_moe")
 
-    def __init__(self, model: torch.nn.Module, matmul_decode: bool = False) -> None:
-        self.matmul_decode = matmul_decode
+    def __init__(self, model: torch.nn.Module) -> None:
+        weight = model.get_input_embeddings().weight
+        self.matmul_decode = weight.device.type == "cpu" and weight.dtype == torch.float32
         cfg = model.config
         self.model, self.layers = model.base_model, list(model.base_model.layers)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -114,6 +115,11 @@ class FastQwen3:
         self.rep = self.heads // self.kv_heads
         rotary = self.model.rotary_emb
         self.inv_freq, self.rope_scaling = rotary.inv_freq, rotary.attention_scaling
+
+    @property
+    def decode_atol(self) -> float:
+        """The start-up check's tolerance on decode steps: 0 (bitwise) unless ``matmul_decode``."""
+        return DECODE_ATOL if self.matmul_decode else 0.0
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:

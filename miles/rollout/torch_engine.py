@@ -100,7 +100,7 @@ from miles.config.schema import PrecisionConfig
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
-from miles.rollout.slot_cache import DECODE_ATOL, FastQwen3, SlotCache, forward_matches
+from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +227,10 @@ class TorchEngine:
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)
 
         self._alloc_slots()
-        # fp32 on CPU: decode-step attention as two matmuls (faster there than sdpa's kernel; equal to rounding)
-        matmul_decode = self.device.type == "cpu" and self.dtype == torch.float32
-        self._fast = FastQwen3(self.model, matmul_decode=matmul_decode) if FastQwen3.supports(self.model) else None
+        self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
         with torch.no_grad():
             if self._fast is not None and not forward_matches(self._run_model, self.vocab_size, self.device,
-                                                              decode_atol=DECODE_ATOL if matmul_decode else 0.0):
+                                                              decode_atol=self._fast.decode_atol):
                 log.warning("engine %d: the fast %s forward does not match transformers' on this machine; "
                             "using the module forward", engine_id, self.model.config.model_type)
                 self._fast = None
