@@ -54,14 +54,20 @@ def test_config_checks_before_anything_starts(tmp_path: Path) -> None:
         validate({"trainer": {"save_every": -1}})
     with pytest.raises(ConfigError, match="trainer.keep_checkpoints: must be at least 1"):
         validate({"trainer": {"keep_checkpoints": 0}})
-    with pytest.raises(ConfigError, match="algo.estimator=gae cannot be resumed"):
-        validate({"algo": {"estimator": "gae"}, "trainer": {"save_every": 5}})
+    assert validate({"algo": {"estimator": "gae"}, "trainer": {"save_every": 5}}).trainer.save_every == 5
     with pytest.raises(ConfigError, match="trainer.resume_from: .*no such directory"):
         validate({"trainer": {"resume_from": str(tmp_path / "missing")}})
     _fake_checkpoint(tmp_path, 6)
     with pytest.raises(ConfigError, match="at step 6, and trainer.num_steps is 6: nothing left"):
         validate({"trainer": {"resume_from": str(tmp_path), "num_steps": 6}})
     assert validate({"trainer": {"resume_from": str(tmp_path), "num_steps": 7}}).trainer.resume_from == str(tmp_path)
+    # a critic run needs the critic's state too
+    gae = {"algo": {"estimator": "gae"}, "trainer": {"resume_from": str(tmp_path), "num_steps": 7}}
+    with pytest.raises(ConfigError, match=r"no critic/ state, but this run trains a critic"):
+        validate(gae)
+    (resume.step_dir(tmp_path, 6) / "critic").mkdir()
+    (resume.step_dir(tmp_path, 6) / "critic" / "trainer_state.json").write_text("{}")
+    assert validate(gae).algo.estimator == "gae"
 
 
 def test_config_differences_leave_out_what_a_resume_may_change() -> None:
@@ -88,23 +94,27 @@ def test_checkpoint_config_keeps_no_secret(ray_cluster, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_resumed_run_continues_with_the_same_numbers(ray_cluster, tmp_path: Path) -> None:
-    """A 2-step run checkpoints every step; a run resumed from step 1's checkpoint computes step 2
-    exactly as the uninterrupted run did, and does not evaluate step 0 again."""
+    """A 2-step PPO run (policy and critic) checkpoints every step; a run resumed from step 1's
+    checkpoint computes step 2 exactly as the uninterrupted run did, and does not evaluate step 0 again."""
+    from miles.bench.e2e import compose
     from miles.core.run import run_job
 
-    base = {"seed": 1, "tracking": {"backend": "none"}, "task": {"num_eval_prompts": 8},
-            "algo": {"num_prompts_per_step": 4}, "warm_start": {"steps": 20, "cache_dir": str(tmp_path / "cache")}}
+    base = ["algo=ppo", "seed=1", "tracking=none", "task.num_eval_prompts=8", "algo.num_prompts_per_step=4",
+            "warm_start.steps=20", f"warm_start.cache_dir={tmp_path / 'cache'}", "trainer.num_steps=2",
+            "trainer.eval_every=0"]
 
-    def job(trainer: dict) -> dict[int, dict]:
-        run = validate({**base, "trainer": {"num_steps": 2, "eval_every": 0, **trainer}})
+    def job(trainer: list[str]) -> dict[int, dict]:
+        run, resolved = compose(base + trainer)
         seen: dict[int, dict] = {}
-        run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.setdefault(s, {}).update(m))
+        run_job(run, resolved_yaml=resolved, overrides=[],
+                on_metrics=lambda m, s: seen.setdefault(s, {}).update(m))
         return seen
 
-    full = job({"save_every": 1, "save_dir": str(tmp_path / "ck")})
+    full = job(["trainer.save_every=1", f"trainer.save_dir={tmp_path / 'ck'}"])
     assert [s for s, _ in resume.checkpoints(tmp_path / "ck")] == [1, 2]
-    resumed = job({"resume_from": str(resume.step_dir(tmp_path / "ck", 1))})
+    assert (resume.step_dir(tmp_path / "ck", 1) / "critic" / "model.safetensors").is_file()
+    resumed = job([f"trainer.resume_from={resume.step_dir(tmp_path / 'ck', 1)}"])
     assert sorted(resumed) == [2]
     for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/lr", "rollout/response_len_mean",
-                "eval/accuracy"):
+                "critic/value_loss", "critic/value_mean", "critic/grad_norm", "critic/lr", "eval/accuracy"):
         assert resumed[2][key] == full[2][key], key

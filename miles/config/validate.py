@@ -211,13 +211,12 @@ def _check_checkpointing(run: MilesConfig) -> None:
         raise ConfigError(f"trainer.save_every: must be 0 (never) or more, found {t.save_every}")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints: must be at least 1, found {t.keep_checkpoints}")
-    if run.algo.estimator == "gae" and (t.save_every or t.resume_from):
-        raise ConfigError("trainer.save_every / trainer.resume_from: run checkpoints do not hold the critic "
-                          "yet, so algo.estimator=gae cannot be resumed; use a critic-free algo or save_every=0")
     if t.resume_from is None:
         return
     try:
         state = resume.load(t.resume_from)
+        if run.algo.estimator == "gae":
+            resume.critic_state(state)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"trainer.resume_from: {e}") from None
     if state.step >= t.num_steps:

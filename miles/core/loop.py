@@ -175,19 +175,22 @@ def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
-                       keep=ctx.run.trainer.keep_checkpoints)
+                       keep=ctx.run.trainer.keep_checkpoints, critics=list(ctx.critics))
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
 
 
 def _resume(ctx: LoopContext) -> resume.LoopState:
-    """Trainer state and loop state of ``trainer.resume_from``; the engines get its weights."""
+    """Trainer (and critic) state and loop state of ``trainer.resume_from``; the engines get its weights."""
     state = resume.load(ctx.run.trainer.resume_from)
+    critic = resume.critic_state(state) if ctx.critics else None
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
     if changed:
         log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "
                     "not follow the uninterrupted one", state.path, ", ".join(changed[:10])
                     + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
     ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
+    if critic is not None:
+        ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state

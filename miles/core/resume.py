@@ -5,6 +5,7 @@ last one::
 
     trainer/            the trainer ranks' state (:meth:`miles.train.fsdp.FSDPTrainer.save_state`):
                         model, AdamW moments, learning-rate schedule counters (safetensors + JSON)
+    critic/             with a critic (``algo.estimator: gae``): the critic ranks' state, same layout
     loop_state.json     the step, the prompt sampler's RNG state and the next group id (every
                         group's sampling seed follows from the run seed and its id)
     config.yaml         the resolved config of the run that wrote it (secrets redacted)
@@ -14,7 +15,7 @@ leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only
 ``trainer.keep_checkpoints`` stay.
 
 ``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
-the trainer state, sends those weights to the engines as version ``k`` and runs steps ``k + 1`` to
+the trainer state (and the critic's), sends those weights to the engines as version ``k`` and runs steps ``k + 1`` to
 ``trainer.num_steps``. Prompts, sampling noise and updates then follow the uninterrupted run's:
 on CPU with a fixed seed its per-step metrics equal that run's. The trainer and the driver must
 see the same ``save_dir`` (one machine, or shared storage).
@@ -85,8 +86,9 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
-         config: dict[str, Any], keep: int) -> Path:
-    """Write the checkpoint of ``step`` (collective over ``trainers``); returns its directory."""
+         config: dict[str, Any], keep: int, critics: list[Any] = ()) -> Path:
+    """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
+    its directory."""
     import ray
 
     final = step_dir(save_dir, step)
@@ -94,6 +96,8 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
+    if critics:
+        ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
     (tmp / "config.yaml").write_text(yaml.safe_dump(redact_tree(config), sort_keys=False))
     (tmp / "loop_state.json").write_text(json.dumps(
         {"format": FORMAT, "step": step, "next_group_id": next_group_id,
@@ -118,6 +122,15 @@ def load(path: str | Path) -> LoopState:
     config = yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else {}
     return LoopState(step=int(meta["step"]), rng_state=(version, tuple(internal), gauss),
                      next_group_id=int(meta["next_group_id"]), config=config, path=ckpt)
+
+
+def critic_state(state: LoopState) -> Path:
+    """The critic state directory of a loaded checkpoint; ValueError when it was written without one."""
+    d = state.path / "critic"
+    if not (d / "trainer_state.json").is_file():
+        raise ValueError(f"{state.path}: no critic/ state, but this run trains a critic (algo.estimator=gae); "
+                         "the checkpoint was written by a run without one")
+    return d
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

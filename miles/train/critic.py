@@ -11,7 +11,9 @@ position whose logits predict token ``t`` (prompt + first ``t`` response tokens)
 with the log-probs token for token. One :meth:`train_step` splits the batch like the trainer
 (``algo.num_minibatches`` contiguous mini-batches, each into W rank shards) and minimises the clipped
 value loss (:func:`miles.algos.gae.value_loss`, token mean over the trained tokens with global
-counts) against the GAE returns. Every method that runs the model is collective.
+counts) against the GAE returns. :meth:`save_state` / :meth:`load_state` write and read the value
+model, its AdamW state and scheduler counters in the trainer's layout (:mod:`miles.train.optim`), so
+a resumed PPO run continues with the critic it had. Every method that runs the model is collective.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from miles.algos.gae import explained_variance, value_loss
 from miles.config.schema import MilesConfig
 from miles.core.types import TrainBatch
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
+from miles.train.optim import load_train_state, save_train_state
 
 
 class ValueModel(torch.nn.Module):
@@ -189,6 +192,16 @@ class FSDPCritic:
                                    op=dist.ReduceOp.MAX)
         out["perf/critic_train_s"] = float(elapsed)
         return out
+
+    def save_state(self, directory: str) -> None:
+        """Collective. Write value model, optimizer and scheduler state to ``directory``."""
+        save_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         rank=self.rank, world_size=self.world_size)
+
+    def load_state(self, directory: str) -> None:
+        """Collective. Restore what :meth:`save_state` wrote (any world size)."""
+        load_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         rank=self.rank, world_size=self.world_size)
 
     def shutdown(self) -> None:
         """Barrier, then destroy the process group (gloo can abort at exit without the barrier)."""

@@ -46,13 +46,10 @@ as its own no-grad passes. Every method that runs the model is collective: all r
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,7 +68,7 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import policy_objective
-from miles.train.optim import flatten_optimizer_state, lr_multiplier, unflatten_optimizer_state
+from miles.train.optim import load_train_state, lr_multiplier, save_train_state
 from miles.train.shared_prompt import (
     PromptPass,
     cache_keyword,
@@ -433,42 +430,10 @@ class FSDPTrainer:
     def save_state(self, directory: str) -> None:
         """Collective. Write model, optimizer and scheduler state to ``directory`` (safetensors + JSON).
 
-        Rank 0 writes everything into ``<directory>.tmp`` and renames it into place, so a crash leaves
-        either the previous state or the new one. Layout in :mod:`miles.train.optim`.
+        Layout and atomic rename in :func:`miles.train.optim.save_train_state`.
         """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(self.model, options=opts)
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        if self.rank == 0:
-            final = Path(directory)
-            tmp = final.with_name(final.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            seen: set[int] = set()  # tied weights share storage, which safetensors refuses: save a copy
-            model_sd = {k: v.clone() if v.data_ptr() in seen or seen.add(v.data_ptr()) else v.contiguous()
-                        for k, v in model_sd.items()}
-            save_file(model_sd, str(tmp / "model.safetensors"))
-            tensors, groups = flatten_optimizer_state(optim_sd)
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
-            sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-            (tmp / "trainer_state.json").write_text(json.dumps(
-                {"format": 1, "world_size": self.world_size, "param_groups": groups, "scheduler": sched}, indent=1))
-            if final.exists():
-                old = final.with_name(final.name + ".old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-        self._barrier()
+        save_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         rank=self.rank, world_size=self.world_size)
 
     def load_state(self, directory: str) -> None:
         """Collective. Restore what :meth:`save_state` wrote (any world size); rank 0 reads and broadcasts.
@@ -476,27 +441,8 @@ class FSDPTrainer:
         The reference model is not part of the state: it is the initial checkpoint, reloaded by the
         constructor.
         """
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(directory)
-        meta = json.loads((path / "trainer_state.json").read_text())
-        if meta.get("format") != 1:
-            raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; expected 1")
-        model_sd: dict[str, torch.Tensor] = {}
-        optim_sd: dict[str, Any] = {}
-        if self.rank == 0:
-            model_sd = load_file(str(path / "model.safetensors"))
-            optim_sd = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["param_groups"])
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=self.world_size > 1)
-        set_model_state_dict(self.model, model_sd, options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
-        self.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)})
-        self._barrier()
+        load_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         rank=self.rank, world_size=self.world_size)
 
     def _barrier(self) -> None:
         if self.world_size > 1:

@@ -10,7 +10,8 @@ Schedule, as a multiplier of ``trainer.lr`` at optimizer step ``s`` (0-based), `
 
 so a decaying schedule reaches ``r * lr`` at step ``S`` and stays there.
 
-Trainer state on disk (written by rank 0, the whole directory renamed into place at the end)::
+Trainer state on disk (:func:`save_train_state`; written by rank 0, the whole directory renamed into
+place at the end; the policy trainer and the PPO critic write the same layout)::
 
     model.safetensors      full fp32 model state dict, HF parameter names
     optimizer.safetensors  ``state.<param name>.<key>`` for every per-parameter tensor (AdamW: step,
@@ -20,10 +21,15 @@ Trainer state on disk (written by rank 0, the whole directory renamed into place
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -70,3 +76,78 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dic
         state.setdefault(name, {})[key] = t
     param_groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]
     return {"state": state, "param_groups": param_groups}
+
+
+STATE_FORMAT = 1
+
+
+def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
+    """Collective over the ranks of ``model``. Write model, optimizer and scheduler state to ``directory``.
+
+    Full (unsharded) state dicts gathered to CPU; rank 0 writes everything into ``<directory>.tmp``
+    and renames it into place, so a crash leaves either the previous state or the new one.
+    """
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=opts)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if rank == 0:
+        final = Path(directory)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        seen: set[int] = set()  # tied weights share storage, which safetensors refuses: save a copy
+        model_sd = {k: v.clone() if v.data_ptr() in seen or seen.add(v.data_ptr()) else v.contiguous()
+                    for k, v in model_sd.items()}
+        save_file(model_sd, str(tmp / "model.safetensors"))
+        tensors, groups = flatten_optimizer_state(optim_sd)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"format": STATE_FORMAT, "world_size": world_size, "param_groups": groups, "scheduler": sched},
+            indent=1))
+        if final.exists():
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    if world_size > 1:
+        dist.barrier()
+
+
+def load_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
+    """Collective. Restore what :func:`save_train_state` wrote, at any world size: rank 0 reads, broadcasts."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(directory)
+    meta = json.loads((path / "trainer_state.json").read_text())
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; "
+                         f"expected {STATE_FORMAT}")
+    model_sd: dict[str, torch.Tensor] = {}
+    optim_sd: dict[str, Any] = {}
+    if rank == 0:
+        model_sd = load_file(str(path / "model.safetensors"))
+        optim_sd = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["param_groups"])
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size > 1)
+    set_model_state_dict(model, model_sd, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+    scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
+    if world_size > 1:
+        dist.barrier()
