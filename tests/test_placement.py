@@ -222,15 +222,6 @@ def _miles(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 4
     return out
 
 
-@pytest.mark.slow
-def test_disaggregated_end_to_end(tmp_path: Path) -> None:
-    out = _miles(["placement=disaggregated", "trainer.num_steps=2", "warm_start.steps=2", "tracking=none",
-                  "cluster.num_cpus=2", "task.num_eval_prompts=16", f"warm_start.cache_dir={tmp_path / 'cache'}"],
-                 cwd=tmp_path)
-    assert "placement 'disaggregated': engine pool 1 bundle(s) x 1 CPU = 1 CPU; trainer pool 1 bundle(s)" in out
-    assert "step 2/2" in out and "done in" in out
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -306,6 +297,7 @@ def test_two_nodes_engines_on_the_second_node(tmp_path: Path) -> None:
         out = _miles(["placement=disaggregated", "placement.engine_resources={node2:1}", f"cluster.address={address}",
                       "placement.ready_timeout_s=120", "trainer.num_steps=2", "warm_start.steps=2", "tracking=none",
                       "task.num_eval_prompts=16", f"warm_start.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, env=env)
+    assert "placement 'disaggregated': engine pool 1 bundle(s) x 1 CPU" in out, out[-3000:]
     m = re.search(r"engines on node\(s\) (\w+) with \d+ thread\(s\) each, trainer ranks on node\(s\) (\w+)", out)
     assert m, out[-3000:]
     assert m.group(1) != m.group(2), "the engine (node2's resource) and the trainer (no room on node2) are on two nodes"

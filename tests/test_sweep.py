@@ -143,16 +143,29 @@ def test_optuna_example_composes_and_validates() -> None:
 
 @pytest.mark.slow
 def test_miles_sweep_of_two_one_step_jobs(tmp_path: Path) -> None:
+    """``python -m miles -m algo=grpo,gspo`` with one-step jobs: a parent, two children with their
+    metrics, config and plots, a summary, and one warm-start checkpoint the two jobs share."""
     cache = tmp_path / "cache"
-    _run(["-m", "miles", "-m", "algo=grpo,gspo", "trainer.num_steps=1", "warm_start.steps=2",
-          f"warm_start.cache_dir={cache}", "task.num_eval_prompts=8", "algo.num_prompts_per_step=4",
-          "cluster.num_cpus=2"], cwd=tmp_path, timeout=600)
-    client, parent, children = _parent_and_children(f"sqlite:///{tmp_path / 'mlruns.db'}", "miles")
+    _run(["-m", "miles", "-m", "algo=grpo,gspo", "trainer.num_steps=1", "trainer.eval_every=1",
+          "warm_start.steps=2", f"warm_start.cache_dir={cache}", "task.num_eval_prompts=8",
+          "algo.num_prompts_per_step=4", "cluster.num_cpus=2"], cwd=tmp_path, timeout=600)
+    db = tmp_path / "mlruns.db"
+    assert db.is_file(), "the default tracking URI is sqlite:///mlruns.db in the working directory"
+    client, parent, children = _parent_and_children(f"sqlite:///{db}", "miles")
     assert parent.info.status == "FINISHED" and len(children) == 2
     rows = _summary(client, parent.info.run_id, tmp_path / "dl")
     assert [r["swept"] for r in rows] == ["algo=grpo", "algo=gspo"]
     assert all("trainer.num_steps=1" in r["overrides"] for r in rows)
     assert all(r["status"] == "COMPLETED" and r["eval/accuracy"] != "" for r in rows)
     assert all(float(r["return_value"]) == float(r["eval/accuracy"]) for r in rows)
+    assert sorted(c.data.params["algo.name"] for c in children) == ["grpo", "gspo"]
     for c in children:
+        assert c.info.status == "FINISHED" and c.data.tags["miles.overrides"].startswith("algo=")
+        history = {k: [(m.step, m.value) for m in client.get_metric_history(c.info.run_id, k)]
+                   for k in ("train/reward_mean", "eval/accuracy", "perf/step_time_s", "weight_sync/seconds")}
+        assert [s for s, _ in history["train/reward_mean"]] == [1]
+        assert [s for s, _ in history["eval/accuracy"]] == [0, 1]
+        assert all(v > 0 for _, v in history["perf/step_time_s"] + history["weight_sync/seconds"])
+        assert {a.path for a in client.list_artifacts(c.info.run_id, "config")} >= {"config/resolved.yaml"}
         assert {a.path for a in client.list_artifacts(c.info.run_id, "plots")} >= {"plots/reward.png"}
+    assert len(list(cache.iterdir())) == 1, "the jobs share one seed and model, so one warm-start checkpoint"
