@@ -15,10 +15,10 @@ leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only
 ``trainer.keep_checkpoints`` stay.
 
 ``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
-the trainer state (and the critic's), sends those weights to the engines as version ``k`` and runs steps ``k + 1`` to
-``trainer.num_steps``. Prompts, sampling noise and updates then follow the uninterrupted run's:
-on CPU with a fixed seed its per-step metrics equal that run's. The trainer and the driver must
-see the same ``save_dir`` (one machine, or shared storage).
+the trainer state (and the critic's), sends the policy weights to the engines as version ``k`` and
+runs steps ``k + 1`` to ``trainer.num_steps``. Prompts, sampling noise and updates then follow the
+uninterrupted run's: on CPU with a fixed seed its per-step metrics equal that run's. The trainer
+and the driver must see the same ``save_dir`` (one machine, or shared storage).
 """
 
 from __future__ import annotations
