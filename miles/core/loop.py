@@ -175,7 +175,7 @@ def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
-                       keep=ctx.run.trainer.keep_checkpoints, critics=list(ctx.critics))
+                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
 
 

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
-         config: dict[str, Any], keep: int, critics: list[Any] = ()) -> Path:
+         config: dict[str, Any], keep: int, critics: Sequence[Any] = ()) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
     its directory."""
     import ray
