@@ -168,6 +168,28 @@ def test_seeded_request_ignores_its_neighbours(tiny_qwen3_dir) -> None:
     assert len({r.response_ids for r in alone}) > 1  # the n completions are different samples
 
 
+def test_kv_cache_holds_the_rows_in_use_and_grows_under_running_rows(tiny_qwen3_dir) -> None:
+    """The cache is sized by the rows running at once (a power of two), not by ``max_batch_size``; when
+    more rows join, the running rows' keys and values are carried into the larger buffers."""
+    first = GenerateRequest(request_id="a", prompt_ids=tuple(range(3, 13)), n=3, seed=5)
+    joiner = GenerateRequest(request_id="b", prompt_ids=tuple(range(20, 30)), n=5, seed=6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12)
+    alone = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=64).generate([first], sp)
+    # one prompt per prefill: "a" runs 3 rows (cache of 4), then "b"'s 5 rows join (8) while "a" decodes
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=64, max_prefill_tokens=10)
+    calls = _spy_forward(eng)
+    both = eng.generate([first, joiner], sp)
+    rows = [c.shape[0] for c in calls]
+    assert rows[:2] == [1, 3] and 8 in rows  # prefill "a", decode "a", ..., then 8 rows decode together
+    assert [tuple(k.shape[:1]) for k in eng._cache.k] == [(8,)] * len(eng._cache.k)
+    assert eng._cache.k[0].shape[2] == 32  # 10 prompt + 12 new tokens -> 32 positions
+    got = [r for r in both if r.request_id == "a"]
+    assert [r.response_ids for r in got] == [r.response_ids for r in alone]
+    for a, b in zip(got, alone, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    eng.close()
+
+
 def test_greedy_logprobs_are_temperature_one_and_top_k_1_is_greedy(engine: TorchEngine, tiny_qwen3_dir
                                                                    ) -> None:
     reqs = _requests([3, 8], n=1)

@@ -1,7 +1,9 @@
 """How the engine runs the model: a static per-slot KV cache and a dispatch-free Qwen3 forward.
 
-One static buffer per layer, ``[slots, kv_heads, capacity, head_dim]``,
-grown by doubling when a longer request arrives (never per step). Token ``t``
+One static buffer per layer, ``[rows, kv_heads, capacity, head_dim]``, grown by
+doubling when more rows run at once (up to the engine's slots) or a longer request
+arrives (never per step), so a 128-row rollout holds 128 rows of cache, not the
+engine's ``max_batch_size``. Token ``t``
 of a row lives at index ``t`` (its position), so a decode step writes each
 row's new K/V at its own position and attends to indices ``<= position``
 through a boolean mask; the RoPE positions are the row's true positions. A
@@ -31,8 +33,9 @@ from transformers.cache_utils import Cache
 class SlotCache(Cache):
     """Static per-slot K/V buffers driven by the engine; transformers' attention calls :meth:`update`.
 
-    Layer ``l`` holds ``k[l], v[l]: [slots, kv_heads, capacity, head_dim]`` (allocated at first
-    use, from the shapes the model hands in). Before each forward the engine sets the mode:
+    Layer ``l`` holds ``k[l], v[l]: [rows, kv_heads, capacity, head_dim]`` (allocated at first
+    use, from the shapes the model hands in; grown when :meth:`reserve` raises ``rows`` or
+    ``capacity``, keeping the contents). Before each forward the engine sets the mode:
     ``prefill(dst, src)``: prompt row ``src[i]`` is written into slot ``dst[i]`` at indices
     ``[0, T)`` and attention runs over the prompts alone; ``decode(arange, pos, kv_len)``: slot
     ``b < len(arange)`` gets its new K/V at index ``pos[b]`` and attends to indices ``[0, kv_len)``.
@@ -40,13 +43,22 @@ class SlotCache(Cache):
 
     def __init__(self, slots: int) -> None:
         super().__init__(layers=[])
-        self.slots, self.capacity = slots, 0
+        self.slots, self.rows, self.capacity = slots, 0, 0
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
         self._decode = False
         self._pos, self._kv_len = torch.zeros(0, dtype=torch.long), 0
         self._dst = self._src = torch.zeros(0, dtype=torch.long)
         self._arange = torch.zeros(0, dtype=torch.long)
+
+    def reserve(self, rows: int, length: int, max_length: int | None = None) -> None:
+        """Room for slots ``[0, rows)`` and ``length`` positions, both rounded up to a power of two
+        (capped at ``slots`` and ``max_length``) and never shrunk; the buffers grow at their next use."""
+        if not 1 <= rows <= self.slots:
+            raise ValueError(f"SlotCache.reserve: rows must be in [1, {self.slots}], got {rows}")
+        capacity = 1 << (length - 1).bit_length()
+        self.rows = max(self.rows, min(self.slots, 1 << (rows - 1).bit_length()))
+        self.capacity = max(self.capacity, min(capacity, max_length) if max_length else capacity)
 
     def prefill(self, dst: Tensor, src: Tensor) -> None:
         self._decode, self._dst, self._src = False, dst, src
@@ -56,14 +68,14 @@ class SlotCache(Cache):
 
     def _layer(self, i: int, like: Tensor) -> tuple[Tensor, Tensor]:
         if i == len(self.k):
-            shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
             self.k.append(like.new_zeros(shape))
             self.v.append(like.new_zeros(shape))
-        elif self.k[i].shape[2] < self.capacity:  # grown since: copy into the larger buffer
+        elif self.k[i].shape[0] < self.rows or self.k[i].shape[2] < self.capacity:  # grown since: copy over
             for buf in (self.k, self.v):
                 old = buf[i]
-                buf[i] = old.new_zeros((*old.shape[:2], self.capacity, old.shape[3]))
-                buf[i][:, :, : old.shape[2]] = old
+                buf[i] = old.new_zeros((self.rows, old.shape[1], self.capacity, old.shape[3]))
+                buf[i][: old.shape[0], :, : old.shape[2]] = old
         return self.k[i], self.v[i]
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -212,7 +224,7 @@ def forward_matches(run: Callable[..., Tensor], vocab_size: int, device: torch.d
     outs = []
     for fast in (False, True):
         cache = SlotCache(2)
-        cache.capacity = 8
+        cache.reserve(2, 8)
         cache.prefill(arange, arange)
         hidden = [run(fast, ids, prefill_mask[:, None], positions[:5].expand(2, 5), cache)[arange, lens - 1]]
         pos, tok = lens.clone(), ids[:, 0]

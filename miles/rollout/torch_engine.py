@@ -478,7 +478,7 @@ class TorchEngine:
         self._st[name] = new
 
     def _ensure_capacity(self, rows: list[_Row]) -> None:
-        """Grow the cache and output buffers (by doubling) so that ``rows`` fit."""
+        """Grow the cache and output buffers (by doubling) so that ``rows``, joining the ``n`` running ones, fit."""
         need_new = max(r.sampling.max_new_tokens for r in rows)
         need_len = max(len(r.request.prompt_ids) + r.sampling.max_new_tokens for r in rows)
         cap_new = 1 << (need_new - 1).bit_length()
@@ -487,10 +487,7 @@ class TorchEngine:
         self._grow("top_v", 2, max(r.sampling.logprobs_top_k for r in rows))
         self._grow("top_i", 2, self._st["top_v"].shape[2])
         self._grow("stop", 1, max(len(r.sampling.stop_token_ids) for r in rows), fill=-1)  # -1: no stop
-        cap_len = 1 << (need_len - 1).bit_length()
-        if self.max_positions:
-            cap_len = min(cap_len, self.max_positions)
-        self._cache.capacity = max(self._cache.capacity, cap_len)
+        self._cache.reserve(self._n + len(rows), need_len, self.max_positions)
 
     # ---- scheduler thread ---------------------------------------------------------------------
 
