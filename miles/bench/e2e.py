@@ -181,7 +181,7 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
     import ray
     from transformers import AutoTokenizer
 
-    from miles.core.cluster import ENGINE_MAX_CONCURRENCY, start_ray
+    from miles.core.cluster import ENGINE_MAX_CONCURRENCY, actor_env, start_ray
     from miles.core.loop import LoopContext, evaluate
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
@@ -192,8 +192,11 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
                           num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)
     rollout = None
     try:
-        engine = ray.remote(TorchEngine).options(num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
-            str(checkpoint), run.precision, seed=run.seed, num_threads=run.placement.torch_threads_per_actor or 2)
+        threads = run.placement.torch_threads_per_actor or 2
+        engine = ray.remote(TorchEngine).options(  # started as the run's engines are: same threads and env
+            num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY,
+            runtime_env={"env_vars": actor_env(run.placement, threads)},
+        ).remote(str(checkpoint), run.precision, seed=run.seed, num_threads=threads)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         rollout = RolloutManager([engine], tokenizer, reward, config=run.rollout)
         ctx = LoopContext(run=run, task=task, rollout=rollout, trainers=[],
