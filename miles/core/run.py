@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,17 +138,22 @@ def run_job(
         status = "KILLED"
         raise
     finally:
-        tracker.finish(status)
-        if rollout is not None:
-            rollout.close()
-        if transport is not None:
-            transport.close()
-        if reward is not None:
-            reward.close()
-        if actors is not None:
-            actors.shutdown()
-        if started_ray:
-            ray.shutdown()
+        # the run's plots and last metrics go out while the actors and Ray stop (each takes seconds)
+        finishing = threading.Thread(target=tracker.finish, args=(status,), name="miles-tracking-finish")
+        finishing.start()
+        try:
+            if rollout is not None:
+                rollout.close()
+            if transport is not None:
+                transport.close()
+            if reward is not None:
+                reward.close()
+            if actors is not None:
+                actors.shutdown()
+            if started_ray:
+                ray.shutdown()
+        finally:
+            finishing.join()
 
 
 def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, float], int], None]:
