@@ -30,6 +30,11 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``): how the cache and the engine's buffers grow."""
+    return 1 << (n - 1).bit_length()
+
+
 class SlotCache(Cache):
     """Static per-slot K/V buffers driven by the engine; transformers' attention calls :meth:`update`.
 
@@ -56,8 +61,8 @@ class SlotCache(Cache):
         (capped at ``slots`` and ``max_length``) and never shrunk; the buffers grow at their next use."""
         if not 1 <= rows <= self.slots:
             raise ValueError(f"SlotCache.reserve: rows must be in [1, {self.slots}], got {rows}")
-        capacity = 1 << (length - 1).bit_length()
-        self.rows = max(self.rows, min(self.slots, 1 << (rows - 1).bit_length()))
+        capacity = pow2_at_least(length)
+        self.rows = max(self.rows, min(self.slots, pow2_at_least(rows)))
         self.capacity = max(self.capacity, min(capacity, max_length) if max_length else capacity)
 
     def prefill(self, dst: Tensor, src: Tensor) -> None:

@@ -100,7 +100,7 @@ from miles.config.schema import PrecisionConfig
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
-from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches
+from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ class TorchEngine:
         """Grow the cache and output buffers (by doubling) so that ``rows``, joining the ``n`` running ones, fit."""
         need_new = max(r.sampling.max_new_tokens for r in rows)
         need_len = max(len(r.request.prompt_ids) + r.sampling.max_new_tokens for r in rows)
-        cap_new = 1 << (need_new - 1).bit_length()
+        cap_new = pow2_at_least(need_new)
         for name in ("out_tok", "out_lp", "top_v", "top_i", "route"):
             self._grow(name, 1, cap_new)
         self._grow("top_v", 2, max(r.sampling.logprobs_top_k for r in rows))
