@@ -190,6 +190,28 @@ def test_kv_cache_holds_the_rows_in_use_and_grows_under_running_rows(tiny_qwen3_
     eng.close()
 
 
+def test_a_parked_engine_reinitialised_generates_like_a_new_one(tiny_qwen3_dir, tiny_qwen3_moe_dir) -> None:
+    """Parking (between jobs) stops the scheduler, removes the offloaded weights' file and empties the
+    instance; ``reinit`` then makes the engine a new one, down to the sampling generator's state."""
+    req = GenerateRequest(request_id="r", prompt_ids=(5, 17, 33, 8), n=3)  # unseeded: the engine's generator draws
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12)
+    eng = TorchEngine(str(tiny_qwen3_moe_dir), FP32, seed=3, capture_routing=True)
+    eng.generate([req], sp)
+    eng.release_memory()
+    offload, thread = eng._offload, eng._thread
+    assert isinstance(offload, str) and Path(offload).is_file()
+    eng.park()
+    assert vars(eng) == {} and not thread.is_alive() and not Path(offload).exists()
+    eng.reinit(str(tiny_qwen3_dir), FP32, seed=1)
+    got, want = eng.generate([req], sp), TorchEngine(str(tiny_qwen3_dir), FP32, seed=1).generate([req], sp)
+    assert [(r.response_ids, r.logprobs, r.status) for r in got] == [(r.response_ids, r.logprobs, r.status) for r in want]
+    assert eng.health()["ok"] and eng._thread is not thread
+    second = eng._thread
+    eng.reinit(str(tiny_qwen3_dir), FP32, seed=1)  # a reinit of a live engine parks it first
+    assert not second.is_alive() and eng.generate([req], sp)[0].response_ids == want[0].response_ids
+    eng.close()
+
+
 def test_greedy_logprobs_are_temperature_one_and_top_k_1_is_greedy(engine: TorchEngine, tiny_qwen3_dir
                                                                    ) -> None:
     reqs = _requests([3, 8], n=1)

@@ -97,6 +97,7 @@ import torch
 from torch import Tensor
 
 from miles.config.schema import PrecisionConfig
+from miles.core.reuse import Reusable
 from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
@@ -145,7 +146,7 @@ class _Row:
     features: tuple[str, ...]  # per-row options the batched step must handle (see _emit)
 
 
-class TorchEngine:
+class TorchEngine(Reusable):
     """Generates with per-token log-probs by continuous batching; receives weights between steps.
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
@@ -354,6 +355,12 @@ class TorchEngine:
         if not self._closed and self._thread.is_alive():
             self._run_op(lambda: setattr(self, "_closed", True))
         self._thread.join(timeout=10)
+
+    def _end_job(self) -> None:
+        """Parking (:mod:`miles.core.reuse`): the scheduler stops, and the offloaded weights' file goes."""
+        self.close()
+        if isinstance(self._offload, str):
+            os.unlink(self._offload)
 
     # ---- request intake (caller threads) ----------------------------------------------------
 

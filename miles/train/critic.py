@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from miles.algos.gae import explained_variance, value_loss
 from miles.config.schema import MilesConfig
+from miles.core.reuse import Reusable
 from miles.core.types import TrainBatch
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
 from miles.train.optim import load_train_state, save_train_state
@@ -48,7 +49,7 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).float().clone()
 
 
-class FSDPCritic:
+class FSDPCritic(Reusable):
     """One FSDP2 data-parallel critic rank (a plain class; the driver makes it a Ray actor)."""
 
     def __init__(
@@ -208,6 +209,8 @@ class FSDPCritic:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    _end_job = shutdown  # parking (miles.core.reuse): collective, like the constructor
 
 
 def _pad(lists: list[list[float]] | list[list[int]], shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

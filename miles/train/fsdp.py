@@ -58,6 +58,7 @@ import torch.distributed as dist
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
+from miles.core.reuse import Reusable
 from miles.core.types import TrainBatch
 from miles.train.batching import (
     PaddedBatch,
@@ -112,7 +113,7 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     layer.forward = checkpointed
 
 
-class FSDPTrainer:
+class FSDPTrainer(Reusable):
     """One FSDP2 data-parallel rank (a plain class; the driver makes it a Ray actor)."""
 
     def __init__(
@@ -453,3 +454,5 @@ class FSDPTrainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    _end_job = shutdown  # parking (miles.core.reuse): collective, like the constructor

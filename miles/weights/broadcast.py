@@ -71,6 +71,11 @@ class _Member:
 _MEMBERS: dict[tuple[str, int, int], _Member] = {}  # (host, port, rank) -> this process's membership
 
 
+def drop_process_state() -> None:
+    """Leave every group this process joined (their stores and peers belong to finished runs)."""
+    _MEMBERS.clear()
+
+
 def _resolve_backend(name: str) -> str:
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"

@@ -86,6 +86,12 @@ _WRITERS: dict[str, _Mapped] = {}
 _READERS: dict[str, _Mapped] = {}
 
 
+def drop_process_state() -> None:
+    """Unmap every segment this process wrote or read (a finished run's transport removed the files)."""
+    _WRITERS.clear()
+    _READERS.clear()
+
+
 class ShmSender:
     """Runs on trainer rank 0: write the flat weights into the (pre-allocated) segment."""
 

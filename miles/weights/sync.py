@@ -69,6 +69,17 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def drop_process_state() -> None:
+    """Forget this process's side of every transport: sync-group memberships, shared-memory mappings.
+
+    For an actor parked between jobs (:mod:`miles.core.reuse`): the next job's transport sets up its own.
+    """
+    from miles.weights import broadcast, shm
+
+    broadcast.drop_process_state()
+    shm.drop_process_state()
+
+
 def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequence[Any]) -> Transport:
     """The transport ``cfg.transport`` for these actors (call ``.close()`` at the end of the run)."""
     if not engines:
