@@ -336,6 +336,10 @@ class ClusterConfig:
     """Join this Ray cluster; None starts a local one."""
     num_cpus: int | None = None
     """CPUs of a locally started cluster (None: all of the machine)."""
+    reuse_actors: bool = True
+    """Keep a finished job's actors for the next job of the same shape in this driver, while Ray stays up
+    (a sweep's jobs, jobs run from Python): each actor is constructed anew in its process, which skips
+    the process start and its imports. False: every job starts and stops its own actors."""
 
 
 @dataclass(**_frozen)

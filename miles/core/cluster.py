@@ -21,6 +21,8 @@ to the nodes that offer them.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -56,8 +58,23 @@ _HINT = {
 }
 
 
-def start_ray(run: MilesConfig) -> bool:
-    """Start a local Ray cluster (dashboard off) or join ``cluster.address``. Returns True if we started it."""
+_KEPT: tuple[str | None, int | None] | None = None
+"""(address, num_cpus) of the Ray cluster miles started and keeps for later jobs (``keep``), else None."""
+
+
+def start_ray(run: MilesConfig, *, keep: bool = False) -> bool:
+    """Start a local Ray cluster (dashboard off) or join ``cluster.address``. Returns True if we started it.
+
+    A cluster that is already up is used as it is, except one that miles itself kept from an earlier
+    job (``keep``) with other ``cluster.*`` settings: that one is stopped and this job's started.
+    ``keep``: the caller leaves the cluster up after the job; :func:`stop_ray` (also registered to
+    run at exit) stops it.
+    """
+    global _KEPT
+    want = (run.cluster.address, run.cluster.num_cpus)
+    if ray.is_initialized() and _KEPT is not None and _KEPT != want:
+        log.info("stopping the Ray cluster kept from the last job: this job sets other cluster.* values")
+        stop_ray()
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -70,7 +87,20 @@ def start_ray(run: MilesConfig) -> bool:
             runtime_env={"env_vars": env},
             logging_level=logging.WARNING,
         )
+    if keep:
+        atexit.unregister(stop_ray)  # registered once however many clusters were kept
+        atexit.register(stop_ray)
+        _KEPT = want
     return True
+
+
+def stop_ray() -> None:
+    """Shut down the actors kept for the next job, and the Ray cluster miles kept (if it did)."""
+    global _KEPT
+    release_parked()
+    if _KEPT is not None and ray.is_initialized():
+        ray.shutdown()
+    _KEPT = None
 
 
 def actor_env(p: PlacementConfig, threads: int) -> dict[str, str]:
@@ -298,6 +328,8 @@ class Actors:
     """Node id of each engine and trainer rank: ``{"engine": [...], "trainer": [...]}``."""
     critics: list[Any] = field(default_factory=list)
     """Critic ranks (``algo.estimator: gae``), their own torch.distributed group."""
+    reused: bool = False
+    """Whether these are the last job's actors, constructed anew (``cluster.reuse_actors``)."""
 
     @property
     def num_threads(self) -> int:
@@ -361,7 +393,19 @@ def _engine_class(run: MilesConfig) -> Any:
 
 
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
-    """Engines and trainer ranks on the placement groups' bundles (see the module docstring)."""
+    """Engines and trainer ranks on the placement groups' bundles (see the module docstring).
+
+    With ``cluster.reuse_actors``, the actors the last job in this driver parked (:func:`park_actors`)
+    are taken instead when the run's shape matches: each is constructed anew in its process
+    (:mod:`miles.core.reuse`), which skips the process start and its imports.
+    """
+    warm = _take_parked(run)
+    if warm is not None:
+        try:
+            return _ready(run, _reinit(warm, run, checkpoint_dir), reused=True)
+        except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
+            log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
+            warm.shutdown()
     p = run.placement
     engine_cls = ray.remote(_engine_class(run))
     trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
@@ -384,34 +428,22 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
             runtime_env={"env_vars": actor_env(p, threads)},
         )
 
+    args = _constructor_args(run, checkpoint_dir, trainer_pg, engine_threads, trainer_threads)
     engines = [
         engine_cls.options(max_concurrency=ENGINE_MAX_CONCURRENCY,
-                           **on_bundle(engine_pg, i, engine_cpus, engine_threads)).remote(
-            checkpoint_dir, run.precision, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i
-        )
-        for i in range(p.num_engines)
+                           **on_bundle(engine_pg, i, engine_cpus, engine_threads)).remote(*a, **kw)
+        for i, (a, kw) in enumerate(args.engines)
     ]
-    addr, port = rendezvous(run, trainer_pg)
-    trainers = [
-        trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads)).remote(
-            rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
-            checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads,
-        )
-        for r in range(p.trainer_world_size)
-    ]
+    trainers = [trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads)).remote(**kw)
+                for r, kw in enumerate(args.trainers)]
     critics = []
-    if run.algo.estimator == "gae":
+    if args.critics:
         from miles.train.critic import FSDPCritic
 
-        critic_cls, (addr, port) = ray.remote(FSDPCritic), rendezvous(run, trainer_pg)
-        critics = [
-            # the bundle's CPUs are already split between engine and trainer: the critic takes turns with them
-            critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads)).remote(
-                rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
-                checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads,
-            )
-            for r in range(p.trainer_world_size)
-        ]
+        critic_cls = ray.remote(FSDPCritic)
+        # the bundle's CPUs are already split between engine and trainer: the critic takes turns with them
+        critics = [critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads)).remote(**kw)
+                   for r, kw in enumerate(args.critics)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
                     trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines,
                     critics=critics)
@@ -421,14 +453,149 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
     except BaseException:
         actors.shutdown()
         raise
+    return _ready(run, actors, reused=False)
+
+
+@dataclass(frozen=True)
+class _Args:
+    """Constructor arguments of every actor of a job: engines ``(args, kwargs)``, ranks' kwargs."""
+
+    engines: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    trainers: list[dict[str, Any]]
+    critics: list[dict[str, Any]]
+
+
+def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: PlacementGroup,
+                      engine_threads: int, trainer_threads: int) -> _Args:
+    """What each actor is constructed with, for new actors and reused ones alike."""
+    p = run.placement
+    engines = [((checkpoint_dir, run.precision),
+                dict(seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i))
+               for i in range(p.num_engines)]
+
+    def ranks() -> list[dict[str, Any]]:
+        addr, port = rendezvous(run, trainer_pg)  # a group of its own: its own port
+        return [dict(rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
+                     checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads)
+                for r in range(p.trainer_world_size)]
+
+    return _Args(engines=engines, trainers=ranks(), critics=ranks() if run.algo.estimator == "gae" else [])
+
+
+def _ready(run: MilesConfig, actors: Actors, *, reused: bool) -> Actors:
+    """Record where the actors are and log the placement."""
+    p = run.placement
+    engine_pg, trainer_pg = actors.placement_groups[0], actors.placement_groups[-1]
     engine_nodes, trainer_nodes = bundle_nodes(engine_pg), bundle_nodes(trainer_pg)
     actors.nodes = {"engine": [engine_nodes[i % len(engine_nodes)] for i in range(p.num_engines)],
                     "trainer": [trainer_nodes[r % len(trainer_nodes)] for r in range(p.trainer_world_size)]}
     pools = "; ".join(f"{pool.name} pool {pool.describe()}" for pool in placement_pools(run))
     log.info("placement '%s': %s; engines on node(s) %s with %d thread(s) each, trainer ranks on node(s) %s "
-             "with %d thread(s) each", p.name, pools, _short(actors.nodes["engine"]), engine_threads,
-             _short(actors.nodes["trainer"]), trainer_threads)
+             "with %d thread(s) each", p.name, pools, _short(actors.nodes["engine"]), actors.engine_threads,
+             _short(actors.nodes["trainer"]), actors.trainer_threads)
+    actors.reused = reused
     return actors
+
+
+# ---- actors kept between jobs ---------------------------------------------------------------------
+
+@dataclass
+class _Parked:
+    shape: str
+    cluster: tuple[str, str]
+    actors: Actors
+
+
+_PARKED: _Parked | None = None
+"""The one set of actors kept for the next job in this driver (one set: parked actors hold CPUs)."""
+
+
+def actor_shape(run: MilesConfig) -> str:
+    """What fixes a job's actor processes: their classes, bundles, resources and environment.
+
+    Two jobs of the same shape can run on the same actors; everything else (model, precision,
+    algorithm, seed, ...) goes to the constructors.
+    """
+    import json
+
+    engine_threads, trainer_threads = threads_per_actor(run)
+    return json.dumps({
+        "placement": dataclasses.asdict(run.placement), "engine": run.rollout.engine,
+        "trainer": run.trainer.backend, "critic": run.algo.estimator == "gae",
+        "threads": [engine_threads, trainer_threads], "address": run.cluster.address,
+    }, sort_keys=True, default=str)
+
+
+def _cluster_id() -> tuple[str, str]:
+    """This driver's connection to Ray: another cluster, or a new connection, never sees old actors."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_job_id()
+
+
+def _reusable(run: MilesConfig) -> bool:
+    classes = [_engine_class(run), locate(TRAINER_BACKENDS[run.trainer.backend])]
+    return all(callable(getattr(c, m, None)) for c in classes for m in ("park", "reinit"))
+
+
+def _take_parked(run: MilesConfig) -> Actors | None:
+    """The parked actors if they fit ``run``; a parked set of another shape is shut down (it holds CPUs)."""
+    global _PARKED
+    parked, _PARKED = _PARKED, None
+    if parked is None or not ray.is_initialized() or parked.cluster != _cluster_id():
+        return None  # nothing parked, or it went down with its cluster
+    if run.cluster.reuse_actors and parked.shape == actor_shape(run) and _reusable(run):
+        return parked.actors
+    parked.actors.shutdown()
+    return None
+
+
+def _reinit(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Actors:
+    args = _constructor_args(run, checkpoint_dir, actors.placement_groups[-1], actors.engine_threads,
+                             actors.trainer_threads)
+    ray.get([e.reinit.remote(*a, **kw) for e, (a, kw) in zip(actors.engines, args.engines, strict=True)]
+            + [t.reinit.remote(**kw) for t, kw in zip(actors.trainers + actors.critics,
+                                                     args.trainers + args.critics, strict=True)])
+    return actors
+
+
+def park_actors(run: MilesConfig, actors: Actors) -> bool:
+    """After a job that finished: keep its actors for the next job in this driver, or shut them down.
+
+    Kept when ``cluster.reuse_actors`` is on and every actor class can be reused; each actor then
+    releases everything of the job (:meth:`miles.core.reuse.Reusable.park`). Returns whether they
+    were kept. A set parked before is shut down: only the latest is kept.
+    """
+    global _PARKED
+    if not (run.cluster.reuse_actors and _reusable(run)):
+        actors.shutdown()
+        return False
+    try:
+        ray.get([a.park.remote() for a in actors.engines + actors.trainers + actors.critics], timeout=60)
+    except Exception as e:
+        log.warning("could not park the job's actors for the next job (%s); shutting them down", _first_line(e))
+        actors.shutdown()
+        return False
+    release_parked()
+    _PARKED = _Parked(actor_shape(run), _cluster_id(), actors)
+    return True
+
+
+def parked() -> Actors | None:
+    """The actors kept for the next job in this driver, if any."""
+    return _PARKED.actors if _PARKED is not None else None
+
+
+def release_parked() -> None:
+    """Shut down the actors kept for the next job, if any (their placement groups free their CPUs)."""
+    global _PARKED
+    parked, _PARKED = _PARKED, None
+    if parked is not None and ray.is_initialized() and parked.cluster == _cluster_id():
+        parked.actors.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _short(node_ids: list[str]) -> str:

@@ -72,18 +72,22 @@ def run_job(
     on_metrics: Callable[[dict[str, float], int], None] | None = None,
     launch: Any = None,
     output_dir: str | None = None,
+    keep_ray: bool = False,
 ) -> dict[str, float]:
     """Run one training job end to end; returns the final metrics.
 
     ``on_metrics(metrics, step)`` is called with every step's metrics after the tracker got them.
     ``launch`` (a :class:`miles.tracking.snapshot.Launch`): how the job was started, for the tracker.
     ``output_dir``: the job's output directory (Hydra's); run checkpoints go to its ``checkpoints``
-    unless ``trainer.save_dir`` says otherwise.
+    unless ``trainer.save_dir`` says otherwise. ``keep_ray``: a Ray cluster this job starts stays up
+    for the jobs after it (:func:`miles.core.cluster.stop_ray` stops it, at exit too); a cluster started before
+    the job always stays up. While Ray stays up, a finished job's actors are kept for the next job
+    (``cluster.reuse_actors``).
     """
     import ray
     from transformers import AutoTokenizer
 
-    from miles.core.cluster import check_fits_locally, create_actors, start_ray
+    from miles.core.cluster import check_fits_locally, create_actors, park_actors, start_ray
     from miles.core.loop import LoopContext, train
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -104,7 +108,7 @@ def run_job(
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
                            config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
-    started_ray = start_ray(run)
+    started_ray = start_ray(run, keep=keep_ray)
     actors = rollout = reward = transport = None
     status = "FAILED"
     try:
@@ -113,8 +117,9 @@ def run_job(
             num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
         )
         actors = create_actors(run, str(checkpoint))
-        log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor",
-                 time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads)
+        log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor%s",
+                 time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads,
+                 " (the last job's, reused)" if actors.reused else "")
         transport = make_transport(run.weight_sync, actors.trainers, actors.engines)
         rollout = RolloutManager(actors.engines, tokenizer, reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
@@ -148,9 +153,14 @@ def run_job(
                 transport.close()
             if reward is not None:
                 reward.close()
+            ray_stays = keep_ray or not started_ray
             if actors is not None:
-                actors.shutdown()
-            if started_ray:
+                # while Ray outlives the job, a finished job's actors wait for the next job (cluster.reuse_actors)
+                if status == "FINISHED" and ray_stays:
+                    park_actors(run, actors)
+                else:
+                    actors.shutdown()
+            if not ray_stays:
                 ray.shutdown()
         finally:
             finishing.join()

@@ -1,0 +1,106 @@
+"""Jobs in one driver while Ray stays up: a finished job's actors serve the next job of the same shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles.bench.e2e import compose
+
+TINY = ["algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4", "trainer.num_steps=2",
+        "trainer.eval_every=1", "task.num_eval_prompts=8", "rollout.eval_samples_per_prompt=2",
+        "warm_start.steps=40", "tracking=none"]
+
+
+def _numbers(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics without the timings (those differ run to run)."""
+    return {k: v for k, v in metrics.items()
+            if not (k.startswith("perf/") or k.endswith(("_s", "/seconds", "bytes_per_s")))}
+
+
+def _job(overrides: list[str], on_metrics=None) -> list[tuple[int, dict[str, float]]]:
+    from miles.core.run import run_job
+
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float]]] = []
+
+    def record(m: dict[str, float], step: int) -> None:
+        seen.append((step, _numbers(m)))
+        if on_metrics is not None:
+            on_metrics(m, step)
+
+    run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=record)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One warm-start checkpoint for the module's jobs."""
+    return tmp_path_factory.mktemp("warm_start")
+
+
+def _ids(actors) -> list[str]:
+    return [a._actor_id.hex() for a in actors.engines + actors.trainers + actors.critics]
+
+
+def test_reused_actors_compute_what_new_ones_do(ray_cluster, cache: Path) -> None:
+    """A, then B (another algorithm, precision and weight transport) and A again on the same actors:
+    the second A's numbers equal the first's, so nothing of a job stays in a reused actor."""
+    from miles.core.cluster import parked, release_parked
+
+    release_parked()
+    a = TINY + [f"warm_start.cache_dir={cache}"]
+    first = _job(a)
+    kept = parked()
+    assert kept is not None, "a finished job's actors wait for the next job while Ray is up"
+    ids = _ids(kept)
+    _job(a + ["algo=gspo", "precision=bf16", "weight_sync=broadcast"])
+    assert _ids(parked()) == ids
+    again = _job(a)
+    assert _ids(parked()) == ids and parked().reused
+    assert {"train/loss", "train/reward_mean", "eval/accuracy"} <= set(first[-1][1])
+    assert again == first
+
+
+def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Path) -> None:
+    """A job that fails shuts its actors down; with cluster.reuse_actors=false a job starts new ones
+    and stops them; a job of another shape releases the parked set (whose CPUs it may need)."""
+    import ray
+
+    from miles.core.cluster import parked
+
+    a = TINY + ["trainer.num_steps=1", "trainer.eval_every=0", f"warm_start.cache_dir={cache}"]
+    _job(a)
+    kept = parked()
+    assert kept is not None
+
+    def fail(metrics: dict[str, float], step: int) -> None:
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        _job(a, on_metrics=fail)
+    assert parked() is None
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(kept.engines[0].health.remote(), timeout=30)  # the failed job had them, and killed them
+
+    _job(a)
+    kept = parked()
+    _job(a + ["cluster.reuse_actors=false"])
+    assert parked() is None
+    with pytest.raises(ray.exceptions.RayActorError):  # another shape (here: reuse off) frees the parked set
+        ray.get(kept.engines[0].health.remote(), timeout=30)
+
+
+def test_actor_shape_is_what_fixes_the_processes() -> None:
+    from miles.core.cluster import actor_shape
+
+    def shape(*overrides: str) -> str:
+        return actor_shape(compose(list(overrides))[0])
+
+    base = shape()
+    assert shape("seed=3", "algo=gspo", "precision=bf16", "weight_sync=shm", "trainer.lr=1e-4") == base
+    for other in (["placement.trainer_world_size=2"], ["placement.num_engines=2"], ["algo=ppo"],
+                  ["placement=disaggregated"], ["placement.torch_threads_per_actor=1"],
+                  ["placement.offload_engines=false"]):
+        assert shape(*other) != base, other
