@@ -41,11 +41,24 @@ def _run(cfg: DictConfig) -> float | None:
     resolved = OmegaConf.to_yaml(cfg, resolve=True)
     try:
         result = run_job(run, resolved_yaml=resolved, overrides=overrides, launch=job_launch(cfg),
-                         output_dir=HydraConfig.get().runtime.output_dir)
+                         output_dir=HydraConfig.get().runtime.output_dir, keep_ray=_jobs_follow_here())
     except ConfigError as e:  # e.g. a placement the cluster cannot hold
         log.error("config error: %s", e)
         raise SystemExit(2) from None
     return result.get("eval/accuracy")
+
+
+def _jobs_follow_here() -> bool:
+    """A sweep whose jobs run one after another in this process (Hydra's basic launcher).
+
+    Its jobs share one Ray cluster, and each finished job's actors serve the next job of the same
+    shape (``cluster.reuse_actors``). Other launchers run jobs in processes of their own.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith(".BasicLauncher")
 
 
 def main() -> None:

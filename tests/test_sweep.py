@@ -146,9 +146,11 @@ def test_miles_sweep_of_two_one_step_jobs(tmp_path: Path) -> None:
     """``python -m miles -m algo=grpo,gspo`` with one-step jobs: a parent, two children with their
     metrics, config and plots, a summary, and one warm-start checkpoint the two jobs share."""
     cache = tmp_path / "cache"
-    _run(["-m", "miles", "-m", "algo=grpo,gspo", "trainer.num_steps=1", "trainer.eval_every=1",
-          "warm_start.steps=2", f"warm_start.cache_dir={cache}", "task.num_eval_prompts=8",
-          "algo.num_prompts_per_step=4", "cluster.num_cpus=2"], cwd=tmp_path, timeout=600)
+    p = _run(["-m", "miles", "-m", "algo=grpo,gspo", "trainer.num_steps=1", "trainer.eval_every=1",
+              "warm_start.steps=2", f"warm_start.cache_dir={cache}", "task.num_eval_prompts=8",
+              "algo.num_prompts_per_step=4", "cluster.num_cpus=2"], cwd=tmp_path, timeout=600)
+    # the jobs run one after another in this process: one Ray cluster, and the second job on the first's actors
+    assert (p.stdout + p.stderr).count("(the last job's, reused)") == 1, p.stderr[-3000:]
     db = tmp_path / "mlruns.db"
     assert db.is_file(), "the default tracking URI is sqlite:///mlruns.db in the working directory"
     client, parent, children = _parent_and_children(f"sqlite:///{db}", "miles")
