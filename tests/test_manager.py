@@ -20,7 +20,7 @@ import torch
 
 from miles.config import ConfigError, TargetConfig, validate
 from miles.config.schema import PrecisionConfig, RolloutConfig
-from miles.core.cluster import ENGINE_MAX_CONCURRENCY
+from miles.core.actors import ENGINE_MAX_CONCURRENCY
 from miles.core.loop import assign_advantages
 from miles.core.types import SamplingParams, Status, TrainBatch
 from miles.rewards import RewardRunner
@@ -108,7 +108,7 @@ def _engines(ray, path: str, k: int) -> list:
             return super().generate(requests, sampling)
 
     actor = ray.remote(SlowableEngine)
-    options = dict(num_cpus=0.1, max_concurrency=ENGINE_MAX_CONCURRENCY)  # as miles.core.cluster creates them
+    options = dict(num_cpus=0.1, max_concurrency=ENGINE_MAX_CONCURRENCY)  # as miles.core.actors creates them
     engines = [actor.options(**options).remote(path, PrecisionConfig(), seed=i, num_threads=1, engine_id=i)
                for i in range(k)]
     ray.get([e.health.remote() for e in engines])

@@ -155,7 +155,7 @@ def _generate(engine, ray) -> list:
 
 
 def test_colocate_engines_offload_and_restore(ray_cluster, tiny_qwen3_dir: Path) -> None:
-    from miles.core.cluster import create_actors
+    from miles.core.actors import create_actors
     from miles.weights.sync import sync_weights
 
     run = _run({"cpus_per_bundle": 1.0, "ready_timeout_s": 30.0}, address="auto")
@@ -181,7 +181,7 @@ def test_colocate_engines_offload_and_restore(ray_cluster, tiny_qwen3_dir: Path)
 
 
 def test_disaggregated_actors_get_their_own_pools_and_never_offload(ray_cluster, tiny_qwen3_dir: Path) -> None:
-    from miles.core.cluster import create_actors
+    from miles.core.actors import create_actors
 
     run = _run({"name": "disaggregated", "cpus_per_engine": 1.0, "cpus_per_trainer_rank": 1.0,
                 "ready_timeout_s": 30.0}, address="auto")

@@ -47,7 +47,7 @@ def _ids(actors) -> list[str]:
 def test_reused_actors_compute_what_new_ones_do(ray_cluster, cache: Path) -> None:
     """A, then B (another algorithm, precision and weight transport) and A again on the same actors:
     the second A's numbers equal the first's, so nothing of a job stays in a reused actor."""
-    from miles.core.cluster import parked, release_parked
+    from miles.core.actors import parked, release_parked
 
     release_parked()
     a = TINY + [f"warm_start.cache_dir={cache}"]
@@ -68,7 +68,7 @@ def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Pa
     and stops them; a job of another shape releases the parked set (whose CPUs it may need)."""
     import ray
 
-    from miles.core.cluster import parked
+    from miles.core.actors import parked
 
     a = TINY + ["trainer.num_steps=1", "trainer.eval_every=0", f"warm_start.cache_dir={cache}"]
     _job(a)
@@ -93,7 +93,7 @@ def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Pa
 
 
 def test_actor_shape_is_what_fixes_the_processes() -> None:
-    from miles.core.cluster import actor_shape
+    from miles.core.actors import actor_shape
 
     def shape(*overrides: str) -> str:
         return actor_shape(compose(list(overrides))[0])

@@ -181,7 +181,8 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
     import ray
     from transformers import AutoTokenizer
 
-    from miles.core.cluster import ENGINE_MAX_CONCURRENCY, actor_env, start_ray
+    from miles.core.actors import ENGINE_MAX_CONCURRENCY
+    from miles.core.cluster import actor_env, start_ray
     from miles.core.loop import LoopContext, evaluate
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager

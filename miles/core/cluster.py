@@ -1,12 +1,13 @@
-"""Ray: start or join the cluster, reserve placement groups, create engine and trainer actors.
+"""Ray: start or join the cluster, size the placement's pools, reserve placement groups, count threads.
 
-Every long-lived process is a Ray actor, placed on a bundle of a placement group.
+Every long-lived process is a Ray actor, placed on a bundle of a placement group
+(:mod:`miles.core.actors` creates them there).
 
 ``placement=colocate``: one placement group of ``max(num_engines, trainer_world_size)`` shared
 bundles of ``cpus_per_bundle`` CPUs; engine ``i`` and trainer rank ``i`` sit on bundle ``i``, each
 holding half of it. They take turns (rollout, then train), so each actor may use the CPUs of all
 the actors that are idle meanwhile for torch threads, and the engines can release their memory
-while the trainer trains (:meth:`Actors.offload_engines`).
+while the trainer trains (:meth:`miles.core.actors.Actors.offload_engines`).
 
 ``placement=disaggregated``: two pools, one placement group each: ``num_engines`` bundles of
 ``cpus_per_engine`` and ``trainer_world_size`` bundles of ``cpus_per_trainer_rank``. Engines and
@@ -22,15 +23,13 @@ to the nodes that offer them.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import math
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import (
@@ -41,13 +40,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.config import ConfigError, MilesConfig, check_allowed, locate
+from miles.config import ConfigError, MilesConfig
 from miles.config.schema import PlacementConfig
 
 log = logging.getLogger(__name__)
 
-TRAINER_BACKENDS = {"fsdp": "miles.train.fsdp.FSDPTrainer"}
-ENGINE_MAX_CONCURRENCY = 32  # engines are threaded actors: several generate calls share one batch
 _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # placement keys that only one mode reads: setting them in the other mode is a mistake
 _ONLY_FOR = {"cpus_per_bundle": "colocate", "cpus_per_engine": "disaggregated", "cpus_per_trainer_rank": "disaggregated"}
@@ -96,6 +93,8 @@ def start_ray(run: MilesConfig, *, keep: bool = False) -> bool:
 
 def stop_ray() -> None:
     """Shut down the actors kept for the next job, and the Ray cluster miles kept (if it did)."""
+    from miles.core.actors import release_parked  # actors builds on this module
+
     global _KEPT
     release_parked()
     if _KEPT is not None and ray.is_initialized():
@@ -309,294 +308,3 @@ def threads_per_actor(run: MilesConfig) -> tuple[int, int]:
         n = auto_threads(run, max(p.num_engines, p.trainer_world_size))
         return n, n
     return max(1, math.floor(p.cpus_per_engine)), max(1, math.floor(p.cpus_per_trainer_rank))
-
-
-# ---- actors -------------------------------------------------------------------------------------
-
-@dataclass
-class Actors:
-    """Handles to everything the loop talks to."""
-
-    engines: list[Any]
-    trainers: list[Any]
-    placement_groups: list[PlacementGroup]
-    engine_threads: int
-    trainer_threads: int
-    offload: bool = False
-    """Whether :meth:`offload_engines` / :meth:`restore_engines` do anything (colocate + offload_engines)."""
-    nodes: Mapping[str, list[str]] | None = None
-    """Node id of each engine and trainer rank: ``{"engine": [...], "trainer": [...]}``."""
-    critics: list[Any] = field(default_factory=list)
-    """Critic ranks (``algo.estimator: gae``), their own torch.distributed group."""
-    reused: bool = False
-    """Whether these are the last job's actors, constructed anew (``cluster.reuse_actors``)."""
-
-    @property
-    def num_threads(self) -> int:
-        """torch threads per actor (the larger of the engine and trainer counts)."""
-        return max(self.engine_threads, self.trainer_threads)
-
-    def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
-        """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
-
-        Returns the calls' refs, to ``ray.get`` once the train step is under way (the release
-        overlaps it). Call after the rollout (and any evaluation); generating while released is an
-        error, and the next weight sync brings the engines back. Nothing for disaggregated or
-        ``offload_engines=false``.
-        """
-        if not self.offload:
-            return []
-        return [e.release_memory.remote() for e in (self.engines if engines is None else engines)]
-
-    def offload_engines(self) -> dict[str, float]:
-        """:meth:`start_offload` and wait for it; ``perf/engine_offload_s`` (empty metrics when off)."""
-        if not self.offload:
-            return {}
-        t0 = time.perf_counter()
-        ray.get(self.start_offload())
-        return {"perf/engine_offload_s": time.perf_counter() - t0}
-
-    def restore_engines(self) -> dict[str, float]:
-        """colocate: undo :meth:`offload_engines`, bit-exactly. No-op when not offloading.
-
-        Not needed before a weight sync: a full weight update brings a released engine back by
-        itself, with the new weights (without reading the offloaded copy).
-        """
-        if not self.offload:
-            return {}
-        t0 = time.perf_counter()
-        ray.get([e.resume_memory.remote() for e in self.engines])
-        return {"perf/engine_restore_s": time.perf_counter() - t0}
-
-    def shutdown(self) -> None:
-        try:
-            ray.get([t.shutdown.remote() for t in self.trainers + self.critics], timeout=60)
-        except Exception as e:  # a dead rank must not keep the driver from exiting
-            log.warning("trainer shutdown failed: %s", e)
-        for a in self.engines + self.trainers + self.critics:
-            ray.kill(a)
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
-
-
-def _engine_class(run: MilesConfig) -> Any:
-    check_allowed(run.rollout.engine, run.plugins.allow, key="rollout.engine")
-    cls = locate(run.rollout.engine)
-    if run.placement.name == "colocate" and run.placement.offload_engines:
-        lacking = [m for m in ("release_memory", "resume_memory") if not callable(getattr(cls, m, None))]
-        if lacking:
-            raise ConfigError(
-                f"placement.offload_engines=true, but rollout.engine {run.rollout.engine} has no "
-                f"{' / '.join(lacking)}(). Set placement.offload_engines=false or use an engine that can offload."
-            )
-    return cls
-
-
-def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
-    """Engines and trainer ranks on the placement groups' bundles (see the module docstring).
-
-    With ``cluster.reuse_actors``, the actors the last job in this driver parked (:func:`park_actors`)
-    are taken instead when the run's shape matches: each is constructed anew in its process
-    (:mod:`miles.core.reuse`), which skips the process start and its imports.
-    """
-    warm = _take_parked(run)
-    if warm is not None:
-        try:
-            return _ready(run, _reinit(warm, run, checkpoint_dir), reused=True)
-        except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
-            log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
-            warm.shutdown()
-    p = run.placement
-    engine_cls = ray.remote(_engine_class(run))
-    trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
-    groups = reserve(run)
-    engine_threads, trainer_threads = threads_per_actor(run)
-    if p.name == "colocate":
-        shared = groups[0]
-        engine_pg = trainer_pg = shared
-        # an engine and a trainer rank share a bundle, each holding half of it
-        engine_cpus = trainer_cpus = p.cpus_per_bundle / 2
-    else:
-        engine_pg, trainer_pg = groups
-        engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
-
-    def on_bundle(pg: PlacementGroup, i: int, cpus: float, threads: int) -> dict[str, Any]:
-        return dict(
-            num_cpus=cpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i % len(pg.bundle_specs)),
-            runtime_env={"env_vars": actor_env(p, threads)},
-        )
-
-    args = _constructor_args(run, checkpoint_dir, trainer_pg, engine_threads, trainer_threads)
-    engines = [
-        engine_cls.options(max_concurrency=ENGINE_MAX_CONCURRENCY,
-                           **on_bundle(engine_pg, i, engine_cpus, engine_threads)).remote(*a, **kw)
-        for i, (a, kw) in enumerate(args.engines)
-    ]
-    trainers = [trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads)).remote(**kw)
-                for r, kw in enumerate(args.trainers)]
-    critics = []
-    if args.critics:
-        from miles.train.critic import FSDPCritic
-
-        critic_cls = ray.remote(FSDPCritic)
-        # the bundle's CPUs are already split between engine and trainer: the critic takes turns with them
-        critics = [critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads)).remote(**kw)
-                   for r, kw in enumerate(args.critics)]
-    actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
-                    trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines,
-                    critics=critics)
-    try:
-        # surface construction errors now, with the actor's traceback
-        ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
-    except BaseException:
-        actors.shutdown()
-        raise
-    return _ready(run, actors, reused=False)
-
-
-@dataclass(frozen=True)
-class _Args:
-    """Constructor arguments of every actor of a job: engines ``(args, kwargs)``, ranks' kwargs."""
-
-    engines: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    trainers: list[dict[str, Any]]
-    critics: list[dict[str, Any]]
-
-
-def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: PlacementGroup,
-                      engine_threads: int, trainer_threads: int) -> _Args:
-    """What each actor is constructed with, for new actors and reused ones alike."""
-    p = run.placement
-    engines = [((checkpoint_dir, run.precision),
-                dict(seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i))
-               for i in range(p.num_engines)]
-
-    def ranks() -> list[dict[str, Any]]:
-        addr, port = rendezvous(run, trainer_pg)  # a group of its own: its own port
-        return [dict(rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
-                     checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads)
-                for r in range(p.trainer_world_size)]
-
-    return _Args(engines=engines, trainers=ranks(), critics=ranks() if run.algo.estimator == "gae" else [])
-
-
-def _ready(run: MilesConfig, actors: Actors, *, reused: bool) -> Actors:
-    """Record where the actors are and log the placement."""
-    p = run.placement
-    engine_pg, trainer_pg = actors.placement_groups[0], actors.placement_groups[-1]
-    engine_nodes, trainer_nodes = bundle_nodes(engine_pg), bundle_nodes(trainer_pg)
-    actors.nodes = {"engine": [engine_nodes[i % len(engine_nodes)] for i in range(p.num_engines)],
-                    "trainer": [trainer_nodes[r % len(trainer_nodes)] for r in range(p.trainer_world_size)]}
-    pools = "; ".join(f"{pool.name} pool {pool.describe()}" for pool in placement_pools(run))
-    log.info("placement '%s': %s; engines on node(s) %s with %d thread(s) each, trainer ranks on node(s) %s "
-             "with %d thread(s) each", p.name, pools, _short(actors.nodes["engine"]), actors.engine_threads,
-             _short(actors.nodes["trainer"]), actors.trainer_threads)
-    actors.reused = reused
-    return actors
-
-
-# ---- actors kept between jobs ---------------------------------------------------------------------
-
-@dataclass
-class _Parked:
-    shape: str
-    cluster: tuple[str, str]
-    actors: Actors
-
-
-_PARKED: _Parked | None = None
-"""The one set of actors kept for the next job in this driver (one set: parked actors hold CPUs)."""
-
-
-def actor_shape(run: MilesConfig) -> str:
-    """What fixes a job's actor processes: their classes, bundles, resources and environment.
-
-    Two jobs of the same shape can run on the same actors; everything else (model, precision,
-    algorithm, seed, ...) goes to the constructors.
-    """
-    import json
-
-    engine_threads, trainer_threads = threads_per_actor(run)
-    return json.dumps({
-        "placement": dataclasses.asdict(run.placement), "engine": run.rollout.engine,
-        "trainer": run.trainer.backend, "critic": run.algo.estimator == "gae",
-        "threads": [engine_threads, trainer_threads], "address": run.cluster.address,
-    }, sort_keys=True, default=str)
-
-
-def _cluster_id() -> tuple[str, str]:
-    """This driver's connection to Ray: another cluster, or a new connection, never sees old actors."""
-    ctx = ray.get_runtime_context()
-    return ctx.get_node_id(), ctx.get_job_id()
-
-
-def _reusable(run: MilesConfig) -> bool:
-    classes = [_engine_class(run), locate(TRAINER_BACKENDS[run.trainer.backend])]
-    return all(callable(getattr(c, m, None)) for c in classes for m in ("park", "reinit"))
-
-
-def _take_parked(run: MilesConfig) -> Actors | None:
-    """The parked actors if they fit ``run``; a parked set of another shape is shut down (it holds CPUs)."""
-    global _PARKED
-    parked, _PARKED = _PARKED, None
-    if parked is None or not ray.is_initialized() or parked.cluster != _cluster_id():
-        return None  # nothing parked, or it went down with its cluster
-    if run.cluster.reuse_actors and parked.shape == actor_shape(run) and _reusable(run):
-        return parked.actors
-    parked.actors.shutdown()
-    return None
-
-
-def _reinit(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Actors:
-    args = _constructor_args(run, checkpoint_dir, actors.placement_groups[-1], actors.engine_threads,
-                             actors.trainer_threads)
-    ray.get([e.reinit.remote(*a, **kw) for e, (a, kw) in zip(actors.engines, args.engines, strict=True)]
-            + [t.reinit.remote(**kw) for t, kw in zip(actors.trainers + actors.critics,
-                                                     args.trainers + args.critics, strict=True)])
-    return actors
-
-
-def park_actors(run: MilesConfig, actors: Actors) -> bool:
-    """After a job that finished: keep its actors for the next job in this driver, or shut them down.
-
-    Kept when ``cluster.reuse_actors`` is on and every actor class can be reused; each actor then
-    releases everything of the job (:meth:`miles.core.reuse.Reusable.park`). Returns whether they
-    were kept. A set parked before is shut down: only the latest is kept.
-    """
-    global _PARKED
-    if not (run.cluster.reuse_actors and _reusable(run)):
-        actors.shutdown()
-        return False
-    try:
-        ray.get([a.park.remote() for a in actors.engines + actors.trainers + actors.critics], timeout=60)
-    except Exception as e:
-        log.warning("could not park the job's actors for the next job (%s); shutting them down", _first_line(e))
-        actors.shutdown()
-        return False
-    release_parked()
-    _PARKED = _Parked(actor_shape(run), _cluster_id(), actors)
-    return True
-
-
-def parked() -> Actors | None:
-    """The actors kept for the next job in this driver, if any."""
-    return _PARKED.actors if _PARKED is not None else None
-
-
-def release_parked() -> None:
-    """Shut down the actors kept for the next job, if any (their placement groups free their CPUs)."""
-    global _PARKED
-    parked, _PARKED = _PARKED, None
-    if parked is not None and ray.is_initialized() and parked.cluster == _cluster_id():
-        parked.actors.shutdown()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _short(node_ids: list[str]) -> str:
-    return ",".join(n[:8] for n in node_ids)

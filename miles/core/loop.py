@@ -68,7 +68,7 @@ class LoopContext:
     transport: Transport | None = None
     """Weight-sync transport (``weight_sync.transport``); None: the Ray object store."""
     start_offload: Callable[[Sequence[Any]], list[Any]] = lambda engines: []
-    """colocate: engines start releasing memory for the train step (:meth:`miles.core.cluster.Actors.start_offload`);
+    """colocate: engines start releasing memory for the train step (:meth:`miles.core.actors.Actors.start_offload`);
     the weight sync after it brings them back."""
     log_distributions: Callable[[dict[str, list[float]], int], None] | None = None
     """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""

@@ -3,7 +3,7 @@
 Most of an engine's or trainer rank's start-up is its process importing torch and transformers'
 modeling code (about 10 s of CPU per actor on the 2-core CI machine; loading a tiny model is
 milliseconds). Jobs run one after another in one driver with Ray up (a sweep's jobs, a notebook,
-the tests) can skip that: :mod:`miles.core.cluster` parks a finished job's actors and hands them to
+the tests) can skip that: :mod:`miles.core.actors` parks a finished job's actors and hands them to
 the next job of the same shape, which calls :meth:`Reusable.reinit` with its own arguments.
 
 A parked actor holds no state of its job: :meth:`Reusable.park` releases what the job used

@@ -87,7 +87,8 @@ def run_job(
     import ray
     from transformers import AutoTokenizer
 
-    from miles.core.cluster import check_fits_locally, create_actors, park_actors, start_ray
+    from miles.core.actors import create_actors, park_actors
+    from miles.core.cluster import check_fits_locally, start_ray
     from miles.core.loop import LoopContext, train
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
