@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationConfig
 
 from miles.config.schema import MilesConfig
 from miles.models.spec import ModelSpec
 from miles.models.tokenizer import train_tokenizer
-from miles.train.sft import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +112,11 @@ def ensure_checkpoint(run: MilesConfig, spec: ModelSpec, task) -> Path:
 
 def _build(run: MilesConfig, spec: ModelSpec, task, out: Path) -> None:
     """Tokenizer, model, warm start, save: everything in ``out``."""
+    # transformers' modeling code and the trainer: a few seconds of imports that a cached build never needs
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from miles.train.sft import warm_start
+
     t0 = time.perf_counter()
     tokenizer = train_tokenizer(task.corpus(), TOKENIZER_VOCAB_SIZE)
     config = copy.deepcopy(spec.hf_config)
