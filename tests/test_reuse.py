@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,47 @@ def test_actor_shape_is_what_fixes_the_processes() -> None:
                   ["placement=disaggregated"], ["placement.torch_threads_per_actor=1"],
                   ["placement.offload_engines=false"]):
         assert shape(*other) != base, other
+
+
+_KEEP_SCRIPT = """
+import logging
+import ray
+from miles.config import validate
+from miles.core.cluster import start_ray, stop_ray
+
+logging.basicConfig(level=logging.INFO)
+two, three = validate({"cluster": {"num_cpus": 2}}), validate({"cluster": {"num_cpus": 3}})
+assert start_ray(two, keep=True) and ray.cluster_resources()["CPU"] == 2
+assert not start_ray(two, keep=True), "the kept cluster serves a job with the same cluster.* settings"
+assert start_ray(three, keep=True) and ray.cluster_resources()["CPU"] == 3, "other settings: a new cluster"
+stop_ray()
+assert not ray.is_initialized()
+assert start_ray(two, keep=True)
+print(ray.get_runtime_context().gcs_address)
+print("ok")
+"""
+
+
+def test_a_kept_cluster_serves_jobs_with_its_settings_and_ends_with_the_process() -> None:
+    """start_ray(keep=True), as sweeps on the basic launcher use it, in a process of its own: the
+    cluster serves later jobs with the same cluster.* settings, and none of it outlives the process."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _KEEP_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+    assert "stopping the Ray cluster kept from the last job" in p.stderr
+    gcs = p.stdout.split()[-2]  # the last cluster's processes (raylet, GCS, ...) name its address
+    time.sleep(1)
+    left = [c for c in _cmdlines() if gcs in c]
+    assert not left, f"the kept cluster outlived the process: {left[:3]}"
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return out

@@ -22,7 +22,6 @@ to the nodes that offer them.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -64,8 +63,8 @@ def start_ray(run: MilesConfig, *, keep: bool = False) -> bool:
 
     A cluster that is already up is used as it is, except one that miles itself kept from an earlier
     job (``keep``) with other ``cluster.*`` settings: that one is stopped and this job's started.
-    ``keep``: the caller leaves the cluster up after the job; :func:`stop_ray` (also registered to
-    run at exit) stops it.
+    ``keep``: the caller leaves the cluster up after the job; :func:`stop_ray` stops it, as does Ray's
+    own exit handler when the process ends.
     """
     global _KEPT
     want = (run.cluster.address, run.cluster.num_cpus)
@@ -85,8 +84,6 @@ def start_ray(run: MilesConfig, *, keep: bool = False) -> bool:
             logging_level=logging.WARNING,
         )
     if keep:
-        atexit.unregister(stop_ray)  # registered once however many clusters were kept
-        atexit.register(stop_ray)
         _KEPT = want
     return True
 

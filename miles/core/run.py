@@ -80,9 +80,9 @@ def run_job(
     ``launch`` (a :class:`miles.tracking.snapshot.Launch`): how the job was started, for the tracker.
     ``output_dir``: the job's output directory (Hydra's); run checkpoints go to its ``checkpoints``
     unless ``trainer.save_dir`` says otherwise. ``keep_ray``: a Ray cluster this job starts stays up
-    for the jobs after it (:func:`miles.core.cluster.stop_ray` stops it, at exit too); a cluster started before
-    the job always stays up. While Ray stays up, a finished job's actors are kept for the next job
-    (``cluster.reuse_actors``).
+    for the jobs after it (:func:`miles.core.cluster.stop_ray`, or the process's exit, stops it); a
+    cluster started before the job always stays up. While Ray stays up, a finished job's actors are
+    kept for the next job (``cluster.reuse_actors``).
     """
     import ray
     from transformers import AutoTokenizer
