@@ -65,21 +65,6 @@ def test_reused_actors_compute_what_new_ones_do(ray_cluster, cache: Path) -> Non
     assert again == first
 
 
-def test_two_trainer_ranks_and_their_critics_are_reused_too(ray_cluster, cache: Path) -> None:
-    """PPO on two ranks: the ranks' and the critics' process groups are rebuilt on the new port."""
-    from miles.core.actors import parked
-
-    a = TINY + ["algo=ppo", "placement.trainer_world_size=2", "trainer.num_steps=1", "trainer.eval_every=0",
-                f"warm_start.cache_dir={cache}"]
-    first = _job(a)
-    ids = _ids(parked())
-    assert len(ids) == 5  # an engine, two ranks, two critic ranks
-    again = _job(a)
-    assert _ids(parked()) == ids and parked().reused
-    assert {"critic/value_loss", "critic/explained_var", "train/loss"} <= set(first[-1][1])
-    assert again == first
-
-
 def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Path) -> None:
     """A job that fails shuts its actors down; with cluster.reuse_actors=false a job starts new ones
     and stops them; a job of another shape releases the parked set (whose CPUs it may need)."""
@@ -107,6 +92,21 @@ def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Pa
     assert parked() is None
     with pytest.raises(ray.exceptions.RayActorError):  # another shape (here: reuse off) frees the parked set
         ray.get(kept.engines[0].health.remote(), timeout=30)
+
+
+def test_two_trainer_ranks_and_their_critics_are_reused_too(ray_cluster, cache: Path) -> None:
+    """PPO on two ranks: the ranks' and the critics' process groups are rebuilt on the new port."""
+    from miles.core.actors import parked
+
+    a = TINY + ["algo=ppo", "placement.trainer_world_size=2", "trainer.num_steps=1", "trainer.eval_every=0",
+                f"warm_start.cache_dir={cache}"]
+    first = _job(a)
+    ids = _ids(parked())
+    assert len(ids) == 5  # an engine, two ranks, two critic ranks
+    again = _job(a)
+    assert _ids(parked()) == ids and parked().reused
+    assert {"critic/value_loss", "critic/explained_var", "train/loss"} <= set(first[-1][1])
+    assert again == first
 
 
 def test_actor_shape_is_what_fixes_the_processes() -> None:
