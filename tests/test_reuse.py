@@ -46,6 +46,7 @@ def _ids(actors) -> list[str]:
     return [a._actor_id.hex() for a in actors.engines + actors.trainers + actors.critics]
 
 
+@pytest.mark.slow
 def test_reused_actors_compute_what_new_ones_do(ray_cluster, cache: Path) -> None:
     """A, then B (another algorithm, precision and weight transport) and A again on the same actors:
     the second A's numbers equal the first's, so nothing of a job stays in a reused actor."""
@@ -65,6 +66,7 @@ def test_reused_actors_compute_what_new_ones_do(ray_cluster, cache: Path) -> Non
     assert again == first
 
 
+@pytest.mark.slow
 def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Path) -> None:
     """A job that fails shuts its actors down; with cluster.reuse_actors=false a job starts new ones
     and stops them; a job of another shape releases the parked set (whose CPUs it may need)."""
@@ -94,6 +96,7 @@ def test_failed_jobs_and_reuse_off_leave_no_actors_behind(ray_cluster, cache: Pa
         ray.get(kept.engines[0].health.remote(), timeout=30)
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_and_their_critics_are_reused_too(ray_cluster, cache: Path) -> None:
     """PPO on two ranks: the ranks' and the critics' process groups are rebuilt on the new port."""
     from miles.core.actors import parked
