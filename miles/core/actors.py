@@ -266,12 +266,12 @@ def _reusable(run: MilesConfig) -> bool:
 def _take_parked(run: MilesConfig) -> Actors | None:
     """The parked actors if they fit ``run``; a parked set of another shape is shut down (it holds CPUs)."""
     global _PARKED
-    parked, _PARKED = _PARKED, None
-    if parked is None or not ray.is_initialized() or parked.cluster != _cluster_id():
-        return None  # nothing parked, or it went down with its cluster
-    if run.cluster.reuse_actors and parked.shape == actor_shape(run) and _reusable(run):
-        return parked.actors
-    parked.actors.shutdown()
+    kept = _PARKED
+    if (kept is not None and run.cluster.reuse_actors and kept.shape == actor_shape(run) and _reusable(run)
+            and ray.is_initialized() and kept.cluster == _cluster_id()):
+        _PARKED = None
+        return kept.actors
+    release_parked()  # another shape, reuse off, or gone with its cluster
     return None
 
 
