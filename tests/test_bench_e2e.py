@@ -89,3 +89,29 @@ def test_sign_flip_ci_is_the_set_the_test_does_not_reject() -> None:
     assert 0 < lo < statistics.fmean(many) < hi
     with pytest.raises(ValueError, match="level"):
         sign_flip_ci(diffs, level=1.0)
+
+
+def test_pool_sums_up_the_per_seed_lines_of_earlier_runs(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from miles.bench.e2e import SEED_LINE, pool
+
+    rows = [_seed(0, 0.30, 0.45, [5.0, 1.0], [5.0, 2.0]), _seed(3, 0.50, 0.40, [5.0, 3.0], [5.0, 6.0]),
+            _seed(4, 0.40, 0.44, [5.0, 2.0], [5.0, 4.0])]
+    line = lambda w, r: SEED_LINE + json.dumps({"workload": w, **r})  # noqa: E731
+    # two stopped runs, their log lines around the per-seed lines
+    (tmp_path / "a.log").write_text(f"INFO something\n{line('long', rows[0])}\n{line('short', rows[2])}\n")
+    (tmp_path / "b.log").write_text(f"{line('long', rows[1])}\nTraceback (most recent call last):\n")
+    assert main(["--pool", str(tmp_path / "a.log"), str(tmp_path / "b.log")]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["long"] == json.loads(json.dumps(summarize(rows[:2]) | {"per_seed": rows[:2]}))
+    assert out["short"]["seeds"] == [4] and out["short"]["eval_accuracy_se_miles"] == 0.03
+    with pytest.raises(ValueError, match="seed 0 appears more than once"):
+        pool([line("long", rows[0]), line("long", rows[0])])
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", str(tmp_path / "missing.log")])
+    assert e.value.code == 2 and "--pool" in capsys.readouterr().err
+    (tmp_path / "empty.log").write_text("INFO nothing finished\n")
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", str(tmp_path / "empty.log")])
+    assert e.value.code == 2 and "no per-seed lines" in capsys.readouterr().err

@@ -44,6 +44,11 @@ eval prompts; with several, it is the standard error of the mean over seeds, and
 two sides seed by seed (same seed: same prompts for evaluation, same sampling noise
 there). Step times pool the steps 2..N of every seed.
 
+After each seed a line ``miles.bench e2e seed: {...}`` gives that seed's step times and
+accuracies, so a run stopped part-way keeps what it finished: ``--pool LOG [LOG ...]`` runs
+nothing and prints the summary below over the per-seed lines of earlier runs' output (a seed
+found twice is an error).
+
 The last line printed is JSON: per workload ``step_time_s_miles``,
 ``step_time_s_trl``, ``ratio_step_time_trl_over_miles``, ``eval_accuracy_miles``,
 ``eval_accuracy_trl`` (means over seeds), their standard errors
@@ -245,6 +250,8 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
         })
         log.info("[%s] seed %d: eval accuracy miles %.3f, TRL %.3f", name, seed,
                  per_seed[-1]["eval_accuracy_miles"], per_seed[-1]["eval_accuracy_trl"])
+        # one line per finished seed: a stopped or split run is summed up later with --pool
+        print(SEED_LINE + json.dumps({"workload": name, **per_seed[-1]}), flush=True)
     a = run.algo
     return summarize(per_seed) | {
         "steps": steps,
@@ -256,6 +263,30 @@ def bench_workload(name: str, steps: int, threads: int, extra: list[str], out_di
         "threads": threads,
         "per_seed": per_seed,
     }
+
+
+SEED_LINE = "miles.bench e2e seed: "
+"""Prefix of the per-seed JSON line printed after each seed (what ``--pool`` reads back)."""
+
+
+def pool(texts: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` per workload over the per-seed lines found in ``texts`` (the output of runs).
+
+    A (workload, seed) pair found twice is an error: two runs of one seed are not two seeds.
+    """
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line.startswith(SEED_LINE):
+                continue
+            record = json.loads(line[len(SEED_LINE):])
+            rows = by_workload.setdefault(record.pop("workload"), [])
+            if any(r["seed"] == record["seed"] for r in rows):
+                raise ValueError(f"seed {record['seed']} appears more than once")
+            rows.append(record)
+    if not by_workload:
+        raise ValueError(f"no per-seed lines (starting {SEED_LINE.strip()!r}) found")
+    return {name: summarize(rows) | {"per_seed": rows} for name, rows in by_workload.items()}
 
 
 def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
@@ -374,7 +405,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated RL seeds, each run on both sides from the same checkpoint "
                         "(default: the config's seed); accuracy is then averaged over seeds")
     p.add_argument("--override", action="append", default=[], help="extra miles config override (repeatable)")
+    p.add_argument("--pool", nargs="+", metavar="LOG", default=None,
+                   help="run nothing: summarize the per-seed lines that earlier runs printed into these files")
     args = p.parse_args(argv)
+    if args.pool is not None:
+        try:
+            result = pool([Path(f).read_text(errors="replace") for f in args.pool])
+        except (OSError, ValueError) as e:
+            p.error(f"--pool: {e}")
+        for name, w in result.items():
+            _print_summary(name, w)
+        print(json.dumps(result))
+        return 0
     names = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
@@ -400,15 +442,18 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             steps = args.steps or DEFAULT_STEPS[name]
             result[name] = bench_workload(name, steps, args.threads, args.override, Path(tmp), seeds)
-            w = result[name]
-            print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
-                  f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
-                  f"{w['eval_accuracy_miles']:.3f} +- {w['eval_accuracy_se_miles']:.3f}, TRL "
-                  f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}, miles - TRL "
-                  f"{w['eval_accuracy_diff_miles_minus_trl']:+.3f} +- {w['eval_accuracy_diff_se']:.3f}, "
-                  f"95% interval {w['eval_accuracy_diff_ci95']} (seeds {w['seeds']})", flush=True)
+            _print_summary(name, result[name])
     print(json.dumps(result))
     return 0
+
+
+def _print_summary(name: str, w: dict[str, Any]) -> None:
+    print(f"{name}: miles {w['step_time_s_miles']:.3f} s/step, TRL {w['step_time_s_trl']:.3f} s/step, "
+          f"TRL/miles {w['ratio_step_time_trl_over_miles']:.2f}x; eval accuracy miles "
+          f"{w['eval_accuracy_miles']:.3f} +- {w['eval_accuracy_se_miles']:.3f}, TRL "
+          f"{w['eval_accuracy_trl']:.3f} +- {w['eval_accuracy_se_trl']:.3f}, miles - TRL "
+          f"{w['eval_accuracy_diff_miles_minus_trl']:+.3f} +- {w['eval_accuracy_diff_se']:.3f}, "
+          f"95% interval {w['eval_accuracy_diff_ci95']} (seeds {w['seeds']})", flush=True)
 
 
 if __name__ == "__main__":
