@@ -12,8 +12,8 @@ import torch
 from miles.algos.advantages import group_normalized
 from miles.algos.logprobs import token_logprobs
 from miles.config.schema import MilesConfig
-from miles.core.types import TrainBatch
 from miles.train.fsdp import FSDPTrainer
+from miles.types import TrainBatch
 
 TIMEOUT_S = 120
 

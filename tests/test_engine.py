@@ -13,9 +13,9 @@ import torch
 
 from miles.algos.logprobs import token_logprobs
 from miles.config.schema import PrecisionConfig
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant, is_quantized_weight
 from miles.rollout.torch_engine import TorchEngine
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 FP32 = PrecisionConfig()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_new_tokens=10)

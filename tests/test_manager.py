@@ -22,7 +22,6 @@ from miles.config import ConfigError, TargetConfig, validate
 from miles.config.schema import PrecisionConfig, RolloutConfig
 from miles.core.actors import ENGINE_MAX_CONCURRENCY
 from miles.core.loop import assign_advantages
-from miles.core.types import SamplingParams, Status, TrainBatch
 from miles.rewards import RewardRunner
 from miles.rollout.dispatch import AllEnginesDeadError
 from miles.rollout.filters import nonzero_reward_std
@@ -31,6 +30,7 @@ from miles.rollout.manager import RolloutManager, check_config
 from miles.rollout.protocols import ContractError, check_filter, check_generate_fn, check_reward_fn
 from miles.tasks.procedural import exact_answer_reward
 from miles.train.batching import pad_batch
+from miles.types import SamplingParams, Status, TrainBatch
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
 EXACT = TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
@@ -38,7 +38,7 @@ EXACT = TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partia
 PLUGIN = '''
 import asyncio
 
-from miles.core.types import GenerateRequest, Sample
+from miles.types import GenerateRequest, Sample
 
 
 async def two_turn(ctx, problem, sampling):

@@ -148,7 +148,7 @@ def test_too_big_placement_fails_within_its_timeout_naming_each_pool(ray_cluster
 
 
 def _generate(engine, ray) -> list:
-    from miles.core.types import GenerateRequest, SamplingParams
+    from miles.types import GenerateRequest, SamplingParams
 
     req = GenerateRequest(request_id="r", prompt_ids=(5, 6, 7), n=2, seed=1)
     return ray.get(engine.generate.remote([req], SamplingParams(temperature=1.0, max_new_tokens=4)))
@@ -193,7 +193,7 @@ def test_disaggregated_actors_get_their_own_pools_and_never_offload(ray_cluster,
         assert actors.offload_engines() == {} and actors.restore_engines() == {}
         assert len(_generate(actors.engines[0], ray_cluster)) == 2  # still serving: nothing was released
         # a threaded actor: with the engine paused, a generate call waits inside it while health() answers
-        from miles.core.types import GenerateRequest, SamplingParams
+        from miles.types import GenerateRequest, SamplingParams
 
         engine = actors.engines[0]
         ray_cluster.get(engine.pause.remote(), timeout=30)

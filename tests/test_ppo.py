@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_module
 
 from miles.algos.gae import explained_variance, gae, gae_from_lists, value_loss, whiten
 from miles.config import validate
-from miles.core.types import TrainBatch
 from miles.train.critic import FSDPCritic
+from miles.types import TrainBatch
 
 TIMEOUT_S = 120
 

@@ -13,9 +13,9 @@ from fsdp_ranks import Group, hf_logprobs, hf_model_from, local_trainer
 from miles.algos.advantages import group_normalized
 from miles.config.schema import MilesConfig
 from miles.config.validate import validate
-from miles.core.types import TrainBatch
 from miles.train.batching import pad_batch, response_logits
 from miles.train.shared_prompt import cache_keyword, shared_prompt_logits, shared_tokens, worth_sharing
+from miles.types import TrainBatch
 
 
 def grouped_batch(model: torch.nn.Module, *, prompt_lens=(9, 14, 11), n: int = 4, vocab: int = 96) -> TrainBatch:

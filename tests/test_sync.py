@@ -10,9 +10,9 @@ import torch
 
 from miles.config import validate
 from miles.config.schema import WeightSyncConfig
-from miles.core.types import GenerateRequest, SamplingParams, TrainBatch
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.fsdp import FSDPTrainer
+from miles.types import GenerateRequest, SamplingParams, TrainBatch
 from miles.weights import sync as transports
 from miles.weights.sync import sync_weights
 

@@ -11,9 +11,9 @@ from objective_inputs import objective_inputs
 
 from miles.algos.losses import aggregate, kl_penalty, ppo_clip_loss
 from miles.config.validate import validate
-from miles.core.types import TrainBatch
 from miles.train.batching import pad_batch, response_logits, unpad_response
 from miles.train.objective import policy_objective
+from miles.types import TrainBatch
 
 
 def _batch() -> TrainBatch:

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from miles.config.schema import MilesConfig
 from miles.config.validate import validate
-from miles.core.types import TrainBatch
 from miles.train.batching import count_microbatches, split_microbatches
 from miles.train.fsdp import checkpoint_activations
 from miles.train.optim import lr_multiplier
+from miles.types import TrainBatch
 
 
 @pytest.fixture(scope="module")

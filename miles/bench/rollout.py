@@ -98,7 +98,7 @@ def run_hf(model: Any, prompts: list[tuple[int, ...]], batch_size: int, max_new:
 
 def run_miles(engine: Any, prompts: list[tuple[int, ...]], max_new: int, seed: int) -> tuple[float, list[int]]:
     """Seconds and per-row lengths for one engine generate call over all prompts."""
-    from miles.core.types import GenerateRequest, SamplingParams
+    from miles.types import GenerateRequest, SamplingParams
 
     reqs = [GenerateRequest(request_id=str(i), prompt_ids=p, seed=seed * 100_003 + i) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()

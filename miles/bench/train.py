@@ -109,8 +109,8 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
     from safetensors.torch import load_file
 
     from miles.config.validate import validate
-    from miles.core.types import TrainBatch
     from miles.train.fsdp import FSDPTrainer
+    from miles.types import TrainBatch
 
     args = _parse(argv)
     torch.set_num_threads(args.threads)

@@ -124,6 +124,9 @@ class AlgoConfig:
 class CriticConfig:
     """The value model of PPO (``algo.estimator: gae``): same checkpoint as the policy plus a value head."""
 
+    target: str = "miles.train.critic.FSDPCritic"
+    """Critic backend (YAML key ``_target_``): a class meeting :class:`miles.backends.Critic`, one Ray actor
+    per rank of ``placement.trainer_world_size``, a process group of its own."""
     lr: float = 1.0e-3
     """AdamW learning rate of the critic."""
     lr_warmup_steps: int = 0
@@ -165,7 +168,12 @@ class PlacementConfig:
     """Where actors live: Ray placement groups shared by engines and trainers (colocate) or one per pool."""
 
     name: Literal["colocate", "disaggregated"] = "colocate"
-    """``colocate``: engines and trainer ranks share bundles and take turns; ``disaggregated``: separate pools."""
+    """``colocate``: engines and trainer ranks share bundles and take turns; ``disaggregated``: separate pools
+    (engines and trainer ranks in their own processes and CPUs; with the synchronous loop they still take
+    turns: rollout, then train, then sync)."""
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """Where engines and trainer ranks compute. ``cuda``: one GPU per bundle (NCCL groups; untested on a GPU
+    so far); ``auto``: ``cuda`` when the Ray cluster has GPUs, else ``cpu``."""
     num_engines: int = 1
     """Rollout engine actors."""
     trainer_world_size: int = 1
@@ -196,10 +204,13 @@ class PlacementConfig:
 class RolloutConfig:
     """The rollout engine and sampling parameters."""
 
-    backend: Literal["torch"] = "torch"
-    """Engine backend (``torch``: embedded engine over a transformers model)."""
-    engine: str = "miles.rollout.torch_engine.TorchEngine"
-    """Engine actor class (a dotted path)."""
+    engine: TargetConfig = field(
+        default_factory=lambda: TargetConfig(target="miles.rollout.torch_engine.TorchEngine",
+                                             kwargs={"max_batch_size": 256, "max_prefill_tokens": 8192})
+    )
+    """Engine backend: a class meeting :class:`miles.backends.RolloutEngine` (one Ray actor per engine);
+    the node's other keys are its constructor arguments besides those the driver passes
+    (:data:`miles.backends.ENGINE_INIT_ARGS`)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are of the temperature-scaled distribution)."""
     top_p: float = 1.0
@@ -234,8 +245,15 @@ class RolloutConfig:
 class TrainerConfig:
     """The trainer backend, optimizer and the length of the run."""
 
-    backend: Literal["fsdp"] = "fsdp"
-    """Trainer backend (``fsdp``: FSDP2 over a torch.distributed group)."""
+    target: str = "miles.train.fsdp.FSDPTrainer"
+    """Trainer backend (YAML key ``_target_``): a class meeting :class:`miles.backends.Trainer`, one Ray
+    actor per rank of ``placement.trainer_world_size``."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size (a backend that supports it: ``trainer=megatron``)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel stages, 1F1B schedule (a backend that supports it: ``trainer=megatron``)."""
+    expert_parallel: int = 1
+    """Expert-parallel size for MoE models (a backend that supports it: ``trainer=megatron``)."""
     num_steps: int = 300
     """RL steps (rollout -> train -> sync) in the run."""
     lr: float = 5e-4

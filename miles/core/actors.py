@@ -7,7 +7,7 @@ Most of an actor's start-up is its process importing torch and transformers' mod
 (about 10 s of CPU per actor on 2 cores). So while Ray outlives a job (a sweep's jobs on the basic
 launcher, jobs run from Python), :func:`park_actors` keeps a finished job's actors, and the next
 job whose :func:`actor_shape` matches takes them: each is constructed anew in its process
-(:mod:`miles.core.reuse`). One set is kept at a time, because parked actors hold their bundles'
+(:mod:`miles.backends.reuse`). One set is kept at a time, because parked actors hold their bundles'
 CPUs; a job of another shape shuts it down before it reserves its own.
 """
 
@@ -25,10 +25,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.config import ConfigError, MilesConfig, check_allowed, locate
+from miles.config import MilesConfig, check_allowed, locate
 from miles.core.cluster import (
     actor_env,
     bundle_nodes,
+    device,
     placement_pools,
     rendezvous,
     reserve,
@@ -37,7 +38,6 @@ from miles.core.cluster import (
 
 log = logging.getLogger(__name__)
 
-TRAINER_BACKENDS = {"fsdp": "miles.train.fsdp.FSDPTrainer"}
 ENGINE_MAX_CONCURRENCY = 32  # engines are threaded actors: several generate calls share one batch
 
 
@@ -107,17 +107,39 @@ class Actors:
             remove_placement_group(pg)
 
 
-def _engine_class(run: MilesConfig) -> Any:
-    check_allowed(run.rollout.engine, run.plugins.allow, key="rollout.engine")
-    cls = locate(run.rollout.engine)
-    if run.placement.name == "colocate" and run.placement.offload_engines:
-        lacking = [m for m in ("release_memory", "resume_memory") if not callable(getattr(cls, m, None))]
-        if lacking:
-            raise ConfigError(
-                f"placement.offload_engines=true, but rollout.engine {run.rollout.engine} has no "
-                f"{' / '.join(lacking)}(). Set placement.offload_engines=false or use an engine that can offload."
-            )
-    return cls
+@dataclass(frozen=True)
+class Backends:
+    """The classes a run's actors are made of, and the engine's constructor arguments from config."""
+
+    engine: type
+    engine_kwargs: Mapping[str, Any]
+    trainer: type
+    critic: type | None
+
+
+def backends(run: MilesConfig) -> Backends:
+    """Resolve ``rollout.engine``, ``trainer._target_`` and (PPO) ``algo.critic._target_`` to classes.
+
+    Each dotted path is checked against the allowlist before it is imported, then the class against
+    its Protocol (:mod:`miles.backends.contract`): a class that cannot serve raises :class:`ConfigError`
+    before any actor starts.
+    """
+    from miles.backends.contract import check_critic_class, check_engine_class, check_trainer_class
+
+    node, allow = run.rollout.engine, run.plugins.allow
+    for key, target in (("rollout.engine._target_", node.target), ("trainer._target_", run.trainer.target),
+                        ("algo.critic._target_", run.algo.critic.target)):
+        check_allowed(target, allow, key=key)
+    engine = locate(node.target)
+    check_engine_class(engine, kwargs=node.kwargs,
+                       offload=run.placement.name == "colocate" and run.placement.offload_engines)
+    trainer = locate(run.trainer.target)
+    check_trainer_class(trainer, run)
+    critic = None
+    if run.algo.estimator == "gae":
+        critic = locate(run.algo.critic.target)
+        check_critic_class(critic)
+    return Backends(engine=engine, engine_kwargs=dict(node.kwargs), trainer=trainer, critic=critic)
 
 
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
@@ -125,7 +147,7 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
 
     With ``cluster.reuse_actors``, the actors the last job in this driver parked (:func:`park_actors`)
     are taken instead when the run's shape matches: each is constructed anew in its process
-    (:mod:`miles.core.reuse`), which skips the process start and its imports.
+    (:mod:`miles.backends.reuse`), which skips the process start and its imports.
     """
     warm = _take_parked(run)
     if warm is not None:
@@ -135,22 +157,27 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
             log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
             warm.shutdown()
     p = run.placement
-    engine_cls = ray.remote(_engine_class(run))
-    trainer_cls = ray.remote(locate(TRAINER_BACKENDS[run.trainer.backend]))
+    classes = backends(run)
+    engine_cls, trainer_cls = ray.remote(classes.engine), ray.remote(classes.trainer)
     groups = reserve(run)
     engine_threads, trainer_threads = threads_per_actor(run)
+    gpu = device(run) == "cuda"
     if p.name == "colocate":
         shared = groups[0]
         engine_pg = trainer_pg = shared
-        # an engine and a trainer rank share a bundle, each holding half of it
+        # an engine and a trainer rank share a bundle, each holding half of its CPUs and part of its GPU
         engine_cpus = trainer_cpus = p.cpus_per_bundle / 2
+        engine_gpus, trainer_gpus = (0.4, 0.3) if gpu else (0, 0)
     else:
         engine_pg, trainer_pg = groups
         engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
+        engine_gpus, trainer_gpus = (1.0, 0.5) if gpu else (0, 0)
+    critic_gpus = trainer_gpus  # a critic rank shares its trainer rank's bundle (and GPU)
 
-    def on_bundle(pg: PlacementGroup, i: int, cpus: float, threads: int) -> dict[str, Any]:
+    def on_bundle(pg: PlacementGroup, i: int, cpus: float, threads: int, gpus: float) -> dict[str, Any]:
         return dict(
             num_cpus=cpus,
+            num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=i % len(pg.bundle_specs)),
             runtime_env={"env_vars": actor_env(p, threads)},
@@ -159,18 +186,17 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
     args = _constructor_args(run, checkpoint_dir, trainer_pg, engine_threads, trainer_threads)
     engines = [
         engine_cls.options(max_concurrency=ENGINE_MAX_CONCURRENCY,
-                           **on_bundle(engine_pg, i, engine_cpus, engine_threads)).remote(*a, **kw)
+                           **on_bundle(engine_pg, i, engine_cpus, engine_threads, engine_gpus)).remote(*a, **kw)
         for i, (a, kw) in enumerate(args.engines)
     ]
-    trainers = [trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads)).remote(**kw)
+    trainers = [trainer_cls.options(**on_bundle(trainer_pg, r, trainer_cpus, trainer_threads, trainer_gpus)).remote(**kw)
                 for r, kw in enumerate(args.trainers)]
     critics = []
     if args.critics:
-        from miles.train.critic import FSDPCritic
-
-        critic_cls = ray.remote(FSDPCritic)
+        assert classes.critic is not None
+        critic_cls = ray.remote(classes.critic)
         # the bundle's CPUs are already split between engine and trainer: the critic takes turns with them
-        critics = [critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads)).remote(**kw)
+        critics = [critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads, critic_gpus)).remote(**kw)
                    for r, kw in enumerate(args.critics)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
                     trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines,
@@ -196,15 +222,16 @@ class _Args:
 def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: PlacementGroup,
                       engine_threads: int, trainer_threads: int) -> _Args:
     """What each actor is constructed with, for new actors and reused ones alike."""
-    p = run.placement
+    p, dev = run.placement, device(run)
     engines = [((checkpoint_dir, run.precision),
-                dict(seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i))
+                dict(run.rollout.engine.kwargs, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
+                     device=dev))
                for i in range(p.num_engines)]
 
     def ranks() -> list[dict[str, Any]]:
         addr, port = rendezvous(run, trainer_pg)  # a group of its own: its own port
         return [dict(rank=r, world_size=p.trainer_world_size, master_addr=addr, master_port=port,
-                     checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads)
+                     checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads, device=dev)
                 for r in range(p.trainer_world_size)]
 
     return _Args(engines=engines, trainers=ranks(), critics=ranks() if run.algo.estimator == "gae" else [])
@@ -246,9 +273,9 @@ def actor_shape(run: MilesConfig) -> str:
     """
     engine_threads, trainer_threads = threads_per_actor(run)
     return json.dumps({
-        "placement": dataclasses.asdict(run.placement), "engine": run.rollout.engine,
-        "trainer": run.trainer.backend, "critic": run.algo.estimator == "gae",
-        "threads": [engine_threads, trainer_threads], "address": run.cluster.address,
+        "placement": dataclasses.asdict(run.placement), "engine": run.rollout.engine.target,
+        "trainer": run.trainer.target, "critic": run.algo.critic.target if run.algo.estimator == "gae" else None,
+        "threads": [engine_threads, trainer_threads], "address": run.cluster.address, "device": device(run),
     }, sort_keys=True, default=str)
 
 
@@ -259,7 +286,8 @@ def _cluster_id() -> tuple[str, str]:
 
 
 def _reusable(run: MilesConfig) -> bool:
-    classes = [_engine_class(run), locate(TRAINER_BACKENDS[run.trainer.backend])]
+    b = backends(run)
+    classes = [b.engine, b.trainer] + ([b.critic] if b.critic is not None else [])
     return all(callable(getattr(c, m, None)) for c in classes for m in ("park", "reinit"))
 
 
@@ -288,7 +316,7 @@ def park_actors(run: MilesConfig, actors: Actors) -> bool:
     """After a job that finished: keep its actors for the next job in this driver, or shut them down.
 
     Kept when ``cluster.reuse_actors`` is on and every actor class can be reused; each actor then
-    releases everything of the job (:meth:`miles.core.reuse.Reusable.park`). Returns whether they
+    releases everything of the job (:meth:`miles.backends.reuse.Reusable.park`). Returns whether they
     were kept. A set parked before is shut down: only the latest is kept.
     """
     global _PARKED

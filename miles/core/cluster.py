@@ -18,6 +18,11 @@ other. The cost is that the two reservations are not atomic; a timeout releases 
 
 Custom Ray resources (``engine_resources``, ``trainer_resources``, e.g. ``{node2: 1}``) pin a pool
 to the nodes that offer them.
+
+``placement.device=cuda`` (or ``auto`` on a cluster with GPUs) adds one GPU to every bundle: a
+colocated engine and trainer rank share their bundle's GPU, a disaggregated engine or trainer rank
+has its bundle's GPU to itself (the PPO critic shares its trainer rank's). The GPU path has not run
+on a GPU yet (see the README).
 """
 
 from __future__ import annotations
@@ -151,9 +156,12 @@ class Pool:
     cpus_per_bundle: float
     resources: Mapping[str, float]
     """Custom Ray resources per bundle."""
+    gpus_per_bundle: int = 0
+    """1 with ``placement.device=cuda``, else 0."""
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus_per_bundle, **self.resources}
+        gpus = {"GPU": float(self.gpus_per_bundle)} if self.gpus_per_bundle else {}
+        return {"CPU": self.cpus_per_bundle, **gpus, **self.resources}
 
     @property
     def cpus(self) -> float:
@@ -161,7 +169,8 @@ class Pool:
 
     def describe(self) -> str:
         """E.g. ``2 bundle(s) x 1 CPU (+ node2: 1 per bundle) = 2 CPU``."""
-        extra = ", ".join(f"{k}: {v:g}" for k, v in self.resources.items())
+        extra = ", ".join(f"{k}: {v:g}" for k, v in ({"GPU": self.gpus_per_bundle} if self.gpus_per_bundle else {}
+                                                      | dict(self.resources)).items())
         extra = f" (+ {extra} per bundle)" if extra else ""
         return f"{self.num_bundles} bundle(s) x {self.cpus_per_bundle:g} CPU{extra} = {self.cpus:g} CPU"
 
@@ -193,17 +202,34 @@ def check_placement(p: PlacementConfig) -> None:
     _check_resources("placement.trainer_resources", p.trainer_resources)
 
 
+def device(run: MilesConfig) -> str:
+    """``cpu`` or ``cuda``: ``placement.device``, with ``auto`` resolved.
+
+    ``auto`` is ``cuda`` when the Ray cluster offers GPUs (before Ray starts: when this machine has a
+    CUDA device and no cluster is joined), else ``cpu``.
+    """
+    d = run.placement.device
+    if d != "auto":
+        return d
+    if ray.is_initialized():
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    import torch
+
+    return "cuda" if not run.cluster.address and torch.cuda.is_available() else "cpu"
+
+
 def placement_pools(run: MilesConfig) -> list[Pool]:
     """The pools ``run``'s placement asks for: one shared pool (colocate) or engine + trainer pools."""
     p = run.placement
     check_placement(p)
+    gpus = 1 if device(run) == "cuda" else 0
     engine_res = {k: float(v) for k, v in (p.engine_resources or {}).items()}
     trainer_res = {k: float(v) for k, v in (p.trainer_resources or {}).items()}
     if p.name == "colocate":  # a shared bundle hosts an engine and a trainer rank: it needs both
         both = {k: engine_res.get(k, 0.0) + trainer_res.get(k, 0.0) for k in engine_res | trainer_res}
-        return [Pool("shared", max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle, both)]
-    return [Pool("engine", p.num_engines, p.cpus_per_engine, engine_res),
-            Pool("trainer", p.trainer_world_size, p.cpus_per_trainer_rank, trainer_res)]
+        return [Pool("shared", max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle, both, gpus)]
+    return [Pool("engine", p.num_engines, p.cpus_per_engine, engine_res, gpus),
+            Pool("trainer", p.trainer_world_size, p.cpus_per_trainer_rank, trainer_res, gpus)]
 
 
 def describe_request(name: str, pools: list[Pool]) -> str:
@@ -226,6 +252,15 @@ def check_fits_locally(run: MilesConfig) -> None:
             f"{', '.join(custom)}, but a local Ray cluster started by miles has CPUs only. Join a cluster whose "
             "nodes offer them (cluster.address=HOST:PORT), or clear placement.engine_resources / trainer_resources."
         )
+    need_gpus = sum(pool.num_bundles * pool.gpus_per_bundle for pool in pools)
+    if need_gpus:
+        import torch
+
+        have_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if need_gpus > have_gpus:
+            raise ConfigError(
+                f"{describe_request(run.placement.name, pools)}, but this machine has {have_gpus} CUDA device(s). "
+                f"Set placement.device=cpu, lower {_HINT[run.placement.name]}, or join a cluster with GPUs.")
     have = run.cluster.num_cpus or os.cpu_count() or 1
     need = sum(pool.cpus for pool in pools)
     if need > have:

@@ -45,8 +45,8 @@ from miles.algos.shaping import shape_overlong_rewards
 from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.progress import Progress
-from miles.core.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.rollout.manager import RolloutManager
+from miles.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
 
 log = logging.getLogger(__name__)

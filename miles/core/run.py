@@ -22,10 +22,12 @@ log = logging.getLogger("miles")
 
 def build_components(run: MilesConfig) -> dict[str, Any]:
     """Everything that comes from a ``_target_``: task, reward, advantage estimator, model spec,
-    generate function and sample filters.
+    generate function, sample filters, and the engine / trainer / critic classes.
 
-    All targets are checked against the allowlist before any of them is imported.
+    All targets are checked against the allowlist before any of them is imported, and the backend
+    classes against their Protocols (:mod:`miles.backends.contract`), before Ray starts.
     """
+    from miles.core.actors import backends
     from miles.rollout.manager import check_config as check_rollout_config
 
     allow = run.plugins.allow
@@ -45,6 +47,7 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         named = [f.func if isinstance(f, functools.partial) else f for f in parts["filters"]]
         if nonzero_reward_std not in named:
             parts["filters"].insert(0, functools.partial(nonzero_reward_std))
+    parts["backends"] = backends(run)
     check_rollout_config(run.rollout)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
     # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts

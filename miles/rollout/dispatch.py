@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from miles.config.schema import RolloutConfig
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
-from miles.core.types import Sample
+from miles.types import Sample
 
 
 def nonzero_reward_std(group: Sequence[Sample], *, min_std: float = 0.0) -> tuple[bool, str]:

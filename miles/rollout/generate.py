@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles.core.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
+from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
 
 
 @dataclass

@@ -29,13 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from miles.config.schema import RolloutConfig
-from miles.core.types import Problem, Sample, SamplingParams, Status
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardItem
 from miles.rollout.dispatch import AllEnginesDeadError, EnginePool, EngineRequestError, Session, first_line
 from miles.rollout.filters import first_rejection
 from miles.rollout.generate import GenerateContext, single_turn
 from miles.rollout.protocols import check_group
+from miles.types import Problem, Sample, SamplingParams, Status
 
 log = logging.getLogger(__name__)
 

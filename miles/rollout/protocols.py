@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles.core.types import Problem, Sample, SamplingParams, Status
+from miles.types import Problem, Sample, SamplingParams, Status
 
 if TYPE_CHECKING:
     from miles.rollout.generate import GenerateContext
@@ -110,7 +110,7 @@ def check_group(samples: Any, *, n: int, group_id: int, who: str) -> None:
         if s.group_id != group_id:
             raise ContractError(f"{where} has group_id {s.group_id}, expected ctx.group_id = {group_id}")
         if not isinstance(s.status, Status):
-            raise ContractError(f"{where}: status must be a miles.core.types.Status, found {s.status!r}")
+            raise ContractError(f"{where}: status must be a miles.types.Status, found {s.status!r}")
         if s.status is Status.FAILED:
             continue  # a failed sample carries no tokens to check
         if not s.prompt_ids:

@@ -96,12 +96,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
-from miles.core.reuse import Reusable
-from miles.core.types import GenerateRequest, GenerateResult, SamplingParams, Status
 from miles.precision.fp8 import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ class TorchEngine(Reusable):
         self._thread.join(timeout=10)
 
     def _end_job(self) -> None:
-        """Parking (:mod:`miles.core.reuse`): the scheduler stops, and the offloaded weights' file goes."""
+        """Parking (:mod:`miles.backends.reuse`): the scheduler stops, and the offloaded weights' file goes."""
         self.close()
         if isinstance(self._offload, str):
             os.unlink(self._offload)

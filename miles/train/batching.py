@@ -1,4 +1,4 @@
-"""Turn a :class:`~miles.core.types.TrainBatch` (lists of token ids) into padded tensors.
+"""Turn a :class:`~miles.types.TrainBatch` (lists of token ids) into padded tensors.
 
 Each sequence is ``prompt + response``, right-padded to the longest in the batch::
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from miles.core.types import TrainBatch
+from miles.types import TrainBatch
 
 
 @dataclass(frozen=True, kw_only=True)

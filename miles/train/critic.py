@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from miles.algos.gae import explained_variance, value_loss
 from miles.config.schema import MilesConfig
-from miles.core.reuse import Reusable
-from miles.core.types import TrainBatch
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
-from miles.train.optim import load_train_state, save_train_state
+from miles.train.rank import FSDPRank, pad_token_id
+from miles.types import TrainBatch
 
 
 class ValueModel(torch.nn.Module):
@@ -49,7 +47,7 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).float().clone()
 
 
-class FSDPCritic(Reusable):
+class FSDPCritic(FSDPRank):
     """One FSDP2 data-parallel critic rank (a plain class; the driver makes it a Ray actor)."""
 
     def __init__(
@@ -62,25 +60,14 @@ class FSDPCritic(Reusable):
         checkpoint_dir: str,
         run: MilesConfig,
         num_threads: int = 0,
+        device: str = "cpu",
     ) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
         c = run.algo.critic  # ranges were checked by miles.config.validate
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
-        self.rank, self.world_size, self.run = rank, world_size, run
-        init = f"tcp://{master_addr}:{master_port}"
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size,
-                                    device_id=self.device)
-        else:
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-        torch.manual_seed(run.seed)  # the same value-head init on every rank
-
+        # the same seed on every rank: the same value-head init
+        self._init_rank(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                        run=run, num_threads=num_threads, device=device)
         lm = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
         layer_classes = set(getattr(lm, "_no_split_modules", None) or [])
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
@@ -88,19 +75,8 @@ class FSDPCritic(Reusable):
         del lm  # drop the LM head
         self.model = ValueModel(backbone, cfg.hidden_size).to(self.device)
         self.model.eval()  # no dropout: values must be reproducible between compute_values and train_step
-        mp = MixedPrecisionPolicy()
-        if run.precision.train_dtype == "bfloat16":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        layers = [m for m in self.model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ValueError(f"FSDPCritic: {cfg.model_type} names no decoder layer classes (_no_split_modules); "
-                             "cannot shard it per layer")
-        for layer in layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(self.model, mp_policy=mp)
-
-        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-        self.pad_id = next(i for i in (cfg.pad_token_id, eos, 0) if i is not None)
+        self._shard(self.model, layer_classes)
+        self.pad_id = pad_token_id(cfg)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas,
                                            weight_decay=c.weight_decay)
         warmup = max(1, c.lr_warmup_steps)
@@ -110,11 +86,6 @@ class FSDPCritic(Reusable):
         """Values before each response token: [B, Tr] fp32."""
         v = self.model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids)
         return response_logits(v, p.logit_index).squeeze(-1)
-
-    def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t, op=op)
-        return t
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> list[list[float]]:
@@ -193,24 +164,6 @@ class FSDPCritic(Reusable):
                                    op=dist.ReduceOp.MAX)
         out["perf/critic_train_s"] = float(elapsed)
         return out
-
-    def save_state(self, directory: str) -> None:
-        """Collective. Write value model, optimizer and scheduler state to ``directory``."""
-        save_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         rank=self.rank, world_size=self.world_size)
-
-    def load_state(self, directory: str) -> None:
-        """Collective. Restore what :meth:`save_state` wrote (any world size)."""
-        load_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         rank=self.rank, world_size=self.world_size)
-
-    def shutdown(self) -> None:
-        """Barrier, then destroy the process group (gloo can abort at exit without the barrier)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
-    _end_job = shutdown  # parking (miles.core.reuse): collective, like the constructor
 
 
 def _pad(lists: list[list[float]] | list[list[int]], shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

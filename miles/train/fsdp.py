@@ -46,8 +46,8 @@ as its own no-grad passes. Every method that runs the model is collective: all r
 from __future__ import annotations
 
 import inspect
+import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +58,6 @@ import torch.distributed as dist
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
-from miles.core.reuse import Reusable
-from miles.core.types import TrainBatch
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -69,7 +67,8 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import policy_objective
-from miles.train.optim import load_train_state, lr_multiplier, save_train_state
+from miles.train.optim import lr_multiplier
+from miles.train.rank import FSDPRank, pad_token_id
 from miles.train.shared_prompt import (
     PromptPass,
     cache_keyword,
@@ -78,6 +77,9 @@ from miles.train.shared_prompt import (
     response_logits_after,
     worth_sharing,
 )
+from miles.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,8 +115,11 @@ def checkpoint_activations(layer: torch.nn.Module) -> None:
     layer.forward = checkpointed
 
 
-class FSDPTrainer(Reusable):
+class FSDPTrainer(FSDPRank):
     """One FSDP2 data-parallel rank (a plain class; the driver makes it a Ray actor)."""
+
+    parallelisms: frozenset[str] = frozenset()
+    """Data parallel over the ranks only (:data:`miles.backends.contract.PARALLELISMS`)."""
 
     def __init__(
         self,
@@ -126,57 +131,31 @@ class FSDPTrainer(Reusable):
         checkpoint_dir: str,
         run: MilesConfig,
         num_threads: int = 0,
+        device: str = "cpu",
     ) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
         t = run.trainer  # ranges and combinations were checked by miles.config.validate
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size))
-        self.rank, self.world_size, self.run = rank, world_size, run
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device)
-        else:
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        torch.manual_seed(run.seed)
-
-        mp = MixedPrecisionPolicy()  # compute in the parameters' dtype: fp32
-        if run.precision.train_dtype == "bfloat16":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
+        self._init_rank(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                        run=run, num_threads=num_threads, device=device)
         # one fp32 rank: sharding is the identity, and FSDP would only add copies and DTensor dispatch
         # (~20% of a tiny model's step on CPU); bf16 keeps FSDP for its mixed-precision policy
         self.sharded = world_size > 1 or run.precision.train_dtype != "float32"
+        if not self.sharded and rank == 0:
+            log.info("trainer: one fp32 rank, so fully_shard is skipped (sharding over one rank is the identity)")
 
         def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
-            layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-            layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-            if not layers:
-                raise ValueError(f"FSDPTrainer: {type(model).__name__} names no decoder layer classes "
-                                 "(_no_split_modules); cannot shard it per layer")
-            for layer in layers:
-                if trainable and t.activation_checkpointing:
-                    checkpoint_activations(layer)
-                if self.sharded:
-                    fully_shard(layer, mp_policy=mp)
-            if self.sharded:
-                fully_shard(model, mp_policy=mp)
-            return model
+            checkpointed = checkpoint_activations if trainable and t.activation_checkpointing else None
+            return self._shard(model, set(getattr(model, "_no_split_modules", None) or []),
+                               sharded=self.sharded, per_layer=checkpointed)
 
         self.model = load_sharded(trainable=True)
-        cfg = self.model.config
-        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-        self.pad_id = next(i for i in (cfg.pad_token_id, eos, 0) if i is not None)  # padding is masked anyway
+        self.pad_id = pad_token_id(self.model.config)
         self.ref_model = None
         if run.algo.kl_coef > 0:
             self.ref_model = load_sharded(trainable=False)
@@ -248,11 +227,6 @@ class FSDPTrainer(Reusable):
         with torch.set_grad_enabled(self.run.algo.entropy_coef != 0 and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
-
-    def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t, op=op)
-        return t
 
     def _plans(self, shards: list[TrainBatch]) -> list[tuple[list[list[int]], _Plan]]:
         """Each shard's sample indices per micro-batch and its :class:`_Plan`; all ranks get the same
@@ -427,32 +401,3 @@ class FSDPTrainer(Reusable):
             grads[name] = g.detach().float().cpu()
         self.optimizer.zero_grad(set_to_none=True)
         return grads if self.rank == 0 else None
-
-    def save_state(self, directory: str) -> None:
-        """Collective. Write model, optimizer and scheduler state to ``directory`` (safetensors + JSON).
-
-        Layout and atomic rename in :func:`miles.train.optim.save_train_state`.
-        """
-        save_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         rank=self.rank, world_size=self.world_size)
-
-    def load_state(self, directory: str) -> None:
-        """Collective. Restore what :meth:`save_state` wrote (any world size); rank 0 reads and broadcasts.
-
-        The reference model is not part of the state: it is the initial checkpoint, reloaded by the
-        constructor.
-        """
-        load_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         rank=self.rank, world_size=self.world_size)
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    def shutdown(self) -> None:
-        """Barrier, then destroy the process group (gloo can abort at exit without the barrier)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
-    _end_job = shutdown  # parking (miles.core.reuse): collective, like the constructor

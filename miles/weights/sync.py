@@ -72,7 +72,7 @@ class Transport(Protocol):
 def drop_process_state() -> None:
     """Forget this process's side of every transport: sync-group memberships, shared-memory mappings.
 
-    For an actor parked between jobs (:mod:`miles.core.reuse`): the next job's transport sets up its own.
+    For an actor parked between jobs (:mod:`miles.backends.reuse`): the next job's transport sets up its own.
     """
     from miles.weights import broadcast, shm
 
