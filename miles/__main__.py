@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miles.config import ConfigError, check_overrides, register_schemas, validate
+from miles.config import ConfigError, DataError, check_overrides, register_schemas, validate
 
 log = logging.getLogger("miles")
 
@@ -42,8 +42,8 @@ def _run(cfg: DictConfig) -> float | None:
     try:
         result = run_job(run, resolved_yaml=resolved, overrides=overrides, launch=job_launch(cfg),
                          output_dir=HydraConfig.get().runtime.output_dir, keep_ray=_jobs_follow_here())
-    except ConfigError as e:  # e.g. a placement the cluster cannot hold
-        log.error("config error: %s", e)
+    except ConfigError as e:  # e.g. a placement the cluster cannot hold, a malformed dataset row
+        log.error("%s error: %s", "data" if isinstance(e, DataError) else "config", e)
         raise SystemExit(2) from None
     return result.get("eval/accuracy")
 

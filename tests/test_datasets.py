@@ -110,3 +110,21 @@ def test_missing_column_and_bad_paths(tmp_path: Path) -> None:
     (tmp_path / "d.csv").write_text("prompt,label\n")
     with pytest.raises(ValueError, match="format"):
         load_rows(str(tmp_path / "d.csv"))
+
+
+@pytest.mark.parametrize("path,line", [
+    ("/nonexistent/data.jsonl", "data error: task.source: path: no such file '/nonexistent/data.jsonl'"),
+    ("BAD", "data error: task.source: BAD:line 2: field 'label': missing or null"),
+])
+def test_bad_user_data_is_one_clear_line_not_a_traceback(tmp_path: Path, path: str, line: str) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1", "label": "2", "response": "2"}\n{"prompt": "2+2", "response": "4"}\n')
+    path, line = path.replace("BAD", str(bad)), line.replace("BAD", str(bad))
+    out = subprocess.run([sys.executable, "-m", "miles", "task=jsonl", f"task.source.path={path}", "tracking=none"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert line in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr + out.stdout

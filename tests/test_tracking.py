@@ -323,3 +323,23 @@ def test_miles_config_registers_the_redaction_callback() -> None:
         cfg = compose("config", return_hydra_config=True)
     targets = {c._target_ for c in cfg.hydra.callbacks.values()}
     assert "miles.tracking.snapshot.RedactHydraOutputs" in targets
+
+
+def test_a_run_that_fails_to_start_ends_failed_not_running(tmp_path: Path, store: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    import miles.core.cluster
+    from miles.core.run import run_job
+
+    def unreachable(run, keep=False):  # what ray.init raises for a cluster address nobody answers
+        raise ConnectionError("could not reach a Ray cluster at 10.9.9.9:6379")
+
+    monkeypatch.setattr(miles.core.cluster, "start_ray", unreachable)
+    run = validate({"tracking": {"uri": store, "experiment": "start-fails", "plots": False},
+                    "warm_start": {"steps": 10, "cache_dir": str(tmp_path)}, "trainer": {"num_steps": 1}})
+    with pytest.raises(ConnectionError, match="10.9.9.9"):
+        run_job(run, resolved_yaml="", overrides=[])
+    client = MlflowClient(store)
+    (found,) = client.search_runs([client.get_experiment_by_name("start-fails").experiment_id])
+    assert found.info.status == "FAILED"

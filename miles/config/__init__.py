@@ -2,11 +2,12 @@
 
 from miles.config.build import build, check_allowed, locate
 from miles.config.schema import GROUP_SCHEMAS, MilesConfig, TargetConfig, register_schemas
-from miles.config.validate import ConfigError, check_overrides, validate
+from miles.config.validate import ConfigError, DataError, check_overrides, validate
 
 __all__ = [
     "GROUP_SCHEMAS",
     "ConfigError",
+    "DataError",
     "MilesConfig",
     "TargetConfig",
     "build",

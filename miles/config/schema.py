@@ -372,8 +372,9 @@ class PluginsConfig:
 class WeightSyncConfig:
     """How each new version of the weights travels from trainer rank 0 to the engines (miles.weights)."""
 
-    transport: Literal["object_store", "broadcast", "disk", "shm"] = "object_store"
-    """``object_store`` (Ray), ``broadcast`` (gloo/NCCL group), ``disk`` (safetensors), ``shm`` (/dev/shm, one node)."""
+    transport: Literal["object_store", "broadcast", "disk", "shm", "ipc"] = "object_store"
+    """``object_store`` (Ray), ``broadcast`` (gloo/NCCL group), ``disk`` (safetensors), ``shm`` (/dev/shm, one
+    node), ``ipc`` (CUDA IPC handles; colocated on a GPU, untested so far)."""
     bucket_mb: float = 128.0
     """broadcast: MiB per flattened bucket (bounds the sender's staging memory)."""
     broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message says the key, the problem and what to try."""
 
 
+class DataError(ConfigError):
+    """The data a config points at is missing or malformed (a dataset file, a row): the message says
+    which file, row and field."""
+
+
 def suggest(word: str, options: Sequence[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)

@@ -116,7 +116,11 @@ def train(ctx: LoopContext) -> dict[str, float]:
         gae = algo.estimator == "gae"
         metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
         samples = [s for g in groups for s in g]
-        assert len(samples) % (algo.num_minibatches * run.placement.trainer_world_size) == 0
+        if len(samples) % (algo.num_minibatches * run.placement.trainer_world_size):
+            raise RuntimeError(
+                f"step {step}: the rollout returned {len(samples)} samples, which do not split into "
+                f"algo.num_minibatches ({algo.num_minibatches}) x placement.trainer_world_size "
+                f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
         batch = TrainBatch.from_samples(samples)
         if gae:
             values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
@@ -126,14 +130,14 @@ def train(ctx: LoopContext) -> dict[str, float]:
             )
 
         # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
-        # the critic ranks regress their values on the GAE returns at the same time
+        # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
+        # CPUs, so one after the other)
         offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
         if metrics["train/trainable_samples"] > 0:
             batch = ray.put(batch)
-            critic_step = [c.train_step.remote(batch, returns, values) for c in ctx.critics] if gae else []
             metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
-            if critic_step:
-                metrics |= ray.get(critic_step)[0]
+            if gae:
+                metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
         elif all(s.status is Status.FAILED for s in samples):
             raise RuntimeError(f"step {step}: every sample failed ({_why_untrainable(samples)}); see the log above")
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights

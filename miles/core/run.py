@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from miles.config import ConfigError, MilesConfig, TargetConfig, build
+from miles.config import ConfigError, DataError, MilesConfig, TargetConfig, build
 from miles.config.schema import to_yaml_dict
 
 log = logging.getLogger("miles")
@@ -33,8 +33,9 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     allow = run.plugins.allow
     model_node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
     parts = {
-        "spec": build(model_node, allow=allow, key="model._target_"),
-        "task": build(run.task.source, allow=allow, key="task.source._target_"),
+        "spec": _user_input("model", lambda: build(model_node, allow=allow, key="model._target_")),
+        "task": _user_input("task.source", lambda: build(run.task.source, allow=allow, key="task.source._target_"),
+                            DataError),
         "reward_fn": build(run.task.reward, allow=allow, key="task.reward._target_"),
         "advantage_fn": build(run.algo.advantage, allow=allow, key="algo.advantage._target_"),
         "generate_fn": build(run.rollout.generate_fn, allow=allow, key="rollout.generate_fn._target_"),
@@ -47,6 +48,14 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         named = [f.func if isinstance(f, functools.partial) else f for f in parts["filters"]]
         if nonzero_reward_std not in named:
             parts["filters"].insert(0, functools.partial(nonzero_reward_std))
+    # the task's data is read now: a missing file or a malformed row is one line, not a traceback
+    _user_input("task", lambda: parts["task"].eval_problems(run.task.num_eval_prompts), DataError)
+    spec = parts["spec"]
+    if run.model.path is None and not spec.build_from_scratch:
+        raise ConfigError(
+            f"model.flavor={spec.flavor}: {spec.name} at this size is a published model, not something to build "
+            "from random weights with a task-trained tokenizer (miles builds only the small flavors from scratch). "
+            f"Set model.path to a local HF checkpoint of it, or pick a small flavor.")
     parts["backends"] = backends(run)
     check_rollout_config(run.rollout)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
@@ -65,6 +74,17 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"algo.policy_loss: {e}") from None
     return parts
+
+
+def _user_input(key: str, make: Callable[[], Any], error: type[ConfigError] = ConfigError) -> Any:
+    """``make()``, with a ``ValueError`` or ``OSError`` from the user's settings or files turned into
+    ``error`` naming ``key`` (printed as one line by ``python -m miles``)."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise error(f"{key}: {e}") from None
 
 
 def run_job(
@@ -91,7 +111,7 @@ def run_job(
     from transformers import AutoTokenizer
 
     from miles.core.actors import create_actors, park_actors
-    from miles.core.cluster import check_fits_locally, start_ray
+    from miles.core.cluster import check_fits_locally, device, start_ray
     from miles.core.loop import LoopContext, train
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -110,12 +130,13 @@ def run_job(
     parts = build_components(run)
     checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
-                           config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
-    started_ray = start_ray(run, keep=keep_ray)
-    actors = rollout = reward = transport = None
+    tracker = actors = rollout = reward = transport = None
+    started_ray = False
     status = "FAILED"
-    try:
+    try:  # from here on a failure ends the tracking run as FAILED, never leaves it RUNNING
+        tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
+                               config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
+        started_ray = start_ray(run, keep=keep_ray)
         reward = RewardRunner(  # its workers start while Ray does
             run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
             num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
@@ -124,7 +145,8 @@ def run_job(
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor%s",
                  time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads,
                  " (the last job's, reused)" if actors.reused else "")
-        transport = make_transport(run.weight_sync, actors.trainers, actors.engines)
+        transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=run.placement.name,
+                                   device=device(run))
         rollout = RolloutManager(actors.engines, tokenizer, reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
@@ -148,7 +170,8 @@ def run_job(
         raise
     finally:
         # the run's plots and last metrics go out while the actors and Ray stop (each takes seconds)
-        finishing = threading.Thread(target=tracker.finish, args=(status,), name="miles-tracking-finish")
+        finishing = threading.Thread(target=tracker.finish if tracker is not None else lambda _: None,
+                                     args=(status,), name="miles-tracking-finish")
         finishing.start()
         try:
             if rollout is not None:

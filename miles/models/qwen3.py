@@ -5,7 +5,7 @@ well under a second and is the vehicle of every CPU test and default run; its
 ``vocab_size`` is a placeholder that :func:`miles.models.checkpoint.ensure_checkpoint`
 replaces with the size of the tokenizer trained for the task. The real sizes
 (``0.6b``, ``30b_a3b``) carry the published Hugging Face dimensions and are
-GPU-only: they are configs here, never built on CPU.
+never built from scratch: a run with one of them needs ``model.path`` (a local checkpoint).
 
 With ``path`` the checkpoint's ``config.json`` wins over the flavor (the
 flavor only names the run), after checking that it is the right model family.
@@ -68,11 +68,15 @@ QWEN3_MOE_FLAVORS: dict[str, dict[str, Any]] = {
 }
 """Qwen3-MoE dimensions by flavor name."""
 
+FROM_SCRATCH = frozenset({"tiny", "20m"})
+"""Flavors built from random weights offline; the published sizes need ``model.path``."""
+
 
 def qwen3_spec(flavor: str = "tiny", path: str | None = None) -> ModelSpec:
     """The dense Qwen3 spec at ``flavor`` (``tiny``, ``20m`` or ``0.6b``), or read from the checkpoint at ``path``."""
     hf_config = _config("qwen3", flavor, path, QWEN3_FLAVORS, Qwen3Config)
-    return ModelSpec(name="qwen3", flavor=flavor, hf_config=hf_config, source_path=path)
+    return ModelSpec(name="qwen3", flavor=flavor, hf_config=hf_config, source_path=path,
+                     build_from_scratch=flavor in FROM_SCRATCH)
 
 
 def qwen3_moe_spec(flavor: str = "tiny", path: str | None = None) -> ModelSpec:
@@ -80,7 +84,7 @@ def qwen3_moe_spec(flavor: str = "tiny", path: str | None = None) -> ModelSpec:
     hf_config = _config("qwen3_moe", flavor, path, QWEN3_MOE_FLAVORS, Qwen3MoeConfig)
     return ModelSpec(
         name="qwen3_moe", flavor=flavor, hf_config=hf_config, is_moe=True,
-        router_modules="model.layers.{layer}.mlp.gate", source_path=path,
+        router_modules="model.layers.{layer}.mlp.gate", source_path=path, build_from_scratch=flavor in FROM_SCRATCH,
     )
 
 

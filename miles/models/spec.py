@@ -22,4 +22,7 @@ class ModelSpec:
     is_moe: bool = False
     router_modules: str | None = None
     source_path: str | None = None  # the HF checkpoint this spec was read from, if any
+    build_from_scratch: bool = True
+    """Whether miles may build this size from random weights and a task-trained tokenizer (the small
+    flavors); a published size needs ``model.path``."""
     extra: dict = field(default_factory=dict)

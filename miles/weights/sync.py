@@ -21,6 +21,7 @@ transport (broadcast) runs them at the same time.
 | ``broadcast``  | gloo/NCCL group {rank 0, engines}, in buckets  | anywhere the ranks can reach the driver |
 | ``disk``       | safetensors in an atomically renamed directory | one node, or a shared filesystem      |
 | ``shm``        | one ``/dev/shm`` segment, written once per step | engines on rank 0's node only        |
+| ``ipc``        | CUDA IPC handle to one flat GPU buffer         | colocated on one GPU (untested so far) |
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import ray
 
 from miles.config.schema import WeightSyncConfig
 
-TRANSPORTS = ("object_store", "broadcast", "disk", "shm")
+TRANSPORTS = ("object_store", "broadcast", "disk", "shm", "ipc")
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,13 @@ def drop_process_state() -> None:
     shm.drop_process_state()
 
 
-def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequence[Any]) -> Transport:
-    """The transport ``cfg.transport`` for these actors (call ``.close()`` at the end of the run)."""
+def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequence[Any], *,
+                   placement: str = "colocate", device: str = "cpu") -> Transport:
+    """The transport ``cfg.transport`` for these actors (call ``.close()`` at the end of the run).
+
+    ``placement`` and ``device`` (the run's, resolved) say whether engines share trainer rank 0's
+    GPU, which ``ipc`` needs.
+    """
     if not engines:
         raise ValueError("make_transport: no engines to send weights to")
     if cfg.transport == "object_store":
@@ -100,6 +106,11 @@ def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequ
         from miles.weights.shm import ShmTransport
 
         return ShmTransport(cfg)
+    if cfg.transport == "ipc":
+        from miles.weights import ipc
+
+        ipc.check(placement, device)
+        return ipc.IpcTransport()
     raise ValueError(f"weight_sync.transport: {cfg.transport!r} is not a transport; valid: {', '.join(TRANSPORTS)}")
 
 

@@ -1,0 +1,66 @@
+"""A user's own engine and trainer classes, outside the miles package (``plugins.allow=[plugin_backends.]``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from miles.rollout.torch_engine import TorchEngine
+from miles.train.fsdp import FSDPTrainer
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, TrainBatch
+
+
+class LoggingEngine(TorchEngine):
+    """The torch engine, appending one line per ``generate`` call to ``calls_file`` (a config kwarg)."""
+
+    def __init__(self, checkpoint_dir: str, precision: Any, *, calls_file: str, **kwargs: Any) -> None:
+        super().__init__(checkpoint_dir, precision, **kwargs)
+        self.calls_file = calls_file
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
+                 ) -> list[GenerateResult]:
+        out = super().generate(requests, sampling)
+        with Path(self.calls_file).open("a") as f:
+            f.write(f"{self.engine_id} {len(requests)}\n")
+        return out
+
+
+class CountingTrainer(FSDPTrainer):
+    """The FSDP trainer, adding ``train/plugin_steps`` to its metrics."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.steps = 0
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self.steps += 1
+        return {**super().train_step(batch), "train/plugin_steps": float(self.steps)}
+
+
+class NoPause(TorchEngine):
+    """Broken: ``pause`` does nothing."""
+
+    def pause(self) -> None:
+        pass
+
+
+class IgnoresWeights(TorchEngine):
+    """Broken: ``update_weights`` sets the version and keeps the old weights."""
+
+    def update_weights(self, state_dict: Any, version: int) -> dict[str, float]:
+        self._version = int(version)
+        return {"update_s": 0.0}
+
+
+class ForgetfulTrainer(FSDPTrainer):
+    """Broken: ``load_state`` reads nothing."""
+
+    def load_state(self, directory: str) -> None:
+        pass
+
+
+class NoGenerate:
+    """Broken: not an engine at all."""
+
+    def __init__(self, checkpoint_dir: str, precision: Any, **kwargs: Any) -> None:
+        pass
