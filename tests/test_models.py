@@ -178,3 +178,15 @@ def test_warm_start_micro_batches_give_the_gradient_of_one_pass(tiny_qwen3_dir: 
     assert max(g.abs().max().item() for g in grads[0].values()) > 1e-3
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("over", [{"model": {"flavor": "0.6b"}},
+                                  {"model": {"_target_": "miles.models.qwen3.qwen3_moe_spec", "flavor": "30b_a3b"}}])
+def test_a_published_size_is_not_built_from_scratch(over: dict) -> None:
+    from miles.config import ConfigError
+    from miles.config.validate import validate
+    from miles.core.run import build_components
+
+    with pytest.raises(ConfigError, match=r"model.flavor=.*: qwen3.* at this size is a published model.*Set "
+                                          r"model.path to a local HF checkpoint"):
+        build_components(validate(over))

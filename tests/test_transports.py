@@ -15,11 +15,11 @@ from miles.bench.sync import WeightSource, qwen_like_state_dict
 from miles.config.schema import PrecisionConfig, WeightSyncConfig
 from miles.rollout.torch_engine import TorchEngine
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import TRANSPORTS, make_transport, sync_weights
+from miles.weights.sync import CPU_TRANSPORTS, make_transport, sync_weights
 
 ACTOR = dict(num_cpus=0.25, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 # 50 KiB buckets: the tiny model (~370 KiB) crosses several, with both staging buffers in use
-CFG = {t: WeightSyncConfig(transport=t, bucket_mb=0.05, timeout_s=3.0) for t in TRANSPORTS}
+CFG = {t: WeightSyncConfig(transport=t, bucket_mb=0.05, timeout_s=3.0) for t in CPU_TRANSPORTS}
 
 
 # --- layout (no Ray) ------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def _assert_engines_hold(engines, expected: dict[str, torch.Tensor], version: in
         assert ray.get(e.weight_version.remote()) == version and ray.get(e.health.remote())["version"] == version
 
 
-@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("name", CPU_TRANSPORTS)
 def test_transport_delivers_bit_identical_weights_and_version(actors, name: str) -> None:
     source, engines, _ = actors
     transport = make_transport(CFG[name], [source], engines)
@@ -110,7 +110,7 @@ def test_transport_delivers_bit_identical_weights_and_version(actors, name: str)
         transport.close()
 
 
-@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("name", CPU_TRANSPORTS)
 def test_failed_sync_leaves_engines_at_their_old_version(actors, name: str) -> None:
     source, engines, bad = actors
     transport = make_transport(CFG[name], [source], engines)
@@ -226,3 +226,11 @@ def test_bad_transport_settings_are_refused() -> None:
         make_transport(dataclasses.replace(CFG["shm"], shm_dir="/no/such/dir"), [], [object()])
     with pytest.raises(ValueError, match="no engines"):
         make_transport(CFG["disk"], [], [])
+
+
+@pytest.mark.parametrize("placement,device", [("colocate", "cpu"), ("disaggregated", "cuda")])
+def test_ipc_needs_colocated_engines_on_one_gpu(placement: str, device: str) -> None:
+    from miles.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"weight_sync=ipc: .* this run has placement={placement} on {device}"):
+        make_transport(WeightSyncConfig(transport="ipc"), [], [object()], placement=placement, device=device)

@@ -173,11 +173,11 @@ def bench_size(size: str, transports: list[str], repeats: int, bucket_mb: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from miles.weights.sync import TRANSPORTS
+    from miles.weights.sync import CPU_TRANSPORTS, TRANSPORTS
 
     ap = argparse.ArgumentParser(prog="python -m miles.bench sync", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20M,100M", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    ap.add_argument("--transports", default=",".join(CPU_TRANSPORTS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=float, default=128.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the sender and receiver actors")

@@ -35,7 +35,9 @@ import ray
 
 from miles.config.schema import WeightSyncConfig
 
-TRANSPORTS = ("object_store", "broadcast", "disk", "shm", "ipc")
+CPU_TRANSPORTS = ("object_store", "broadcast", "disk", "shm")
+"""The transports that work between CPU processes."""
+TRANSPORTS = (*CPU_TRANSPORTS, "ipc")
 
 
 @dataclass(frozen=True)
