@@ -53,3 +53,13 @@ def ray_cluster():
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu``-marked tests need a CUDA device: skipped, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -31,8 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import ray
-
 from miles.config.schema import WeightSyncConfig
 
 CPU_TRANSPORTS = ("object_store", "broadcast", "disk", "shm")
@@ -124,6 +122,8 @@ def sync_weights(
     ``transport`` None uses the object store. On failure raises ``RuntimeError`` naming the
     transport and the version; engines that did not receive the whole version keep their old one.
     """
+    import ray
+
     if transport is None:
         from miles.weights.object_store import ObjectStoreTransport
 
