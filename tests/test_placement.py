@@ -55,6 +55,19 @@ def test_disaggregated_has_a_pool_each_and_threads_from_their_own_bundles() -> N
     assert threads_per_actor(run) == (3, 3)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_placement_adds_a_gpu_per_bundle_and_is_refused_without_one() -> None:
+    run = _run({"device": "cuda", "trainer_world_size": 2})
+    assert placement_pools(run) == [Pool("shared", 2, 1.0, {}, 1)]
+    assert placement_pools(run)[0].bundle() == {"CPU": 1.0, "GPU": 1.0}
+    run = _run({"name": "disaggregated", "device": "cuda"})
+    assert [p.bundle() for p in placement_pools(run)] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    with pytest.raises(ConfigError, match=r"asks for engine pool 1 bundle\(s\) x 1 CPU \(\+ GPU: 1 per bundle\).*"
+                                          r"but this machine has 0 CUDA device\(s\)\. Set placement.device=cpu"):
+        check_fits_locally(run)
+    assert placement_pools(_run({"device": "auto"}))[0].gpus_per_bundle == 0  # auto on a CPU machine
+
+
 def test_placement_too_big_for_the_local_cluster_names_the_numbers() -> None:
     with pytest.raises(ConfigError, match=r"asks for 4 bundle\(s\) x 2 CPU = 8 CPU, but the local Ray cluster "
                                           r"has 2 CPU \(cluster.num_cpus\)\. Lower placement.cpus_per_bundle"):
