@@ -97,6 +97,16 @@ PLUGINS = textwrap.dedent('''
                         s.reward = self.value
 
 
+    class AdvantageOverride:
+        """Sets every advantage of the batch (what before_train may change)."""
+
+        def __init__(self, *, value):
+            self.value = value
+
+        def before_train(self, ctx, batch):
+            batch.advantages = [self.value] * len(batch)
+
+
     class Raiser:
         def after_train(self, ctx, metrics):
             raise ValueError(f"boom at step {ctx.step}")
@@ -557,13 +567,13 @@ STEP = ["after_rollout", "after_reward", "before_train", "after_train", "after_w
 def test_every_point_is_called_in_order_with_its_arguments(ray_cluster, plugins, tmp_path: Path,
                                                            cache: Path) -> None:
     """A 3-step run with evaluations at steps 0, 2 and 3 and checkpoints at 2 and 3: a recorder sees every
-    point in order; a hook after it sets the rewards (what after_reward may change); the curriculum raises
-    the task's difficulty each step; an optional hook that raises at every step is counted, and the run
-    finishes."""
+    point in order; a hook after it sets the rewards (what after_reward may change), another the batch's
+    advantages (what before_train may change); the curriculum raises the task's difficulty each step; an
+    optional hook that raises at every step is counted, and the run finishes."""
     plugins.CALLS.clear()
     hooks = ("[{_target_: hook_plugins.Recorder}, {_target_: hook_plugins.RewardOverride, value: 1.0},"
              " {_target_: miles.hooks.Curriculum, threshold: 0.9, patience: 1, levels: [{list_len: 6}, {list_len: 7}]},"
-             " {_target_: hook_plugins.Raiser, _optional_: true}]")
+             " {_target_: hook_plugins.Raiser, _optional_: true}, {_target_: hook_plugins.AdvantageOverride, value: 1.0}]")
     final, run = _run(hooks, tmp_path, cache, "trainer.num_steps=3", "trainer.eval_every=2", "trainer.save_every=2",
                       f"trainer.save_dir={tmp_path / 'ck'}")
     calls = [(p, s) for name, p, s, _ in plugins.CALLS if name == "recorder"]
@@ -596,6 +606,8 @@ def test_every_point_is_called_in_order_with_its_arguments(ray_cluster, plugins,
     assert _history(client, r.info.run_id, "hooks/errors") == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
     assert _history(client, r.info.run_id, "hooks/curriculum/list_len") == {0: 5.0, 1: 6.0, 2: 7.0, 3: 7.0}
     assert _history(client, r.info.run_id, "train/reward_mean") == {1: 1.0, 2: 1.0, 3: 1.0}
+    # equal rewards give advantage 0; the trainer got the override's 1.0: -ratio * A at ratio 1 (one mini-batch)
+    assert _history(client, r.info.run_id, "train/pg_loss") == pytest.approx({1: -1.0, 2: -1.0, 3: -1.0})
     assert set(_history(client, r.info.run_id, "hooks/recorder/calls")) == {1, 2, 3}
     assert r.data.params["hooks.3._optional_"] == "True"
 
