@@ -22,6 +22,11 @@ _frozen = dict(frozen=True, kw_only=True)
 # YAML key -> dataclass field name, for the two Hydra special keys.
 SPECIAL_KEYS = {"_target_": "target", "_partial_": "partial"}
 
+HOOK_OPTIONAL_KEY = "_optional_"
+"""Reserved key of a ``hooks`` entry: ``true`` makes the hook optional (its errors are counted, not
+fatal). It stays in the entry's ``kwargs`` (so the YAML round-trips) and is never passed to the
+hook's constructor."""
+
 
 @dataclass(**_frozen)
 class TargetConfig:
@@ -414,9 +419,16 @@ class MilesConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray cluster."""
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    """User code allowed in ``_target_``."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight-sync transport axis (``weight_sync=``)."""
-    """User code allowed in ``_target_``."""
+    hooks: tuple[TargetConfig, ...] = ()
+    """Hook chain (:mod:`miles.hooks`): objects called in list order at named points of the loop
+    (``on_run_start``, ``after_rollout``, ``after_reward``, ``before_train``, ``after_train``,
+    ``after_weight_sync``, ``after_eval``, ``on_checkpoint``, ``on_run_end``), each a method of the
+    point's name; a hook implements any of them. Every other key of an entry is a constructor argument,
+    except the reserved ``_optional_: true`` (:data:`HOOK_OPTIONAL_KEY`): an exception from that hook is
+    logged and counted in ``hooks/errors`` instead of failing the run. Checked before Ray starts."""
 
 
 # The config groups selectable from the command line, and their schema.

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from miles.config.schema import GROUP_SCHEMAS, SPECIAL_KEYS, MilesConfig, TargetConfig
+from miles.config.schema import GROUP_SCHEMAS, HOOK_OPTIONAL_KEY, SPECIAL_KEYS, MilesConfig, TargetConfig
 
 
 class ConfigError(ValueError):
@@ -205,6 +205,7 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)
+    _check_hooks(run)
 
 
 def _check_checkpointing(run: MilesConfig) -> None:
@@ -258,6 +259,17 @@ def _check_algo_trainer_sync(run: MilesConfig) -> None:
     if a.estimator == "gae" and a.policy_loss.target.endswith(".gspo_loss"):
         raise ConfigError("algo.policy_loss: gspo_loss takes one advantage per sequence; with "
                           "algo.estimator=gae (per-token advantages) use ppo_clip_loss or dual_clip_ppo_loss")
+
+
+def _check_hooks(run: MilesConfig) -> None:
+    """``hooks`` entries: objects (no ``_partial_``), and ``_optional_`` a boolean."""
+    for i, h in enumerate(run.hooks):
+        optional = h.kwargs.get(HOOK_OPTIONAL_KEY, False)
+        if not isinstance(optional, bool):
+            raise ConfigError(f"hooks[{i}].{HOOK_OPTIONAL_KEY}: expected true or false, found {optional!r}")
+        if h.partial:
+            raise ConfigError(f"hooks[{i}]._partial_: a hook is an object whose methods are called at the loop's "
+                              f"points, not a function to bind; remove _partial_ from '{h.target}'")
 
 
 # --- command-line pre-check ---------------------------------------------------------------------

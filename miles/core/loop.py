@@ -20,7 +20,8 @@ One step, synchronously:
    ``trainer.eval_every`` steps, and at the end.
 
 With ``trainer.save_every`` the loop writes run checkpoints, and ``trainer.resume_from`` continues
-from one (:mod:`miles.core.resume`).
+from one (:mod:`miles.core.resume`). The ``hooks:`` chain is called at named points of every step
+(:mod:`miles.hooks`); a hook may add metrics or end the run after the current step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,6 +46,7 @@ from miles.algos.shaping import shape_overlong_rewards
 from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.progress import Progress
+from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
 from miles.types import Problem, Sample, SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
@@ -74,6 +76,8 @@ class LoopContext:
     """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""
     save_dir: str | None = None
     """Where run checkpoints go when ``trainer.save_every`` is set (:mod:`miles.core.resume`)."""
+    hooks: HookChain = field(default_factory=HookChain)
+    """The ``hooks:`` chain (:mod:`miles.hooks`), called at the points of the loop; empty: none."""
 
 
 def train(ctx: LoopContext) -> dict[str, float]:
@@ -86,18 +90,23 @@ def train(ctx: LoopContext) -> dict[str, float]:
         max_new_tokens=run.rollout.max_new_tokens,
     )
     log_batch_sizes(run)
+    hooks = ctx.hooks
 
-    first, next_group_id = 1, 0
+    first, next_group_id, metrics = 1, 0, {}
     if run.trainer.resume_from is not None:
         state = _resume(ctx)
         first, next_group_id = state.step + 1, state.next_group_id
         rng.setstate(state.rng_state)
-    else:
+    hooks.on_run_start(first - 1)
+    if run.trainer.resume_from is None:
         metrics = evaluate(ctx, eval_set)
-        ctx.log_metrics(metrics, 0)
+        hooks.after_eval(0, metrics)
+        ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
         log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
     progress = Progress(run.trainer.num_steps, first=first)
     for step in range(first, run.trainer.num_steps + 1):
+        if hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
+            break
         t0 = time.perf_counter()
 
         # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
@@ -107,12 +116,14 @@ def train(ctx: LoopContext) -> dict[str, float]:
             seed=run.seed * 1_000_003 + next_group_id, first_group_id=next_group_id,
         )
         next_group_id += int(metrics["rollout/groups"])
+        hooks.after_rollout(step, groups)
         t1 = time.perf_counter()
 
         # 3. advantages: how much better each response is than its siblings (failed ones sit out),
         # or, with a critic (PPO), than the critic expected at each token (GAE)
         if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
             metrics |= shape_overlong(groups, run)
+        hooks.after_reward(step, groups)  # the rewards are final: advantages come from them
         gae = algo.estimator == "gae"
         metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
         samples = [s for g in groups for s in g]
@@ -128,6 +139,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
                 [s.reward for s in samples], values, batch.loss_mask,
                 gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
             )
+        hooks.before_train(step, batch)
 
         # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
         # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
@@ -143,26 +155,31 @@ def train(ctx: LoopContext) -> dict[str, float]:
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
             log.warning("step %d: no trainable sample (%s); skipping the update", step, _why_untrainable(samples))
         ray.get(offloading)
+        hooks.after_train(step, metrics)
         t2 = time.perf_counter()
 
         # 5. sync: the engines still in rotation sample from the new weights from now on
         metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
+        hooks.after_weight_sync(step, step)
         t3 = time.perf_counter()
 
-        # 6. evaluate and log
-        if step == run.trainer.num_steps or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
-            metrics |= evaluate(ctx, eval_set)
+        # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
+        last = step == run.trainer.num_steps or hooks.stop_reason is not None
+        if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
+            evaluated = evaluate(ctx, eval_set)
+            hooks.after_eval(step, evaluated)
+            metrics |= evaluated
         metrics |= {
             "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
             "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-        }
+        } | hooks.pop_metrics()
         ctx.log_metrics(metrics, step)
         if ctx.log_distributions is not None:
             ctx.log_distributions({"train/reward": [s.reward for s in samples],
                                    "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
         progress.update(step, metrics)
         every = run.trainer.save_every
-        if every and (step % every == 0 or step == run.trainer.num_steps):
+        if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
             _save(ctx, step, rng, next_group_id)
     progress.close()
     return metrics
@@ -181,6 +198,7 @@ def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
                        keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
+    ctx.hooks.on_checkpoint(step, str(path))
 
 
 def _resume(ctx: LoopContext) -> resume.LoopState:

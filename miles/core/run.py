@@ -22,10 +22,11 @@ log = logging.getLogger("miles")
 
 def build_components(run: MilesConfig) -> dict[str, Any]:
     """Everything that comes from a ``_target_``: task, reward, advantage estimator, model spec,
-    generate function, sample filters, and the engine / trainer / critic classes.
+    generate function, sample filters, hooks, and the engine / trainer / critic classes.
 
     All targets are checked against the allowlist before any of them is imported, and the backend
-    classes against their Protocols (:mod:`miles.backends.contract`), before Ray starts.
+    classes and hooks against their Protocols (:mod:`miles.backends.contract`,
+    :mod:`miles.hooks.protocols`), before Ray starts.
     """
     from miles.core.actors import backends
     from miles.rollout.manager import check_config as check_rollout_config
@@ -57,6 +58,9 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
             "from random weights with a task-trained tokenizer (miles builds only the small flavors from scratch). "
             f"Set model.path to a local HF checkpoint of it, or pick a small flavor.")
     parts["backends"] = backends(run)
+    from miles.hooks import build_hooks
+
+    parts["hooks"] = build_hooks(run, parts["task"])
     check_rollout_config(run.rollout)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
     # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts
@@ -113,6 +117,7 @@ def run_job(
     from miles.core.actors import create_actors, park_actors
     from miles.core.cluster import check_fits_locally, device, start_ray
     from miles.core.loop import LoopContext, train
+    from miles.hooks import HookChain
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
@@ -130,12 +135,13 @@ def run_job(
     parts = build_components(run)
     checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    tracker = actors = rollout = reward = transport = None
+    tracker = hooks = actors = rollout = reward = transport = None
     started_ray = False
     status = "FAILED"
     try:  # from here on a failure ends the tracking run as FAILED, never leaves it RUNNING
         tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
                                config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
+        hooks = HookChain(parts["hooks"], config=run, task=parts["task"], set_tags=tracker.set_tags)
         started_ray = start_ray(run, keep=keep_ray)
         reward = RewardRunner(  # its workers start while Ray does
             run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
@@ -155,12 +161,14 @@ def run_job(
             critics=actors.critics, transport=transport,
             start_offload=actors.start_offload,
             log_distributions=tracker.log_distributions,
-            save_dir=save_dir,
+            save_dir=save_dir, hooks=hooks,
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
         final = train(ctx)
         final["perf/wall_time_s"] = time.perf_counter() - t_start
-        tracker.log_metrics({"perf/wall_time_s": final["perf/wall_time_s"]}, run.trainer.num_steps)
+        hooks.on_run_end(final, "FINISHED")
+        # at the run's last step: num_steps, or the step a hook stopped it at
+        tracker.log_metrics({"perf/wall_time_s": final["perf/wall_time_s"]} | hooks.pop_metrics(), hooks.step)
         status = "FINISHED"
         log.info("done in %.1fs: eval/accuracy %.3f (greedy %.3f)", final["perf/wall_time_s"],
                  final.get("eval/accuracy", float("nan")), final.get("eval/greedy_accuracy", float("nan")))
@@ -169,6 +177,9 @@ def run_job(
         status = "KILLED"
         raise
     finally:
+        if status != "FINISHED" and hooks is not None:  # the hooks hear of the failure; their errors are logged
+            hooks.on_run_end({}, status)
+            tracker.log_metrics(hooks.pop_metrics(), hooks.step)
         # the run's plots and last metrics go out while the actors and Ray stop (each takes seconds)
         finishing = threading.Thread(target=tracker.finish if tracker is not None else lambda _: None,
                                      args=(status,), name="miles-tracking-finish")

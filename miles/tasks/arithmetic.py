@@ -11,6 +11,10 @@ problems, and right at least once in 8 samples at temperature 1 on about
 two thirds of them: partial skill, with signal and headroom for RL. Subtraction puts the larger operand first, so answers are
 never negative.
 
+Difficulty knob (:class:`miles.tasks.procedural.Difficulty`): ``max_operand`` (operands of more
+digits: each operand's digit count is drawn first, so raising it from 30 to 300 adds 3-digit
+problems without removing the easy ones).
+
 Held-out evaluation: a hashed split of the problems (:mod:`miles.tasks.procedural`).
 A tiny model mostly memorises arithmetic facts, which do not carry over to
 held-out problems; the default task is :mod:`miles.tasks.largest`, whose one
@@ -34,6 +38,8 @@ class ArithmeticTask(ProceduralTask):
     ``heldout_fraction`` of all problems form the evaluation split, chosen by a hash seeded with ``eval_seed``.
     """
 
+    difficulty_knobs = ("max_operand",)
+
     def __init__(
         self,
         *,
@@ -43,14 +49,17 @@ class ArithmeticTask(ProceduralTask):
         eval_seed: int = 12345,
     ) -> None:
         super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed)
-        if max_operand < 1:
-            raise ValueError(f"max_operand: must be at least 1, found {max_operand}")
         ops = tuple(ops)
         bad = [op for op in ops if op not in VALID_OPS]
         if not ops or bad:
             raise ValueError(f"ops: expected a non-empty list of {list(VALID_OPS)}, found {list(ops)}")
-        self.max_operand = max_operand
         self.ops = ops
+        self._set_difficulty(max_operand=max_operand)
+
+    def _set_difficulty(self, *, max_operand: int) -> None:
+        if max_operand < 1:
+            raise ValueError(f"max_operand: must be at least 1, found {max_operand}")
+        self.max_operand = max_operand
         self._max_digits = len(str(max_operand))
 
     def _operand(self, rng: random.Random) -> int:

@@ -8,6 +8,10 @@ static batching wastes most of its work and continuous batching pays off
 skill shared by every problem, so RL gains carry to held-out problems; a long
 count must be right in every number to score 1.
 
+Difficulty knobs (:class:`miles.tasks.procedural.Difficulty`): ``max_span`` (longer counts; keep
+``rollout.max_new_tokens`` above it, each number is one or two tokens) and ``max_start``
+(counts among larger numbers).
+
 Held-out evaluation: a hashed split of ``(start, span)`` (:mod:`miles.tasks.procedural`).
 """
 
@@ -23,9 +27,14 @@ __all__ = ["CountTask", "count_reward"]
 class CountTask(ProceduralTask):
     """Counts of ``span`` in ``[1, max_span]`` consecutive integers starting in ``[0, max_start]``."""
 
+    difficulty_knobs = ("max_start", "max_span")
+
     def __init__(self, *, max_start: int = 99, max_span: int = 64, heldout_fraction: float = 0.1,
                  eval_seed: int = 12345) -> None:
         super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed)
+        self._set_difficulty(max_start=max_start, max_span=max_span)
+
+    def _set_difficulty(self, *, max_start: int, max_span: int) -> None:
         if max_start < 0:
             raise ValueError(f"max_start: must be >= 0, found {max_start}")
         if max_span < 1:

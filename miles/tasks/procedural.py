@@ -8,6 +8,13 @@ mix of easy and hard problems on both sides. ``sample`` only returns training
 keys; ``eval_problems`` is the first ``n`` distinct evaluation keys of a fixed
 stream, so no training prompt is ever an evaluation problem (keys with the
 same ``key_text`` are one problem).
+
+Difficulty: a task with integer knobs (list length, operand range, ...) names them in
+``difficulty_knobs`` and implements :class:`Difficulty`; ``set_difficulty`` changes some of them
+while the run goes on (:class:`miles.hooks.Curriculum` raises them as the reward rises). Later
+``sample`` calls draw from the new range; the held-out split stays a hash of the key, so no
+training prompt is an evaluation problem at any difficulty. ``eval_problems`` draws at the current
+difficulty: the loop takes its evaluation set once, at the start of the run.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import hashlib
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from miles.config.validate import suggest
 
 
 @dataclass(frozen=True)
@@ -46,11 +55,33 @@ def exact_answer_reward(response_text: str, label: str) -> float:
     return 1.0 if response_text.strip() == str(label).strip() else 0.0
 
 
+class Difficulty(Protocol):
+    """A task whose difficulty can change during a run, through named integer knobs."""
+
+    def difficulty(self) -> dict[str, int]:
+        """The knobs and their current values, e.g. ``{"list_len": 5, "max_value": 99}``."""
+        ...
+
+    def set_difficulty(self, **knobs: int) -> None:
+        """Set some knobs (the others keep their values); later ``sample`` calls draw from the new range.
+
+        Raises ``ValueError`` naming the knob for an unknown knob or a value the task's constructor
+        would refuse, and then changes nothing.
+        """
+        ...
+
+
 class ProceduralTask:
-    """Base of the built-in tasks: subclasses define :meth:`draw`, :meth:`key_text` and :meth:`problem`."""
+    """Base of the built-in tasks: subclasses define :meth:`draw`, :meth:`key_text` and :meth:`problem`.
+
+    A subclass with a difficulty lists its knobs (constructor arguments) in ``difficulty_knobs`` and
+    checks and applies a full set of their values in :meth:`_set_difficulty`.
+    """
 
     heldout_fraction: float
     eval_seed: int
+    difficulty_knobs: tuple[str, ...] = ()
+    """Integer constructor arguments :meth:`set_difficulty` may change (empty: a fixed difficulty)."""
 
     def __init__(self, *, heldout_fraction: float, eval_seed: int) -> None:
         if not 0.0 < heldout_fraction < 1.0:
@@ -66,6 +97,27 @@ class ProceduralTask:
         raise NotImplementedError
 
     def problem(self, key: Hashable) -> Problem:
+        raise NotImplementedError
+
+    def difficulty(self) -> dict[str, int]:
+        """The current value of every knob in ``difficulty_knobs`` (:class:`Difficulty`)."""
+        return {k: getattr(self, k) for k in self.difficulty_knobs}
+
+    def set_difficulty(self, **knobs: int) -> None:
+        """Change some knobs of ``difficulty_knobs``, checked as the constructor checks them (:class:`Difficulty`)."""
+        name = type(self).__name__
+        if not self.difficulty_knobs:
+            raise ValueError(f"{name} has a fixed difficulty: it has no difficulty knobs to set")
+        for k, v in knobs.items():
+            if k not in self.difficulty_knobs:
+                raise ValueError(f"{k}: not a difficulty knob of {name}{suggest(k, self.difficulty_knobs)}; "
+                                 f"its knobs: {', '.join(self.difficulty_knobs)}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{k}: expected an integer, found {v!r}")
+        self._set_difficulty(**(self.difficulty() | knobs))
+
+    def _set_difficulty(self, **knobs: int) -> None:
+        """Check a full set of knob values (``ValueError`` naming the knob) and apply them all, or none."""
         raise NotImplementedError
 
     def is_heldout_key(self, key: Hashable) -> bool:

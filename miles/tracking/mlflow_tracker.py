@@ -159,6 +159,10 @@ class MlflowTracker:
         self.history.add(finite, step)
         self._outbox.put_metrics([(k, v, now, step) for k, v in finite.items()])
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set run tags while the run goes on (e.g. ``miles.stop_reason``); returns at once."""
+        self._outbox.put_tags(clamp_tags(tags))
+
     def log_distributions(self, values: Mapping[str, Sequence[float]], step: int) -> None:
         """Per-sample values of one step (e.g. ``train/reward``, ``rollout/response_len``).
 
@@ -225,6 +229,9 @@ class ConsoleTracker:
     run_id = None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
         pass
 
     def log_distributions(self, values: Mapping[str, Sequence[float]], step: int) -> None:

@@ -70,6 +70,7 @@ class Outbox:
         self._status: str | None = None  # set by close(): the run's final status
         self._terminated = False
         self._rest_tags: list[Any] = []  # tags past the first 100, params: sent after the run exists
+        self._tags: dict[str, str] = {}  # tags set while the run goes on (put_tags)
         self._params: list[Any] = []
         self._cond = threading.Condition()
         self._closing = threading.Event()
@@ -82,6 +83,12 @@ class Outbox:
         """Queue ``(key, value, timestamp_ms, step)`` tuples."""
         with self._cond:
             self._metrics.extend(metrics)
+            self._cond.notify()
+
+    def put_tags(self, tags: dict[str, str]) -> None:
+        """Queue tags set while the run goes on (a tag set twice keeps its last value)."""
+        with self._cond:
+            self._tags.update(tags)
             self._cond.notify()
 
     def put_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None:
@@ -128,7 +135,7 @@ class Outbox:
             with self._cond:
                 if self._status == "ABANDONED":
                     return
-                if not (self._metrics or self._uploads or self._status or self.run_id is None):
+                if not (self._metrics or self._uploads or self._tags or self._status or self.run_id is None):
                     self._cond.wait(timeout=5.0)
                     continue
             try:
@@ -194,6 +201,16 @@ class Outbox:
         if spec.artifact_dir is not None:
             self._guard("artifacts", client.log_artifacts, self.run_id, str(spec.artifact_dir))
             spec.artifact_dir = None
+        while True:
+            with self._cond:
+                tags = dict(list(self._tags.items())[:MAX_PARAMS_PER_BATCH])
+            if not tags:
+                break
+            self._guard("tags", client.log_batch, self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            with self._cond:
+                for k, v in tags.items():
+                    if self._tags.get(k) == v:  # unless set again meanwhile
+                        del self._tags[k]
         while True:
             with self._cond:
                 batch = self._metrics[:MAX_METRICS_PER_BATCH]
