@@ -76,7 +76,7 @@ def test_placement_that_never_becomes_ready_fails_within_its_timeout(ray_cluster
 
 
 def test_eval_standard_error_is_over_prompts() -> None:
-    from miles.core.loop import _standard_error
+    from miles.core.evaluate import _standard_error
 
     assert _standard_error([1.0, 0.0, 1.0, 0.0]) == pytest.approx(0.57735 / 2, abs=1e-5)
     assert _standard_error([0.5]) == 0.0 and _standard_error([0.3, 0.3, 0.3]) == 0.0

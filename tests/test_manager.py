@@ -21,7 +21,7 @@ import torch
 from miles.config import ConfigError, TargetConfig, validate
 from miles.config.schema import PrecisionConfig, RolloutConfig
 from miles.core.actors import ENGINE_MAX_CONCURRENCY
-from miles.core.loop import assign_advantages
+from miles.core.groups import assign_advantages
 from miles.rewards import RewardRunner
 from miles.rollout.dispatch import AllEnginesDeadError
 from miles.rollout.filters import nonzero_reward_std

@@ -66,7 +66,7 @@ def test_per_row_filters_equal_the_scalar_filter_row_by_row() -> None:
 def test_evaluation_never_draws_a_training_groups_noise() -> None:
     """Evaluation groups have a seed stream of their own: no run seed's evaluation shares a seed with any
     training group of that run or of another (training group i of run seed s is seeded s * 1_000_003 + i)."""
-    from miles.core.loop import eval_seed
+    from miles.core.evaluate import eval_seed
 
     training = {s * 1_000_003 + i for s in range(8) for i in range(20_000)}
     evaluation = [eval_seed(s) + g for s in range(8) for g in range(1_000)]

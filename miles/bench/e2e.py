@@ -27,7 +27,7 @@ Workloads:
 
 Step time is the median over steps 2..N (step 1 pays one-time warmup on both
 sides). Eval accuracy is measured for both by the same function
-(:func:`miles.core.loop.evaluate`: pass@1 from ``rollout.eval_samples_per_prompt``
+(:func:`miles.core.evaluate.evaluate`: pass@1 from ``rollout.eval_samples_per_prompt``
 samples on the task's held-out prompts, sampled with the run's seed on both sides),
 on miles' final weights inside its run and on TRL's final model saved and loaded
 into a miles engine.
@@ -188,7 +188,8 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
 
     from miles.core.actors import ENGINE_MAX_CONCURRENCY
     from miles.core.cluster import actor_env, start_ray
-    from miles.core.loop import LoopContext, evaluate
+    from miles.core.evaluate import evaluate
+    from miles.core.loop import LoopContext
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.rollout.torch_engine import TorchEngine

@@ -27,13 +27,9 @@ from one (:mod:`miles.core.resume`). The ``hooks:`` chain is called at named poi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import math
 import random
-import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,13 +38,14 @@ import ray
 import torch
 
 from miles.algos.gae import gae_from_lists
-from miles.algos.shaping import shape_overlong_rewards
 from miles.config.schema import MilesConfig
 from miles.core import resume
+from miles.core.evaluate import evaluate
+from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.progress import Progress
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
-from miles.types import Problem, Sample, SamplingParams, Status, TrainBatch
+from miles.types import SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
 
 log = logging.getLogger(__name__)
@@ -151,9 +148,9 @@ def train(ctx: LoopContext) -> dict[str, float]:
             if gae:
                 metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
         elif all(s.status is Status.FAILED for s in samples):
-            raise RuntimeError(f"step {step}: every sample failed ({_why_untrainable(samples)}); see the log above")
+            raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
-            log.warning("step %d: no trainable sample (%s); skipping the update", step, _why_untrainable(samples))
+            log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
         ray.get(offloading)
         hooks.after_train(step, metrics)
         t2 = time.perf_counter()
@@ -216,121 +213,6 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state
-
-
-def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
-    """Held-out prompts, scored by the task reward.
-
-    ``eval/accuracy`` is pass@1 estimated from ``rollout.eval_samples_per_prompt`` samples per prompt at
-    ``rollout.eval_temperature`` (the mean reward; greedy with one sample when the temperature is 0);
-    ``eval/greedy_accuracy`` is greedy decoding, logged alongside. ``eval/accuracy_se`` is the standard
-    error of ``eval/accuracy`` over prompts: differences within about two of it are noise. Every
-    evaluation of a run samples with the same noise (:func:`eval_seed`), so evaluations of different
-    weights differ by the weights alone.
-    """
-    r = ctx.run.rollout
-    greedy = SamplingParams(greedy=True, max_new_tokens=r.max_new_tokens)
-    out = {}
-    if r.eval_temperature > 0:
-        sampling = SamplingParams(temperature=r.eval_temperature, max_new_tokens=r.max_new_tokens)
-        groups, m = ctx.rollout.rollout(problems, r.eval_samples_per_prompt, sampling, seed=eval_seed(ctx.run.seed))
-        out["eval/accuracy"] = sum(s.reward for g in groups for s in g) / sum(len(g) for g in groups)
-        out["eval/accuracy_se"] = _standard_error([sum(s.reward for s in g) / len(g) for g in groups])
-        out[f"eval/pass_at_{r.eval_samples_per_prompt}"] = sum(max(s.reward for s in g) > 0 for g in groups) / len(groups)
-        out["eval/response_len_mean"] = m["rollout/response_len_mean"]
-    groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=eval_seed(ctx.run.seed))
-    out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
-    out["eval/failed"] = m["rollout/failed"]  # a failed response scores 0 above
-    out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])
-    out.setdefault("eval/accuracy_se", _standard_error([g[0].reward for g in groups]))
-    out.setdefault("eval/response_len_mean", m["rollout/response_len_mean"])
-    return out
-
-
-def eval_seed(seed: int) -> int:
-    """Sampling seed of evaluation group 0 (group ``g`` gets ``+ g``) for run seed ``seed``.
-
-    A stream of its own: training group ``i`` is seeded ``seed * 1_000_003 + i``, and evaluation seeded
-    ``seed + g`` gave run seed 0's evaluation prompts the noise of its first training groups.
-    """
-    return int.from_bytes(hashlib.sha256(f"miles-eval:{seed}".encode()).digest()[:7], "little")
-
-
-def _standard_error(per_prompt: Sequence[float]) -> float:
-    """Standard error of the mean over prompts (samples of one prompt are not independent draws)."""
-    if len(per_prompt) < 2:
-        return 0.0
-    return statistics.stdev(per_prompt) / math.sqrt(len(per_prompt))
-
-
-def assign_advantages(groups: Sequence[Sequence[Sample]], advantage_fn: Callable[[torch.Tensor], torch.Tensor]
-                      ) -> dict[str, float]:
-    """Set every sample's advantage from its group's *trainable* samples; returns reward metrics.
-
-    Samples that are not trainable (failed, aborted, in a filtered group) stay in their group with
-    advantage 0 and an all-zero loss mask: out of the loss and out of their group's statistics.
-    Groups are stacked by their number ``k`` of trainable samples into ``[G_k, k]`` rewards, one
-    ``advantage_fn`` call per ``k`` (usually a single ``[G, n]`` call). A group with fewer trainable
-    samples than the estimator accepts (a group baseline needs 2) has no baseline: advantage 0 and
-    masked out too. Batch-normalised estimators (REINFORCE++) see per-``k`` statistics.
-    """
-    n = max(len(g) for g in groups)
-    by_size: dict[int, list[list[Sample]]] = {}
-    for group in groups:
-        valid = [s for s in group if s.trainable]
-        for s in group:
-            if not s.trainable:
-                s.advantage, s.loss_mask = 0.0, [0] * len(s.response_ids)
-        if valid:
-            by_size.setdefault(len(valid), []).append(valid)
-    for k, valid_groups in by_size.items():
-        rewards = torch.tensor([[s.reward for s in g] for g in valid_groups], dtype=torch.float32)
-        try:
-            advantages = advantage_fn(rewards).tolist()
-        except ValueError:
-            if k == n:
-                raise
-            advantages = [[0.0] * k for _ in valid_groups]
-            for s in (s for g in valid_groups for s in g):
-                s.loss_mask = [0] * len(s.response_ids)
-        for group, advs in zip(valid_groups, advantages, strict=True):
-            for sample, adv in zip(group, advs, strict=True):
-                sample.advantage = adv
-    return reward_metrics(groups)
-
-
-def shape_overlong(groups: Sequence[Sequence[Sample]], run: MilesConfig) -> dict[str, float]:
-    """DAPO soft overlong punishment added to every sample's reward; the penalty's mean as a metric."""
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([[len(s.response_ids) for s in g] for g in groups])
-    shaped = shape_overlong_rewards(rewards, lengths, max_len=run.rollout.max_new_tokens,
-                                    buffer_len=run.algo.overlong_buffer_len,
-                                    penalty_factor=run.algo.overlong_penalty_factor)
-    for group, row in zip(groups, shaped.tolist(), strict=True):
-        for s, r in zip(group, row, strict=True):
-            s.reward = r
-    return {"train/overlong_penalty_mean": (shaped - rewards).mean().item()}
-
-
-def reward_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
-    """Mean and std of the trainable samples' rewards, the share of groups whose trainable rewards are
-    all equal (no signal), and how many samples are trainable / left out of the loss."""
-    rewards = [[s.reward for s in g if s.trainable] for g in groups]
-    flat = torch.tensor([r for g in rewards for r in g], dtype=torch.float32)
-    stds = [torch.tensor(g).std(unbiased=False).item() for g in rewards if g]
-    return {
-        "train/reward_mean": flat.mean().item() if len(flat) else float("nan"),
-        "train/reward_std": flat.std(unbiased=False).item() if len(flat) else float("nan"),
-        "train/zero_std_group_frac": sum(s == 0 for s in stds) / max(len(stds), 1),
-        "train/trainable_samples": float(len(flat)),
-        "train/excluded_samples": float(sum(len(g) for g in groups) - len(flat)),
-    }
-
-
-def _why_untrainable(samples: Sequence[Sample]) -> str:
-    """The most common reasons samples are out of the loss, for a log line."""
-    reasons = Counter(s.failure or s.filtered or s.status.value for s in samples if not s.trainable)
-    return "; ".join(f"{c} x {r}" for r, c in reasons.most_common(3))
 
 
 def log_batch_sizes(run: MilesConfig) -> None:
