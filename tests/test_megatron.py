@@ -388,3 +388,17 @@ def test_compat_redirects_exactly_the_known_sites(layouts: Layouts):
     assert not (new or gone or changed), (
         f"megatron-core's CUDA call sites moved (miles/train/megatron/compat.py, pinned to 0.16.1): new {new}, "
         f"no longer seen {gone}, changed {changed}; update compat.py's table and EXPECTED_SITES")
+
+
+def test_the_driver_side_imports_no_megatron():
+    """``import miles``, resolving ``trainer=megatron`` and its class checks import nothing from megatron."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import miles; from miles.config.validate import validate; "
+            "from miles.core.actors import backends; "
+            "b = backends(validate({'trainer': {'_target_': 'miles.train.megatron.MegatronTrainer', "
+            "'tensor_parallel': 2, 'shared_prompt_forward': False}, 'placement': {'trainer_world_size': 2}})); "
+            "print(b.trainer.__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "MegatronTrainer []", out.stdout + out.stderr

@@ -35,10 +35,10 @@ from miles.train.megatron.mapping import (
 )
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not tensors:
-        return torch.zeros(0)
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+        return torch.zeros(0, device=device)
+    return torch.cat([t.detach().to(device, torch.float32).reshape(-1) for t in tensors])
 
 
 def _unflat(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -55,8 +55,8 @@ def _unflat(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
 class ShardedIO:
     """HF-named tensors <-> this rank's megatron shards, for one model layout (parallel groups initialized)."""
 
-    def __init__(self, arch: Arch, hf_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.arch = arch
+    def __init__(self, arch: Arch, hf_shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> None:
+        self.arch, self.device = arch, device  # collectives run on ``device`` (NCCL needs CUDA tensors)
         self.hf_shapes = dict(hf_shapes)
         self.piece_shapes = piece_shapes(hf_shapes)
         self.coords = Coords(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -67,10 +67,11 @@ class ShardedIO:
         self.owns_dense = self.coords.tp_rank == 0 and ps.get_data_parallel_rank() == 0
         self.owns_experts = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        mine = torch.tensor([self.coords.pp_rank, self.coords.ep_rank, int(self.owns_dense), int(self.owns_experts)])
+        mine = torch.tensor([self.coords.pp_rank, self.coords.ep_rank, int(self.owns_dense), int(self.owns_experts)],
+                            device=device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine)
-        self._others = [tuple(int(x) for x in t) for t in everyone]
+        self._others = [tuple(int(x) for x in t.tolist()) for t in everyone]
 
     def check_names(self, local_names: list[str]) -> None:
         """The model's parameter names are the mapping's (an upgrade that renames them fails here)."""
@@ -100,12 +101,12 @@ class ShardedIO:
         shapes = [self.hf_shapes[n] for n in names]
         if self.rank == 0:
             assert hf is not None
-            buf = _flat([hf[n] for n in names])
+            buf = _flat([hf[n] for n in names], self.device)
         else:
-            buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes))
+            buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes), device=self.device)
         if self.world_size > 1:
             dist.broadcast(buf, src=0)
-        return dict(zip(names, _unflat(buf, shapes), strict=True))
+        return dict(zip(names, _unflat(buf.cpu(), shapes), strict=True))
 
     # --- shards -> HF on rank 0 --------------------------------------------------------------------
 
@@ -123,10 +124,10 @@ class ShardedIO:
         if size == 1 or not ents:
             return {e.local: [local[e.local]] for e in ents}
         shapes = [tuple(local[e.local].shape) for e in ents]
-        mine = _flat([local[e.local] for e in ents])
+        mine = _flat([local[e.local] for e in ents], self.device)
         parts = [torch.zeros_like(mine) for _ in range(size)]
         dist.all_gather(parts, mine, group=group)
-        per_rank = [_unflat(p, shapes) for p in parts]
+        per_rank = [_unflat(p.cpu(), shapes) for p in parts]
         return {e.local: [r[i] for r in per_rank] for i, e in enumerate(ents)}
 
     def gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -141,7 +142,7 @@ class ShardedIO:
             mine.update({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in cut.items()})
         if self.rank != 0:
             if mine:
-                dist.send(_flat(list(mine.values())).contiguous(), dst=0)
+                dist.send(_flat(list(mine.values()), self.device), dst=0)
             return None
         pieces = dict(mine)
         for r in range(1, self.world_size):
@@ -150,9 +151,9 @@ class ShardedIO:
             if not names:
                 continue
             shapes = [self.piece_shapes[n] for n in names]
-            buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes))
+            buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes), device=self.device)
             dist.recv(buf, src=r)
-            pieces.update(zip(names, _unflat(buf, shapes), strict=True))
+            pieces.update(zip(names, _unflat(buf.cpu(), shapes), strict=True))
         return join_experts(pieces, self.hf_shapes, self.arch)
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:

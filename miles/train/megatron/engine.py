@@ -30,7 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from miles.train.batching import PaddedBatch, response_logits
+from miles.train.batching import PaddedBatch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.collect import ShardedIO
 from miles.train.megatron.dims import ParallelDims
@@ -48,17 +48,22 @@ class Engine:
 
     def __init__(self, arch: Arch, dims: ParallelDims, hf_shapes: Mapping[str, tuple[int, ...]], *, seed: int,
                  device: torch.device, bf16: bool = False) -> None:
+        if device.type == "cpu" and torch.cuda.is_available():
+            raise ValueError("the megatron trainer on the CPU in a process that sees a CUDA device: megatron-core "
+                             "allocates on the current CUDA device there. Use placement.device=cuda, or hide the "
+                             "GPUs from the trainer (CUDA_VISIBLE_DEVICES=)")
         self.arch, self.dims, self.device, self.bf16 = arch, dims, device, bf16
         logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every bucket's parameters
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      expert_model_parallel_size=dims.ep)
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
-        self.io = ShardedIO(arch, hf_shapes)
+        self.io = ShardedIO(arch, hf_shapes, device)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.edp_rank = ps.get_expert_data_parallel_rank()
         self.is_last = ps.is_pipeline_last_stage()
         self.vocab_start = self.tp_rank * padded_vocab(arch, dims.tp) // dims.tp
+        self._keep: torch.Tensor | None = None  # [B, Tr] positions whose logits the pass needs (None: all)
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
 
@@ -79,12 +84,23 @@ class Engine:
                 params[name].copy_(t)
         model.to(self.device)
         model.eval()  # dropout is 0 anyway; the same mode as FSDP's model and the engines'
+        if model.post_process:
+            model.output_layer.register_forward_pre_hook(self._keep_positions, with_kwargs=True)
         if not trainable:
             model.requires_grad_(False)
             return model
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)
         return DistributedDataParallel(config, ddp, model)
+
+    def _keep_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Forward pre-hook of the output layer: only the hidden states at ``self._keep`` ([S, B, H] ->
+        [Tr, B, H]) reach the LM head, as FSDP's ``logits_to_keep`` (prompt positions need no logits)."""
+        if self._keep is None:
+            return None
+        hidden = args[0]
+        index = self._keep.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return (hidden.gather(0, index), *args[1:]), kwargs
 
     @staticmethod
     def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -99,9 +115,11 @@ class Engine:
     # --- passes ------------------------------------------------------------------------------------
 
     def _run(self, model: torch.nn.Module, micro: list[PaddedBatch],
-             on_logits: Callable[[int, torch.Tensor], torch.Tensor], *, forward_only: bool) -> None:
-        """Every micro-batch through megatron's schedule; ``on_logits(j, logits [B, L, V/TP])`` on the last
-        stage returns the loss share to backpropagate."""
+             on_logits: Callable[[int, torch.Tensor], torch.Tensor], *, forward_only: bool,
+             responses_only: bool = True) -> None:
+        """Every micro-batch through megatron's schedule; ``on_logits(j, logits)`` on the last stage returns
+        the loss share to backpropagate. logits: [B, Tr, V/TP] at the positions that predict the response
+        tokens (``logit_index``), or [B, L, V/TP] at every position without ``responses_only``."""
 
         def loss_func(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss = on_logits(j, logits)
@@ -110,6 +128,7 @@ class Engine:
         def forward_step(data_iterator: object, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
             j = next(data_iterator)  # type: ignore[call-overload]
             p = micro[j]
+            self._keep = p.logit_index if responses_only else None
             out = model(input_ids=p.input_ids, position_ids=p.position_ids,
                         attention_mask=causal_mask(p.input_ids.shape[1], self.device))
             return out, functools.partial(loss_func, j)
@@ -125,15 +144,13 @@ class Engine:
         tp = self.dims.tp > 1
 
         def max_fn(x: torch.Tensor) -> torch.Tensor:
-            if tp:
-                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self._tp_group)
-            return x
+            return self._reduce(x, dist.ReduceOp.MAX, group=self._tp_group, size=self.dims.tp)
 
         def sum_fn(x: torch.Tensor) -> torch.Tensor:
             return reduce_from_tensor_model_parallel_region(x, group=self._tp_group) if tp else x
 
         return vocab_parallel_logp_entropy(
-            response_logits(logits, p.logit_index), p.targets, vocab_start=self.vocab_start,
+            logits, p.targets, vocab_start=self.vocab_start,
             vocab_size=self.arch.vocab_size, temperature=temperature, sum_fn=sum_fn, max_fn=max_fn,
             with_entropy=with_entropy)
 
@@ -175,7 +192,7 @@ class Engine:
             out[j] = logits[..., : self.arch.vocab_size]
             return torch.zeros((), device=logits.device)
 
-        self._run(model, micro, keep, forward_only=True)
+        self._run(model, micro, keep, forward_only=True, responses_only=False)
         return out
 
     # --- gradients ---------------------------------------------------------------------------------
@@ -195,27 +212,27 @@ class Engine:
 
     # --- reductions --------------------------------------------------------------------------------
 
+    def _reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: object = None,
+                size: int | None = None) -> torch.Tensor:
+        """All-reduce a copy of ``t`` on the communication device; returns it where ``t`` was."""
+        if (dist.get_world_size() if size is None else size) == 1:
+            return t
+        x = t.to(self.device, copy=True)
+        dist.all_reduce(x, op=op, group=group)
+        return x.to(t.device)
+
     def world_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if dist.get_world_size() > 1:
-            dist.all_reduce(t)
-        return t
+        return self._reduce(t)
 
     def world_max(self, t: torch.Tensor) -> torch.Tensor:
-        if dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
+        return self._reduce(t, dist.ReduceOp.MAX)
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel replicas (values the ranks of a replica share)."""
-        if self.dims.dp > 1:
-            dist.all_reduce(t, group=self._dp_group)
-        return t
+        return self._reduce(t, group=self._dp_group, size=self.dims.dp)
 
     def dp_max(self, n: int) -> int:
-        t = torch.tensor([n])
-        if self.dims.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
-        return int(t)
+        return int(self._reduce(torch.tensor([n]), dist.ReduceOp.MAX, group=self._dp_group, size=self.dims.dp))
 
     def last_stage_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over replicas of a value the last stage computed (every TP rank holds it); on every rank."""

@@ -69,16 +69,17 @@ def load_state(trainer: MegatronTrainer, directory: str) -> None:
             p.copy_(local[k])
 
     params = trainer.hf_param_names
-    stepped = torch.tensor([int(any(k.startswith("state.") for k in tensors))])
+    stepped = torch.tensor([int(any(k.startswith("state.") for k in tensors))], device=trainer.device)
     if trainer.world_size > 1:
         dist.broadcast(stepped, src=0)
     opt.state.clear()
     if bool(stepped):
-        step = torch.zeros(())
+        step = torch.zeros((), device=trainer.device)
         if trainer.rank == 0:
-            step = tensors[f"state.{params[0]}.step"].float().reshape(())
+            step = tensors[f"state.{params[0]}.step"].to(trainer.device, torch.float32).reshape(())
         if trainer.world_size > 1:
             dist.broadcast(step, src=0)
+        step = step.cpu()
         shards = {}
         for key in MOMENTS:
             full = io.broadcast({n: tensors[f"state.{n}.{key}"] for n in params} if trainer.rank == 0 else None,

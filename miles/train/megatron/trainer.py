@@ -66,6 +66,17 @@ def _dims(run: MilesConfig, world_size: int) -> ParallelDims:
     return ParallelDims(world_size=world_size, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel)
 
 
+def _import_megatron() -> tuple[Any, Any]:
+    """The modules that import megatron-core (:mod:`.engine`, :mod:`.compat`), without its warnings that
+    Apex and Transformer Engine are missing (this backend uses megatron's local layers on purpose)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+        from miles.train.megatron import compat, engine
+    return engine, compat
+
+
 class MegatronTrainer(Reusable):
     """One rank of the megatron trainer (a plain class; the driver makes it a Ray actor)."""
 
@@ -109,8 +120,6 @@ class MegatronTrainer(Reusable):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        from miles.train.megatron import compat
-
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         t = run.trainer
@@ -122,6 +131,7 @@ class MegatronTrainer(Reusable):
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                             master_port=master_port, device=device)
+        engine, compat = _import_megatron()
         if self.device.type == "cpu":
             compat.install()
         torch.manual_seed(run.seed)
@@ -134,9 +144,6 @@ class MegatronTrainer(Reusable):
         self.hf_shapes = {k: tuple(v.shape) for k, v in hf_sd.items()}
         self.hf_param_names = [n for n, _ in hf.named_parameters()]
         del hf
-
-        from miles.train.megatron import engine
-
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
                                     bf16=run.precision.train_dtype == "bfloat16")
         self.model = self.engine.build(hf_sd, trainable=True)
