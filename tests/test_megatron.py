@@ -289,17 +289,22 @@ def _local(ckpt: Path, run: Any) -> MegatronTrainer:
 
 
 def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
+    """World size 1 with tied embeddings (one stage holds both uses of the weight)."""
     from miles.train.megatron import compat
 
-    hf, batch = fsdp_reference["dense"][:2]
+    hf, batch, grads = fsdp_reference["tied"][:3]
     run = _run()
     check_trainer_class(MegatronTrainer, run)
-    trainer = _local(checkpoints["dense"], run)
+    trainer = _local(checkpoints["tied"], run)
     try:
         ids = _ids(batch)
         with torch.no_grad():
             want = hf(input_ids=torch.tensor(ids)).logits
         torch.testing.assert_close(logits_of(trainer, ids), want, atol=1e-6, rtol=0)
+        got = trainer.compute_gradients(batch)  # the tied weight's gradient sums both of its uses
+        assert got is not None and list(got) == list(grads)
+        for k in grads:
+            torch.testing.assert_close(got[k], grads[k], atol=1e-6, rtol=1e-5, msg=k)
         check_trainer(trainer, batch, hf.state_dict())
         assert set(compat.redirected_sites()) <= set(EXPECTED_SITES)
     finally:
