@@ -312,9 +312,12 @@ def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_
 
 
 def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
+    from miles.train.megatron import compat
+
     hf, batch = fsdp_reference["moe"][:2]
     trainer = _local(checkpoints["moe"], _run())
     try:
+        assert list(compat.patched_names()) == ["megatron.core.transformer.moe.moe_utils.te_general_gemm"]
         ids = _ids(batch)
         with torch.no_grad():
             want = hf(input_ids=torch.tensor(ids)).logits
@@ -323,6 +326,23 @@ def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-6, rtol=0)
     finally:
         trainer.shutdown()
+
+
+def test_compat_warns_on_another_megatron_version(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    import megatron.core
+
+    from miles.train.megatron import compat
+
+    compat.uninstall()
+    try:
+        monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+        with caplog.at_level("WARNING", logger=compat.__name__):
+            assert compat.install()
+        assert "megatron-core 0.17.0" in caplog.text and "must be re-checked" in caplog.text
+    finally:
+        compat.uninstall()
+        monkeypatch.undo()
+        compat.install()
 
 
 # ---- two ranks: TP, PP, PP with tied embeddings, DP, MoE EP --------------------------------------------

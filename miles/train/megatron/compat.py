@@ -20,29 +20,34 @@ no-op otherwise, so on a GPU megatron runs its own CUDA paths). Each redirect is
   fallback then runs ``torch.mm``).
 
 Every redirect that happens is logged once per call site (``file:line`` under ``megatron/core``) and
-kept in :func:`redirected_sites`; a test runs real layouts (TP, PP, DP, MoE EP) and compares the set
-with the one frozen here, so an upgrade that moves a site fails loudly. The sites (0.16.1):
+kept in :func:`redirected_sites`; ``tests/test_megatron.py`` runs real layouts (TP, PP, PP with tied
+embeddings, DP, MoE EP) and compares the sites seen with its frozen copy of this table, so an upgrade
+that moves, adds or removes a site fails, naming it. The sites (0.16.1):
 
-==================================================  =================================================
-call site                                           what it does on a GPU
-==================================================  =================================================
-models/common/embeddings/rotary_pos_embedding.py    ``inv_freq`` moved to the current device
-utils.py                                            global memory buffer (attention scores) allocated
-                                                    on the current device
-distributed/param_and_grad_buffer.py                gradient buffer allocated on the current device
-pipeline_parallel/schedules.py                      token counter ``torch.zeros(device="cuda")``
-pipeline_parallel/p2p_communication.py              receive buffers on the current device, shape
-                                                    exchange, ``torch.cuda.synchronize`` after p2p
-models/common/language_module/language_module.py    tied output weight ``.cuda()`` (PP only)
-transformer/moe/router.py                           router weight moved to the current device
-transformer/moe/token_dispatcher.py                 side CUDA stream for device-to-host copies
-tensor_parallel/mappings.py                         all-gather / all-to-all outputs on the current
-                                                    device; all-to-all split sizes
-==================================================  =================================================
+=====================================================  ================================================
+call site (under ``megatron/core/``)                   what it does on a GPU
+=====================================================  ================================================
+models/common/embeddings/rotary_pos_embedding.py:162   ``inv_freq`` moved to the current device
+utils.py:631                                           global memory buffer (attention scores) on the
+                                                       current device
+distributed/param_and_grad_buffer.py:806               DDP gradient buffer on the current device
+pipeline_parallel/schedules.py:596, :2138              token counter ``torch.zeros(device="cuda")`` (no
+                                                       pipelining, 1F1B)
+pipeline_parallel/p2p_communication.py:190-202         shape exchange buffers (variable lengths)
+pipeline_parallel/p2p_communication.py:313, :321       receive buffers on the current device
+pipeline_parallel/p2p_communication.py:242, :398       ``torch.cuda.synchronize()`` after batched p2p
+models/common/language_module/language_module.py:244   tied output weight ``.cuda()`` (tied + PP)
+transformer/moe/router.py:90                           router weight moved to the current device
+transformer/moe/token_dispatcher.py:445, :871, :874    side stream for device-to-host copies
+tensor_parallel/mappings.py:141, :442                  all-gather / all-to-all outputs on the current
+                                                       device
+tensor_parallel/mappings.py:444                        ``all_to_all_single`` with tensor split sizes
+transformer/moe/moe_utils.py:1192                      ``te_general_gemm`` (undefined without TE)
+=====================================================  ================================================
 
-Not redirected, because this backend does not use them on CPU: megatron's optimizers
-(``optimizer.py``: ``torch.tensor(device='cuda')``), its gradient clipping (``clip_grads.py``,
-``utils.py`` ``local_multi_tensor_l2_norm``); sequence parallel; the Transformer Engine spec.
+Not proxied, because this backend does not call them: megatron's optimizers (``optimizer.py``:
+``torch.tensor(device='cuda')``) and gradient clipping (``clip_grads.py``); sequence parallel and the
+Transformer Engine spec are not used on CPU.
 """
 
 from __future__ import annotations

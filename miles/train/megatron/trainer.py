@@ -1,7 +1,8 @@
 """Megatron-core trainer rank: one instance per rank of a TP x PP x DP (x EP) group, a Ray actor of the driver.
 
-The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint, cut into
-this rank's shards (:mod:`.mapping`, :mod:`.collect`), wrapped in megatron's
+The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (every
+rank reads all of it with transformers, then keeps its shards: :mod:`.mapping`, :mod:`.collect`),
+wrapped in megatron's
 ``DistributedDataParallel`` (fp32 gradient buffers, one all-reduce per bucket after the last
 micro-batch), trained by ``torch.optim.AdamW`` on ``p.grad = p.main_grad``. Process groups:
 megatron's ``parallel_state`` over the rank's torch.distributed group (gloo on CPU, with the
