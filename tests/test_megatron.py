@@ -307,6 +307,13 @@ def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_
             torch.testing.assert_close(got[k], grads[k], atol=1e-6, rtol=1e-5, msg=k)
         check_trainer(trainer, batch, hf.state_dict())
         assert set(compat.redirected_sites()) <= set(EXPECTED_SITES)
+        # a NaN advantage in each mini-batch makes its loss non-finite: both updates are skipped and counted
+        before = trainer.full_state_dict()
+        nan = [float("nan") if i in (0, 4) else a for i, a in enumerate(batch.advantages)]
+        assert trainer.train_step(dataclasses.replace(batch, advantages=nan))["train/nonfinite_skipped"] == 2
+        after = trainer.full_state_dict()
+        assert before is not None and after is not None
+        assert all(torch.equal(after[k], v) for k, v in before.items())
     finally:
         trainer.shutdown()
 
