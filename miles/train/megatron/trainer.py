@@ -182,11 +182,11 @@ class MegatronTrainer(Reusable):
             mismatch_mode=run.precision.mismatch_mode, mismatch_level=run.precision.mismatch_level,
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
 
-    def _micro(self, shard: TrainBatch, num: int | None = None) -> list[PaddedBatch]:
+    def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
         """A replica's share as padded micro-batches; every replica runs the same count. Collective."""
         budget = self.run.trainer.max_tokens_per_microbatch
         lengths = [len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True)]
-        need = self.engine.dp_max(count_microbatches(lengths, budget)) if num is None else num
+        need = self.engine.dp_max(count_microbatches(lengths, budget))
         return [pad_batch(shard.select(g), pad_id=self.pad_id).to(self.device)
                 for g in split_microbatches(lengths, budget, need)]
 
