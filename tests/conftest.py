@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 torch.set_num_threads(1)
 
 
-def _save_tiny(path: Path, moe: bool, seed: int = 0) -> Path:
+def _save_tiny(path: Path, moe: bool, seed: int = 0, **overrides: object) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -22,6 +22,7 @@ def _save_tiny(path: Path, moe: bool, seed: int = 0) -> Path:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     )
+    common.update(overrides)
     cfg = (Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                           decoder_sparse_step=1, norm_topk_prob=True)
            if moe else Qwen3Config(**common))

@@ -88,7 +88,6 @@ def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
     Full (unsharded) state dicts gathered to CPU; rank 0 writes everything into ``<directory>.tmp``
     and renames it into place, so a crash leaves either the previous state or the new one.
     """
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -99,52 +98,79 @@ def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
     model_sd = get_model_state_dict(model, options=opts)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
     if rank == 0:
-        final = Path(directory)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        seen: set[int] = set()  # tied weights share storage, which safetensors refuses: save a copy
-        model_sd = {k: v.clone() if v.data_ptr() in seen or seen.add(v.data_ptr()) else v.contiguous()
-                    for k, v in model_sd.items()}
-        save_file(model_sd, str(tmp / "model.safetensors"))
         tensors, groups = flatten_optimizer_state(optim_sd)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"format": STATE_FORMAT, "world_size": world_size, "param_groups": groups, "scheduler": sched},
-            indent=1))
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
+        write_train_state(directory, model_state=model_sd, optimizer_tensors=tensors, param_groups=groups,
+                          scheduler_state=scheduler.state_dict(), world_size=world_size)
     if world_size > 1:
         dist.barrier()
+
+
+def write_train_state(directory: str | Path, *, model_state: dict[str, torch.Tensor],
+                      optimizer_tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]],
+                      scheduler_state: dict[str, Any], world_size: int) -> None:
+    """Write the files of the layout in the module docstring into ``<directory>.tmp``, then rename it into place.
+
+    ``model_state``: full HF-named state dict; ``optimizer_tensors`` / ``param_groups``: as returned by
+    :func:`flatten_optimizer_state`; ``scheduler_state``: the ``LambdaLR`` state dict.
+    """
+    from safetensors.torch import save_file
+
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    seen: set[int] = set()  # tied weights share storage, which safetensors refuses: save a copy
+    model_state = {k: v.clone() if v.data_ptr() in seen or seen.add(v.data_ptr()) else v.contiguous()
+                   for k, v in model_state.items()}
+    save_file(model_state, str(tmp / "model.safetensors"))
+    save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
+    sched = {k: v for k, v in scheduler_state.items() if k != "lr_lambdas"}
+    (tmp / "trainer_state.json").write_text(json.dumps(
+        {"format": STATE_FORMAT, "world_size": world_size, "param_groups": param_groups, "scheduler": sched},
+        indent=1))
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def read_train_meta(directory: str | Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a directory :func:`write_train_state` wrote (its format checked)."""
+    path = Path(directory)
+    meta = json.loads((path / "trainer_state.json").read_text())
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; "
+                         f"expected {STATE_FORMAT}")
+    return meta
+
+
+def read_train_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(model state, optimizer tensors)`` of a directory :func:`write_train_state` wrote."""
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    return load_file(str(path / "model.safetensors")), load_file(str(path / "optimizer.safetensors"))
 
 
 def load_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
     """Collective. Restore what :func:`save_train_state` wrote, at any world size: rank 0 reads, broadcasts."""
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    path = Path(directory)
-    meta = json.loads((path / "trainer_state.json").read_text())
-    if meta.get("format") != STATE_FORMAT:
-        raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; "
-                         f"expected {STATE_FORMAT}")
+    meta = read_train_meta(directory)
     model_sd: dict[str, torch.Tensor] = {}
     optim_sd: dict[str, Any] = {}
     if rank == 0:
-        model_sd = load_file(str(path / "model.safetensors"))
-        optim_sd = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["param_groups"])
+        model_sd, tensors = read_train_tensors(directory)
+        optim_sd = unflatten_optimizer_state(tensors, meta["param_groups"])
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size > 1)
     set_model_state_dict(model, model_sd, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)

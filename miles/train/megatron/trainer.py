@@ -1,0 +1,353 @@
+"""Megatron-core trainer rank: one instance per rank of a TP x PP x DP (x EP) group, a Ray actor of the driver.
+
+The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (every
+rank reads all of it with transformers, then keeps its shards: :mod:`.mapping`, :mod:`.collect`),
+wrapped in megatron's
+``DistributedDataParallel`` (fp32 gradient buffers, one all-reduce per bucket after the last
+micro-batch), trained by ``torch.optim.AdamW`` on ``p.grad = p.main_grad``. Process groups:
+megatron's ``parallel_state`` over the rank's torch.distributed group (gloo on CPU, with the
+:mod:`.compat` redirects; NCCL on CUDA, untested on a GPU).
+
+One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes on the same batch:
+
+1. ``algo.num_minibatches`` contiguous mini-batches, each cut into DP contiguous shards (mini-batch
+   first, so updates do not depend on the layout); the TP and PP ranks of a replica share its shard.
+   Each shard becomes micro-batches of at most ``trainer.max_tokens_per_microbatch`` padded tokens
+   (:mod:`miles.train.batching`; every replica runs the same count, the largest any needs, since
+   expert-parallel all-to-alls span replicas);
+2. forward and backward through ``get_forward_backward_func()`` (1F1B across pipeline stages; one
+   stage: megatron's no-pipelining loop); on the last stage, log-probs and entropies of the
+   temperature-scaled distribution from the vocab-parallel logits (:mod:`.logits`), then
+   :func:`miles.train.objective.policy_objective` with the mini-batch's global token / sequence
+   counts: the loss is this rank's share of a sum, so DDP sums gradients over replicas
+   (``calculate_per_token_loss``) and ``finalize_model_grads`` adds the TP-split q/k-norm gradients
+   and the tied-embedding gradients of the first and last stage;
+3. the proximal log-probs (``num_minibatches > 1``) and the reference model's (``algo.kl_coef > 0``,
+   a second sharded copy of the checkpoint) come from no-grad passes through the same schedule;
+4. global grad norm and clipping (:mod:`.grads`), AdamW step and the schedule of
+   :func:`miles.train.optim.lr_multiplier`, unless the loss or the norm is not finite (skipped and
+   counted). Metrics (same names as FSDP's) are summed over replicas and read by every rank.
+
+Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
+``trainer.activation_checkpointing``, bf16 on CPU, MoE with TP > 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.backends.reuse import Reusable
+from miles.config.build import build
+from miles.config.schema import MilesConfig, TargetConfig
+from miles.config.validate import ConfigError
+from miles.train.batching import (
+    PaddedBatch,
+    count_microbatches,
+    pad_batch,
+    split_microbatches,
+)
+from miles.train.megatron.arch import Arch
+from miles.train.megatron.dims import ParallelDims, check_dims
+from miles.train.objective import policy_objective
+from miles.train.optim import lr_multiplier
+from miles.train.rank import init_device_and_group, pad_token_id
+from miles.types import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+def _dims(run: MilesConfig, world_size: int) -> ParallelDims:
+    t = run.trainer
+    return ParallelDims(world_size=world_size, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel)
+
+
+def _import_megatron() -> tuple[Any, Any]:
+    """The modules that import megatron-core (:mod:`.engine`, :mod:`.compat`), without its warnings that
+    Apex and Transformer Engine are missing (this backend uses megatron's local layers on purpose)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+        from miles.train.megatron import compat, engine
+    return engine, compat
+
+
+class MegatronTrainer(Reusable):
+    """One rank of the megatron trainer (a plain class; the driver makes it a Ray actor)."""
+
+    parallelisms: frozenset[str] = frozenset({"tensor", "pipeline", "expert"})
+    """TP, PP (1F1B) and MoE EP; data parallel over the ranks left (:data:`miles.backends.contract.PARALLELISMS`)."""
+
+    @staticmethod
+    def check_config(run: MilesConfig) -> None:
+        """Refuse what this backend cannot do, naming the key, before any actor starts."""
+        t = run.trainer
+        if t.shared_prompt_forward:
+            raise ConfigError("trainer.shared_prompt_forward=true: the megatron trainer has no shared-prompt forward "
+                              "(it needs a KV cache across passes); set trainer.shared_prompt_forward=false "
+                              "(conf/trainer/megatron.yaml does)")
+        if t.activation_checkpointing:
+            raise ConfigError("trainer.activation_checkpointing=true: not wired into the megatron trainer yet; set "
+                              "it to false or use trainer=fsdp")
+        if run.precision.train_dtype != "float32" and run.placement.device == "cpu":
+            raise ConfigError(f"precision.train_dtype={run.precision.train_dtype} with placement.device=cpu: the "
+                              "megatron trainer computes in fp32 on the CPU (megatron-core's bf16 paths need CUDA); "
+                              "use precision=fp32 or trainer=fsdp")
+        node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
+        spec = build(node, allow=run.plugins.allow, key="model._target_")
+        try:
+            arch = Arch.from_hf(spec.hf_config)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+        check_dims(_dims(run, run.placement.trainer_world_size), arch)
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        checkpoint_dir: str,
+        run: MilesConfig,
+        num_threads: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        t = run.trainer
+        if device == "cpu" and run.precision.train_dtype != "float32":
+            raise ValueError(f"precision.train_dtype={run.precision.train_dtype}: the megatron trainer computes in "
+                             "fp32 on the CPU (megatron-core's bf16 paths need CUDA); use precision=fp32")
+        self.rank, self.world_size, self.run = rank, world_size, run
+        self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
+                                    clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
+        self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
+                                            master_port=master_port, device=device)
+        engine, compat = _import_megatron()
+        if self.device.type == "cpu":
+            compat.install()
+        torch.manual_seed(run.seed)
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
+        self.arch = Arch.from_hf(hf.config)
+        self.dims = _dims(run, world_size)
+        check_dims(self.dims, self.arch)
+        self.pad_id = pad_token_id(hf.config)
+        hf_sd = hf.state_dict()
+        self.hf_shapes = {k: tuple(v.shape) for k, v in hf_sd.items()}
+        self.hf_param_names = [n for n, _ in hf.named_parameters()]
+        del hf
+        self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
+                                    bf16=run.precision.train_dtype == "bfloat16")
+        self.model = self.engine.build(hf_sd, trainable=True)
+        self.ref_model = self.engine.build(hf_sd, trainable=False) if run.algo.kl_coef > 0 else None
+        del hf_sd
+        self.params = dict(self.engine.named_parameters(self.model))
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
+                                           weight_decay=t.weight_decay)
+        total = t.num_steps * run.algo.num_minibatches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(
+            s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
+            min_lr_ratio=t.min_lr_ratio))
+        self.metric_names = self._metric_names()
+        if rank == 0:
+            log.info("megatron trainer: %s over %d rank(s), %s", self.dims.describe(), world_size,
+                     "MoE " + f"{self.arch.num_experts} experts top-{self.arch.moe_top_k}" if self.arch.is_moe
+                     else "dense")
+
+    # --- batches -----------------------------------------------------------------------------------
+
+    def _metric_names(self) -> list[str]:
+        """The metric names :func:`policy_objective` returns for this run (from a one-token call)."""
+        one = torch.zeros(1, 1)
+        _, metrics = self._objective(one, one, one, torch.zeros(1), torch.ones(1, 1), one,
+                                     one if self.ref_model is not None else None, torch.ones(2))
+        return sorted(metrics)
+
+    def _objective(self, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                   advantages: torch.Tensor, loss_mask: torch.Tensor, entropy: torch.Tensor,
+                   ref_logp: torch.Tensor | None, counts: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        run = self.run
+        return policy_objective(
+            logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, tis_clip=run.precision.tis_clip,
+            mismatch_mode=run.precision.mismatch_mode, mismatch_level=run.precision.mismatch_level,
+            ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
+
+    def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
+        """A replica's share as padded micro-batches; every replica runs the same count. Collective."""
+        budget = self.run.trainer.max_tokens_per_microbatch
+        lengths = [len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True)]
+        need = self.engine.dp_max(count_microbatches(lengths, budget))
+        return [pad_batch(shard.select(g), pad_id=self.pad_id).to(self.device)
+                for g in split_microbatches(lengths, budget, need)]
+
+    def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[list[PaddedBatch]], torch.Tensor, list, list]:
+        """Micro-batches per mini-batch, global counts [num_mb, 2] (loss tokens, sequences), and the no-grad
+        log-probs (old, ref) indexed ``[mini-batch][micro-batch]`` (None where not needed). Collective."""
+        dp, dp_rank = self.dims.dp, self.engine.dp_rank
+        if len(batch) == 0 or len(batch) % (num_mb * dp):
+            raise ValueError(f"train_step: {len(batch)} samples do not split evenly into algo.num_minibatches "
+                             f"({num_mb}) x data-parallel size ({dp} = {self.dims.describe()})")
+        plans = [self._micro(batch.shard(m, num_mb).shard(dp_rank, dp)) for m in range(num_mb)]
+        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in micro),
+                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in micro)] for micro in plans],
+                              dtype=torch.float64)
+        counts = self.engine.dp_sum(counts).float()
+        none = [[None] * len(micro) for micro in plans]
+        old = [self.engine.logps(self.model, micro, self._temperature) for micro in plans] if num_mb > 1 else none
+        ref = ([self.engine.logps(self.ref_model, micro, self._temperature) for micro in plans]
+               if self.ref_model is not None else none)
+        return plans, counts, old, ref
+
+    @property
+    def _temperature(self) -> float:
+        return self.run.rollout.temperature
+
+    def _backward(self, micro: list[PaddedBatch], counts: torch.Tensor, old: list, ref: list,
+                  sums: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+        """Forward + backward of one mini-batch, gradients accumulated and reduced; returns this rank's loss
+        share (0 off the last stage). Metrics are added to ``sums`` times ``weight`` (last stage)."""
+        loss_sum = torch.zeros(())
+        entropy_grad = self.run.algo.entropy_coef != 0
+
+        def objective(j: int, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            nonlocal loss_sum
+            p = micro[j]
+            if not entropy_grad:
+                entropy = entropy.detach()
+            loss, metrics = self._objective(logp, logp.detach() if old[j] is None else old[j], p.rollout_logp,
+                                            p.advantages, p.loss_mask, entropy, ref[j], counts)
+            loss_sum = loss_sum + loss.detach().cpu()
+            for k, v in metrics.items():  # shares of the mini-batch value: they add up over micro-batches
+                sums[k] = sums.get(k, 0.0) + v.detach().float().cpu() * weight
+            return loss
+
+        self.engine.train_pass(self.model, micro, self._temperature, objective)
+        return loss_sum
+
+    # --- public API --------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL update on ``batch`` (the full batch; every rank gets the same). Collective.
+
+        Returns the same metrics dict on every rank (summed over replicas; mini-batch values averaged).
+        """
+        start = time.perf_counter()
+        num_mb = self.run.algo.num_minibatches
+        plans, counts, old, ref = self._prepare(batch, num_mb)
+        lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
+        sums: dict[str, torch.Tensor] = {}
+        skipped, grad_norms = 0, []
+        max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
+        for m, micro in enumerate(plans):
+            self.engine.zero_grad(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = self._backward(micro, counts[m], old[m], ref[m], sums, 1.0 / num_mb)
+            grad_norm = self.engine.clip_grads(self.model, max_norm)
+            global_loss = self.engine.last_stage_sum(loss_sum.reshape(1))
+            if torch.isfinite(global_loss).all() and torch.isfinite(grad_norm):
+                for p in self.params.values():
+                    p.grad = p.main_grad
+                self.optimizer.step()
+                self.scheduler.step()
+            else:
+                skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.detach().float())
+
+        values = torch.stack([sums.get(k, torch.zeros(())) for k in self.metric_names]) if self.metric_names \
+            else torch.zeros(0)
+        reduced = self.engine.last_stage_sum(values)
+        out = {k: float(v) for k, v in zip(self.metric_names, reduced.tolist(), strict=True)}
+        out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
+        out["train/nonfinite_skipped"] = float(skipped)
+        out["train/lr"] = lr_used
+        out["train/num_tokens"] = float(counts[:, 0].sum())
+        out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
+        forward_tokens = float(sum(p.input_ids.numel() for micro in plans for p in micro))
+        out["perf/train_forward_tokens"] = float(self.engine.dp_sum(torch.tensor([forward_tokens])))
+        elapsed = self.engine.world_max(torch.tensor([time.perf_counter() - start]))
+        out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per-sample response-token log-probs under the current weights, for the whole batch (every replica
+        runs all of it). Collective; every rank returns the same lists."""
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
+        groups = split_microbatches(lengths, self.run.trainer.max_tokens_per_microbatch,
+                                    count_microbatches(lengths, self.run.trainer.max_tokens_per_microbatch))
+        micro = [pad_batch(batch.select(g), pad_id=self.pad_id).to(self.device) for g in groups]
+        logps = self.engine.logps(self.model, micro, self._temperature)
+        flat = torch.zeros(sum(len(r) for r in batch.response_ids))
+        offsets = [0]
+        for r in batch.response_ids:
+            offsets.append(offsets[-1] + len(r))
+        if logps[0] is not None:
+            for g, lp in zip(groups, logps, strict=True):
+                for row, i in enumerate(g):
+                    flat[offsets[i] : offsets[i + 1]] = lp[row, : len(batch.response_ids[i])].cpu()
+        flat = self.engine.from_last_stage(flat)
+        return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(batch))]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective. Rank 0 gets the full fp32 CPU state dict with HF names; others None."""
+        return self.engine.io.gather({k: p.detach() for k, p in self.params.items()})
+
+    def send_weights(self, sender: Any, version: int) -> Any:
+        """Collective. Rank 0 hands the full HF state dict to ``sender.send(state_dict, version)`` and returns
+        what it returns (:mod:`miles.weights.sync`); other ranks return None."""
+        sd = self.full_state_dict()
+        return None if sd is None else sender.send(sd, version)
+
+    def compute_gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
+        """Collective. The gradient of the objective on ``batch`` as one mini-batch, without an update.
+
+        The same path as :meth:`train_step` (micro-batches, reductions over ranks; the proximal policy is
+        the current one), no clipping, no step, gradients cleared afterwards. Rank 0 gets ``{HF parameter
+        name: full fp32 CPU gradient}`` (as FSDP's ``named_parameters``), other ranks None.
+        """
+        plans, counts, old, ref = self._prepare(batch, 1)
+        self.engine.zero_grad(self.model)
+        self._backward(plans[0], counts[0], old[0], ref[0], {}, 1.0)
+        grads = self.engine.io.gather({k: p.main_grad for k, p in self.params.items()})
+        self.engine.zero_grad(self.model)
+        return None if grads is None else {k: grads[k] for k in self.hf_param_names}
+
+    def save_state(self, directory: str) -> None:
+        """Collective. Model, AdamW state and schedule in the layout of :mod:`miles.train.optim` (HF names)."""
+        from miles.train.megatron.state import save_state
+
+        save_state(self, directory)
+
+    def load_state(self, directory: str) -> None:
+        """Collective. Restore what :meth:`save_state` (or FSDP's) wrote, at any layout."""
+        from miles.train.megatron.state import load_state
+
+        load_state(self, directory)
+
+    def shutdown(self) -> None:
+        """Barrier, megatron's model-parallel state destroyed, the process group destroyed."""
+        if dist.is_initialized():
+            dist.barrier()
+        from megatron.core import parallel_state
+
+        from miles.train.megatron import compat
+
+        parallel_state.destroy_model_parallel()
+        compat.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _end_job(self) -> None:  # parking (miles.backends.reuse): collective, like the constructor
+        self.shutdown()
+

@@ -1,0 +1,77 @@
+"""Megatron trainer ranks for tests: Ray actors in one gloo group, reused across layouts (``reinit``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsdp_ranks import TIMEOUT_S, free_port
+from ray import cloudpickle
+
+from miles.config.schema import MilesConfig
+
+
+class MegatronGroup:
+    """``world_size`` MegatronTrainer actors forming one gloo group; :meth:`reinit` starts the next job in them."""
+
+    def __init__(self, ray: Any, world_size: int, ckpt: Path, run: MilesConfig) -> None:
+        from miles.train.megatron import MegatronTrainer
+
+        self.ray, self.world_size = ray, world_size
+        actor_cls = ray.remote(num_cpus=0.5)(MegatronTrainer)
+        port = free_port()
+        self.actors = [actor_cls.remote(**self._kwargs(r, port, ckpt, run)) for r in range(world_size)]
+
+    def _kwargs(self, rank: int, port: int, ckpt: Path, run: MilesConfig) -> dict[str, Any]:
+        return dict(rank=rank, world_size=self.world_size, master_addr="127.0.0.1", master_port=port,
+                    checkpoint_dir=str(ckpt), run=run, num_threads=1)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=TIMEOUT_S)
+
+    def probe(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(trainer, *args)`` inside every actor (Ray's ``__ray_call__``)."""
+        return self.ray.get([a.__ray_call__.remote(fn, *args) for a in self.actors], timeout=TIMEOUT_S)
+
+    def reinit(self, ckpt: Path, run: MilesConfig) -> None:
+        """Park every rank and construct it anew for ``run`` (a new process group on a new port)."""
+        port = free_port()
+        self.ray.get([a.reinit.remote(**self._kwargs(r, port, ckpt, run)) for r, a in enumerate(self.actors)],
+                     timeout=TIMEOUT_S)
+
+    def close(self) -> None:
+        try:
+            self.call("shutdown")
+        finally:
+            for a in self.actors:
+                self.ray.kill(a)
+
+
+# ---- functions run inside a rank (Group.probe); pickled by value, since the ranks cannot import tests/ ----
+
+def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
+    """Full-vocabulary logits [B, L, V] of equal-length ``ids`` (no padding), on every rank. Collective."""
+    import torch
+
+    from miles.train.batching import pad_batch
+    from miles.types import TrainBatch
+
+    n = len(ids)
+    batch = TrainBatch(prompt_ids=[x[:-1] for x in ids], response_ids=[x[-1:] for x in ids],
+                       rollout_logprobs=[[0.0]] * n, loss_mask=[[1]] * n, advantages=[0.0] * n)
+    p = pad_batch(batch, pad_id=trainer.pad_id)
+    out = trainer.engine.logits(trainer.model, [p])[0]
+    shape = (n, len(ids[0]), trainer.arch.vocab_size)
+    return trainer.engine.from_last_stage(out.contiguous() if out is not None else torch.zeros(shape))
+
+
+def redirected_sites(trainer: Any) -> dict[str, str]:
+    """The CUDA call sites the compatibility layer redirected in this rank's process."""
+    from miles.train.megatron import compat
+
+    return compat.redirected_sites()
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])

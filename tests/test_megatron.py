@@ -1,0 +1,436 @@
+"""Megatron trainer (``trainer=megatron``): megatron-core trains on CPU over gloo and computes what FSDP computes.
+
+Tolerances (fp32, tiny models): logits vs transformers 1e-6 at TP=1 / PP=2 / DP=2 / EP=2 and 1e-5 at
+TP=2 (the row-parallel matmuls sum in another order; measured 1.5e-7 everywhere); gradients vs the
+FSDP trainer atol 1e-6 (measured ~1e-7); metrics rel 1e-5 / abs 1e-6; weights after two AdamW steps
+at lr 1e-4 atol 3e-5 (Adam's first update is ~lr * sign(g): a gradient entry that is ~0 up to
+summation order can move by up to lr; measured 1.8e-5). Weight round trips are exact.
+
+The multi-rank layouts run once (module fixture ``layouts``): two Ray actors in one gloo group,
+reused from layout to layout through ``reinit`` (as the driver reuses parked actors).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from conftest import _save_tiny  # noqa: E402
+from fsdp_ranks import free_port, hf_model_from, local_trainer, rl_batch  # noqa: E402
+from megatron_ranks import MegatronGroup, logits_of, redirected_sites  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from miles.backends.contract import check_trainer, check_trainer_class  # noqa: E402
+from miles.config.validate import ConfigError, validate  # noqa: E402
+from miles.train.megatron import MegatronTrainer  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+BASE: dict[str, Any] = {
+    "trainer": {"lr": 1e-4, "lr_warmup_steps": 0, "shared_prompt_forward": False},
+    "algo": {"kl_coef": 0.05, "entropy_coef": 0.01, "clip_high": 0.28, "num_minibatches": 2,
+             "loss_agg": "seq_mean_token_mean"},
+    "precision": {"tis_clip": 2.0},
+}
+
+LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
+    # name: (checkpoint, trainer.* sizes); budgets force several micro-batches (1F1B in flight, DP counts)
+    "tp2": ("dense", {"tensor_parallel": 2}),
+    "pp2": ("dense", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
+    "pp2_tied": ("tied", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
+    "dp2": ("dense", {"max_tokens_per_microbatch": 12}),
+    "ep2": ("moe", {"expert_parallel": 2, "max_tokens_per_microbatch": 24}),
+}
+
+# megatron-core 0.16.1 on CPU: every CUDA call site the compatibility layer redirected in the layouts above
+EXPECTED_SITES = {
+    "distributed/param_and_grad_buffer.py:806": "torch.cuda.current_device()",
+    "models/common/embeddings/rotary_pos_embedding.py:162": "torch.cuda.current_device()",
+    "models/common/language_module/language_module.py:244": "Tensor.cuda()",
+    "pipeline_parallel/p2p_communication.py:190": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:194": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:198": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:202": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:242": "torch.cuda.synchronize()",
+    "pipeline_parallel/p2p_communication.py:313": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:321": "torch.cuda.current_device()",
+    "pipeline_parallel/p2p_communication.py:398": "torch.cuda.synchronize()",
+    "pipeline_parallel/schedules.py:596": "torch.zeros(device='cuda')",
+    "pipeline_parallel/schedules.py:2138": "torch.zeros(device='cuda')",
+    "tensor_parallel/mappings.py:141": "torch.cuda.current_device()",
+    "tensor_parallel/mappings.py:442": "torch.cuda.current_device()",
+    "tensor_parallel/mappings.py:444": "all_to_all_single split sizes as tensors",
+    "transformer/moe/router.py:90": "torch.cuda.current_device()",
+    "transformer/moe/token_dispatcher.py:445": "torch.cuda.Stream()",
+    "transformer/moe/token_dispatcher.py:871": "torch.cuda.current_stream()",
+    "transformer/moe/token_dispatcher.py:874": "torch.cuda.stream()",
+    "utils.py:631": "torch.cuda.current_device()",
+}
+
+
+def _run(moe: bool = False, **trainer: int) -> Any:
+    """The run of a layout (world size 2) or, with no sizes, of one rank; ``moe``: the Qwen3-MoE model spec."""
+    cfg = copy.deepcopy(BASE)
+    cfg["trainer"].update(trainer)
+    cfg["placement"] = {"trainer_world_size": 2 if trainer else 1}
+    if moe:
+        cfg["model"] = {"_target_": "miles.models.qwen3.qwen3_moe_spec"}
+    return validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[str, Path]:
+    tied = _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_tied"), moe=False, tie_word_embeddings=True)
+    return {"dense": tiny_qwen3_dir, "tied": tied, "moe": tiny_qwen3_moe_dir}
+
+
+def _ids(batch: Any) -> list[list[int]]:
+    return [p[:3] + r[:2] for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)][:4]
+
+
+@dataclasses.dataclass
+class Layouts:
+    """The layouts' results, and the DP layout's state: saved, a step after, the same step after reloading."""
+
+    seen: dict[str, Seen]
+    saved: Path
+    continued: list[dict[str, float]]
+    reloaded: list[dict[str, float]]
+
+
+@dataclasses.dataclass
+class Seen:
+    """What one layout computed (rank 0's values unless named otherwise)."""
+
+    state: dict[str, torch.Tensor]
+    logits: torch.Tensor
+    logprobs: list[list[list[float]]]  # per rank
+    grads: dict[str, torch.Tensor]
+    metrics: list[dict[str, float]]  # per rank
+    after: dict[str, torch.Tensor]
+    sites: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(checkpoints: dict[str, Path]) -> dict[str, tuple]:
+    """FSDP at world size 1 per checkpoint: (hf model, batch, gradients, train_step metrics, weights after)."""
+    out = {}
+    for name, ckpt in checkpoints.items():
+        hf = hf_model_from(ckpt)
+        batch = rl_batch(hf)
+        with local_trainer(ckpt, _run()) as t:
+            grads = t.compute_gradients(batch)
+            metrics = t.train_step(batch)
+            after = t.full_state_dict()
+        out[name] = (hf, batch, grads, metrics, after)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(ray_cluster, checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple],
+            tmp_path_factory: pytest.TempPathFactory) -> Layouts:
+    """Every layout of :data:`LAYOUTS` on two ranks; the DP layout also saves, continues and reloads its state."""
+    seen: dict[str, Seen] = {}
+    saved = tmp_path_factory.mktemp("megatron_state") / "state"
+    group = None
+    try:
+        for name, (ckpt_name, sizes) in LAYOUTS.items():
+            ckpt, run = checkpoints[ckpt_name], _run(ckpt_name == "moe", **sizes)
+            hf, batch = fsdp_reference[ckpt_name][:2]
+            if group is None:
+                group = MegatronGroup(ray_cluster, 2, ckpt, run)
+            else:
+                group.reinit(ckpt, run)
+            state, none = group.call("full_state_dict")
+            assert none is None
+            logits = group.probe(logits_of, _ids(batch))[0]
+            logprobs = group.call("compute_logprobs", batch)
+            grads, none = group.call("compute_gradients", batch)
+            assert none is None
+            metrics = group.call("train_step", batch)
+            after, _ = group.call("full_state_dict")
+            sites = {k: v for s in group.probe(redirected_sites) for k, v in s.items()}
+            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites)
+            if name == "dp2":
+                group.call("save_state", str(saved))
+                continued = group.call("train_step", batch)
+                group.call("load_state", str(saved))
+                reloaded = group.call("train_step", batch)
+    finally:
+        if group is not None:
+            group.close()
+    return Layouts(seen=seen, saved=saved, continued=continued, reloaded=reloaded)
+
+
+# ---- config checks -------------------------------------------------------------------------------
+
+def test_check_config_refuses_impossible_layouts():
+    def refused(match: str, model: str | None = None, **cfg: Any) -> None:
+        full = copy.deepcopy(BASE)
+        for key, value in cfg.items():
+            group, field = key.split("__")
+            full.setdefault(group, {})[field] = value
+        if model:
+            full["model"] = {"_target_": "miles.models.qwen3.qwen3_moe_spec"}
+        with pytest.raises(ConfigError, match=match):
+            check_trainer_class(MegatronTrainer, validate(full))
+
+    refused(r"placement.trainer_world_size \(2\) must be a multiple of trainer.tensor_parallel \(2\) x "
+            r"trainer.pipeline_parallel \(2\) = 4", placement__trainer_world_size=2, trainer__tensor_parallel=2,
+            trainer__pipeline_parallel=2)
+    refused(r"trainer.tensor_parallel \(4\) must divide the model's num_key_value_heads \(2\)",
+            placement__trainer_world_size=4, trainer__tensor_parallel=4)
+    refused(r"trainer.pipeline_parallel \(4\) must divide the model's num_hidden_layers \(2\)",
+            placement__trainer_world_size=4, trainer__pipeline_parallel=4)
+    refused(r"trainer.expert_parallel=2: the model \(qwen3\) has no experts", placement__trainer_world_size=2,
+            trainer__expert_parallel=2)
+    refused(r"trainer.expert_parallel \(8\) must divide the model's num_experts \(4\)", "moe",
+            placement__trainer_world_size=8, trainer__expert_parallel=8)
+    refused(r"trainer.expert_parallel \(2\) must divide the data-parallel size 1 = "
+            r"placement.trainer_world_size \(2\) / \(trainer.tensor_parallel \(1\) x trainer.pipeline_parallel "
+            r"\(2\)\)", "moe", placement__trainer_world_size=2, trainer__expert_parallel=2,
+            trainer__pipeline_parallel=2)
+    refused(r"trainer.tensor_parallel=2 with an MoE model", "moe", placement__trainer_world_size=2,
+            trainer__tensor_parallel=2)
+    refused(r"trainer.shared_prompt_forward=true", trainer__shared_prompt_forward=True)
+    refused(r"trainer.activation_checkpointing=true", trainer__activation_checkpointing=True)
+    refused(r"precision.train_dtype=bfloat16 with placement.device=cpu", precision__train_dtype="bfloat16",
+            placement__device="cpu")
+    # what the layouts below run passes, and the FSDP trainer refuses the sizes it cannot do
+    for ckpt_name, sizes in LAYOUTS.values():
+        check_trainer_class(MegatronTrainer, _run(ckpt_name == "moe", **sizes))
+    from miles.train.fsdp import FSDPTrainer
+
+    with pytest.raises(ConfigError, match="FSDPTrainer does not support tensor parallelism"):
+        check_trainer_class(FSDPTrainer, _run(tensor_parallel=2))
+
+
+# ---- pure math -------------------------------------------------------------------------------------
+
+def test_routing_is_transformers_qwen3_moe_router(tiny_qwen3_moe_dir: Path):
+    from miles.train.megatron.model import hf_topk_routing
+
+    hf = hf_model_from(tiny_qwen3_moe_dir)
+    gate = hf.model.layers[0].mlp.gate
+    x = torch.randn(50, gate.hidden_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = gate(x)[0]
+    for normalize in (True, False):
+        gate.norm_topk_prob = normalize
+        with torch.no_grad():
+            _, want, want_index = gate(x)
+        probs, routing_map = hf_topk_routing(logits, gate.top_k, normalize=normalize)
+        assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, want_index, True))
+        assert torch.equal(probs.gather(1, want_index), want), "routing weights must be transformers' bit for bit"
+        assert torch.equal(probs.count_nonzero(1), torch.full((50,), gate.top_k))
+        if normalize:
+            torch.testing.assert_close(probs.sum(-1), torch.ones(50))
+
+
+def test_vocab_parallel_logprobs_are_the_plain_ones():
+    from miles.algos.logprobs import entropy_from_logits, token_logprobs
+    from miles.train.megatron.logits import vocab_parallel_logp_entropy
+
+    g = torch.Generator().manual_seed(0)
+    real = torch.randn(2, 3, 5, generator=g, requires_grad=True)
+    padded = torch.cat([real, 50 * torch.ones(2, 3, 2)], dim=-1)  # padding columns must not count
+    targets = torch.randint(0, 5, (2, 3), generator=g)
+    logp, entropy = vocab_parallel_logp_entropy(padded, targets, vocab_size=5, temperature=0.7)
+    want_logp, want_entropy = token_logprobs(real, targets, 0.7), entropy_from_logits(real, 0.7)
+    torch.testing.assert_close(logp, want_logp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-6, rtol=0)
+    grad, = torch.autograd.grad((logp + 0.3 * entropy).sum(), real)
+    want_grad, = torch.autograd.grad((want_logp + 0.3 * want_entropy).sum(), real)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("ckpt_name", ["dense", "tied", "moe"])
+def test_mapping_round_trip_under_every_layout(checkpoints: dict[str, Path], ckpt_name: str):
+    """HF -> every rank's megatron shards -> HF is the identity, under TP=2, PP=2, TP=2 x PP=2 and EP=2."""
+    from miles.train.megatron.arch import Arch
+    from miles.train.megatron.mapping import Coords, entries, join_experts, shard, split_experts, unshard
+
+    hf = hf_model_from(checkpoints[ckpt_name])
+    sd = hf.state_dict()
+    arch = Arch.from_hf(hf.config)
+    pieces = split_experts(sd)
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    layouts = [(2, 1, 1), (1, 2, 1), (2, 2, 1)] if not arch.is_moe else [(1, 1, 2), (1, 2, 2)]
+    for tp, pp, ep in layouts:
+        back: dict[str, torch.Tensor] = {}
+        for pp_rank in range(pp):
+            for ep_rank in range(ep):
+                per_tp = [{e.local: shard(e, pieces, arch, tp, r) for e in entries(arch, Coords(
+                    tp=tp, tp_rank=r, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank))} for r in range(tp)]
+                assert all(t.is_contiguous() for shards in per_tp for t in shards.values())
+                for e in entries(arch, Coords(tp=tp, tp_rank=0, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)):
+                    if not e.tied_copy:
+                        back.update(unshard(e, [shards[e.local] for shards in per_tp], arch))
+        out = join_experts(back, shapes, arch)
+        assert list(out) == list(sd), (tp, pp, ep)
+        for k, v in sd.items():
+            assert torch.equal(out[k], v), (tp, pp, ep, k)
+
+
+# ---- one rank in this process ----------------------------------------------------------------------
+
+def _local(ckpt: Path, run: Any) -> MegatronTrainer:
+    return MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                           checkpoint_dir=str(ckpt), run=run, num_threads=1)
+
+
+def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
+    """World size 1 with tied embeddings (one stage holds both uses of the weight)."""
+    from miles.train.megatron import compat
+
+    hf, batch, grads = fsdp_reference["tied"][:3]
+    run = _run()
+    check_trainer_class(MegatronTrainer, run)
+    trainer = _local(checkpoints["tied"], run)
+    try:
+        ids = _ids(batch)
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor(ids)).logits
+        torch.testing.assert_close(logits_of(trainer, ids), want, atol=1e-6, rtol=0)
+        got = trainer.compute_gradients(batch)  # the tied weight's gradient sums both of its uses
+        assert got is not None and list(got) == list(grads)
+        for k in grads:
+            torch.testing.assert_close(got[k], grads[k], atol=1e-6, rtol=1e-5, msg=k)
+        check_trainer(trainer, batch, hf.state_dict())
+        assert set(compat.redirected_sites()) <= set(EXPECTED_SITES)
+        # a NaN advantage in each mini-batch makes its loss non-finite: both updates are skipped and counted
+        before = trainer.full_state_dict()
+        nan = [float("nan") if i in (0, 4) else a for i, a in enumerate(batch.advantages)]
+        assert trainer.train_step(dataclasses.replace(batch, advantages=nan))["train/nonfinite_skipped"] == 2
+        after = trainer.full_state_dict()
+        assert before is not None and after is not None
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+    finally:
+        trainer.shutdown()
+
+
+def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
+    from miles.train.megatron import compat
+
+    hf, batch = fsdp_reference["moe"][:2]
+    trainer = _local(checkpoints["moe"], _run())
+    try:
+        assert list(compat.patched_names()) == ["megatron.core.transformer.moe.moe_utils.te_general_gemm"]
+        ids = _ids(batch)
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor(ids)).logits
+        torch.testing.assert_close(logits_of(trainer, ids), want, atol=1e-6, rtol=0)
+        for got, ref in zip(trainer.compute_logprobs(batch), batch.rollout_logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-6, rtol=0)
+    finally:
+        trainer.shutdown()
+
+
+def test_compat_warns_on_another_megatron_version(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    import megatron.core
+
+    from miles.train.megatron import compat
+
+    compat.uninstall()
+    try:
+        monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+        with caplog.at_level("WARNING", logger=compat.__name__):
+            assert compat.install()
+        assert "megatron-core 0.17.0" in caplog.text and "must be re-checked" in caplog.text
+    finally:
+        compat.uninstall()
+        monkeypatch.undo()
+        compat.install()
+
+
+# ---- two ranks: TP, PP, PP with tied embeddings, DP, MoE EP --------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_computes_what_fsdp_computes(layouts: Layouts, fsdp_reference: dict[str, tuple], name: str):
+    hf, batch, grads, metrics, after = fsdp_reference[LAYOUTS[name][0]]
+    seen = layouts.seen[name]
+    hf_sd = hf.state_dict()
+    # weights in: HF -> shards -> HF exactly, with real collectives
+    assert list(seen.state) == list(hf_sd)
+    for k, v in hf_sd.items():
+        assert seen.state[k].dtype == torch.float32 and torch.equal(seen.state[k], v), k
+    # logits and log-probs are transformers'
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(_ids(batch))).logits
+    torch.testing.assert_close(seen.logits, want, atol=1e-5 if name == "tp2" else 1e-6, rtol=0)
+    assert seen.logprobs[0] == seen.logprobs[1], "every rank must return the same log-probs"
+    for got, ref in zip(seen.logprobs[0], batch.rollout_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=2e-6, rtol=0)
+    # the gradient of the same objective, in HF names
+    assert list(seen.grads) == list(grads)
+    assert max(g.abs().max().item() for g in grads.values()) > 1e-2
+    for k in grads:
+        torch.testing.assert_close(seen.grads[k], grads[k], atol=1e-6, rtol=1e-5, msg=k)
+    # one train step: the same metrics on every rank, FSDP's values, FSDP's weights
+    m = seen.metrics[0]
+    assert seen.metrics[1] == m, "every rank must return the same metrics"
+    assert set(m) == set(metrics)
+    for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac_low",
+              "train/clip_frac_high", "train/tis_clip_frac", "train/num_tokens", "train/lr"):
+        assert m[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+    assert m["train/kl"] > 0 and m["train/nonfinite_skipped"] == 0
+    moved = max((after[k] - hf_sd[k]).abs().max().item() for k in hf_sd)
+    assert moved > 1e-4
+    for k in hf_sd:
+        torch.testing.assert_close(seen.after[k], after[k], atol=3e-5, rtol=0, msg=k)
+
+
+def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoints: dict[str, Path], tmp_path: Path):
+    directory = layouts.saved
+    def train(metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{k: v for k, v in m.items() if k.startswith("train/")} for m in metrics]
+
+    assert train(layouts.continued) == train(layouts.reloaded), "a step after load_state must repeat the step after " \
+        "save_state exactly"
+    assert layouts.continued[0]["train/loss"] != layouts.seen["dp2"].metrics[0]["train/loss"]
+    # the FSDP trainer reads the state megatron wrote and writes the same tensors back (names, layout, values)
+    with local_trainer(checkpoints["dense"], _run()) as fsdp:
+        fsdp.load_state(str(directory))
+        fsdp.save_state(str(tmp_path / "fsdp"))
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ours, theirs = load_file(directory / name), load_file(tmp_path / "fsdp" / name)
+        assert sorted(ours) == sorted(theirs), name
+        assert len(ours) > 20
+        for k in ours:
+            assert torch.equal(ours[k], theirs[k]), (name, k)
+    meta = json.loads((directory / "trainer_state.json").read_text())
+    assert meta["scheduler"] == json.loads((tmp_path / "fsdp" / "trainer_state.json").read_text())["scheduler"]
+
+
+def test_compat_redirects_exactly_the_known_sites(layouts: Layouts):
+    """An upgrade of megatron-core that moves, adds or removes a CUDA call site fails here, saying which."""
+    seen = {k: v for name in LAYOUTS for k, v in layouts.seen[name].sites.items()}
+    new = {k: v for k, v in seen.items() if k not in EXPECTED_SITES}
+    gone = {k: v for k, v in EXPECTED_SITES.items() if k not in seen}
+    changed = {k: (EXPECTED_SITES[k], v) for k, v in seen.items() if k in EXPECTED_SITES and EXPECTED_SITES[k] != v}
+    assert not (new or gone or changed), (
+        f"megatron-core's CUDA call sites moved (miles/train/megatron/compat.py, pinned to 0.16.1): new {new}, "
+        f"no longer seen {gone}, changed {changed}; update compat.py's table and EXPECTED_SITES")
+
+
+def test_the_driver_side_imports_no_megatron():
+    """``import miles``, resolving ``trainer=megatron`` and its class checks import nothing from megatron."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import miles; from miles.config.validate import validate; "
+            "from miles.core.actors import backends; "
+            "b = backends(validate({'trainer': {'_target_': 'miles.train.megatron.MegatronTrainer', "
+            "'tensor_parallel': 2, 'shared_prompt_forward': False}, 'placement': {'trainer_world_size': 2}})); "
+            "print(b.trainer.__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "MegatronTrainer []", out.stdout + out.stderr
