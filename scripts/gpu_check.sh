@@ -24,7 +24,5 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__)"
-tests=(tests/test_gpu.py)
-ls tests/test_megatron*.py >/dev/null 2>&1 && tests+=(tests/test_megatron*.py)
-python -m pytest -q -m gpu -p no:cacheprovider "${tests[@]}"
+python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
 python -m miles.bench gpu

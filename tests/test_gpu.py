@@ -1,4 +1,5 @@
-"""The GPU path without Ray: the torch engine, the FSDP trainer (NCCL) and CUDA IPC weight sync on one device.
+"""The GPU path without Ray: the torch engine, the FSDP and Megatron trainers (NCCL) and CUDA IPC weight sync
+on one device.
 
 Marked ``gpu`` (skipped without CUDA); ``scripts/gpu_check.sh`` runs them on a GPU machine. Not yet run
 on a GPU: until they have, the README calls the GPU paths untested.
@@ -93,3 +94,24 @@ def test_ipc_handles_carry_the_weights_to_an_engine_in_another_process(tiny_qwen
     assert child.exitcode == 0
     for k, v in sd.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
+
+
+def test_megatron_tp1_on_cuda_computes_what_fsdp_computes_on_cpu(tiny_qwen3_dir: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from miles.train.megatron import MegatronTrainer
+
+    cpu_grads, cpu_logps = _gradients(tiny_qwen3_dir, "cpu")
+    run = validate({"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "shared_prompt_forward": False}})
+    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                              checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1, device="cuda")
+    try:
+        model = hf_model_from(tiny_qwen3_dir)
+        batch = rl_batch(model)
+        logps = trainer.compute_logprobs(batch)
+        torch.testing.assert_close(torch.tensor(sum(logps, [])), torch.tensor(sum(cpu_logps, [])), atol=1e-4, rtol=0)
+        grads = trainer.compute_gradients(batch)
+        for k, g in cpu_grads.items():
+            torch.testing.assert_close(grads[k], g, atol=1e-5, rtol=1e-3, msg=k)
+        check_trainer(trainer, batch, dict(model.state_dict()))
+    finally:
+        trainer.shutdown()
