@@ -95,8 +95,10 @@ class MegatronTrainer(Reusable):
         if t.activation_checkpointing:
             raise ConfigError("trainer.activation_checkpointing=true: not wired into the megatron trainer yet; set "
                               "it to false or use trainer=fsdp")
-        if run.precision.train_dtype != "float32" and run.placement.device == "cpu":
-            raise ConfigError(f"precision.train_dtype={run.precision.train_dtype} with placement.device=cpu: the "
+        # placement.device=auto is the CPU unless the driver sees CUDA (a joined GPU cluster is checked by the ranks)
+        on_cpu = run.placement.device == "cpu" or (run.placement.device == "auto" and not torch.cuda.is_available())
+        if run.precision.train_dtype != "float32" and on_cpu:
+            raise ConfigError(f"precision.train_dtype={run.precision.train_dtype} on the CPU: the "
                               "megatron trainer computes in fp32 on the CPU (megatron-core's bf16 paths need CUDA); "
                               "use precision=fp32 or trainer=fsdp")
         node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
