@@ -22,7 +22,7 @@ import torch
 
 from miles.config.validate import ConfigError
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import Sent
+from miles.weights.sync import Sent, Transport
 
 _KEEP: dict[str, Any] = {}
 """This process's current buffer (rank 0): the engines' handles point into it."""
@@ -69,7 +69,7 @@ class IpcReceiver:
         return FlatLayout.from_json(layout_json).views(flat)
 
 
-class IpcTransport:
+class IpcTransport(Transport):
     """``weight_sync.transport=ipc``: sequential, no state between syncs besides rank 0's buffer."""
 
     name = "ipc"
@@ -81,12 +81,3 @@ class IpcTransport:
     def receiver(self, engine_index: int, version: int, sent: Sent | None) -> IpcReceiver:
         assert sent is not None
         return IpcReceiver(sent.handle)
-
-    def begin(self, trainers: Any, engines: Any) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

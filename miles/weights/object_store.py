@@ -14,6 +14,8 @@ from typing import Any
 import ray
 import torch
 
+from miles.weights.sync import Transport
+
 
 class ObjectStoreSender:
     """Runs on trainer rank 0: one ``ray.put`` per version.
@@ -50,7 +52,7 @@ class ObjectStoreReceiver:
                     for k, (shape, dtype, a) in raw.items()}
 
 
-class ObjectStoreTransport:
+class ObjectStoreTransport(Transport):
     """``weight_sync.transport=object_store``: no state between syncs."""
 
     name = "object_store"
@@ -61,12 +63,3 @@ class ObjectStoreTransport:
 
     def receiver(self, engine_index: int, version: int, sent: Any) -> ObjectStoreReceiver:
         return ObjectStoreReceiver(sent.handle)
-
-    def begin(self, trainers: Any, engines: Any) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

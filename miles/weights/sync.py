@@ -67,7 +67,8 @@ class Transport(Protocol):
     def failed(self) -> None:
         """A sync failed part-way; the next one must not depend on state it left behind."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """The run is over: release what the transport holds (nothing, unless a transport says so)."""
 
 
 def drop_process_state() -> None:
