@@ -190,3 +190,26 @@ def test_group_baselines_refuse_one_sample_per_prompt_before_anything_runs(algo:
     run = validate(compose_cfg([f"algo={algo}", "algo.num_samples_per_prompt=1"]))
     with pytest.raises(ConfigError, match=r"algo.advantage: .*needs at least 2 samples per group, found 1"):
         build_components(run)
+
+
+@pytest.mark.parametrize("preset", group_options("experiment"))
+def test_every_experiment_preset_composes_and_validates(preset: str) -> None:
+    run = validate(compose_cfg([f"experiment={preset}"]))
+    assert run.preset == preset
+    if preset == "moe_fp8":  # the product card's combination
+        assert run.model.target.endswith("qwen3_moe_spec") and run.precision.rollout_quant == "fp8_block"
+    if preset == "none":  # the groups' own defaults: settings for a real checkpoint, not the tiny model's
+        assert run.trainer.lr == 1e-6 and run.rollout.max_new_tokens == 1024
+    if preset == "smollm2_grpo":
+        assert run.model.target.endswith("smollm2_spec") and run.trainer.lr == 5e-6
+        assert run.task.reward.target == "miles.rewards.gym.gym_math_verify_reward"
+
+
+def test_the_tiny_preset_refuses_a_real_checkpoint(tiny_qwen3_dir: Path) -> None:
+    from miles.config import ConfigError
+    from miles.core.run import build_components
+
+    run = validate(compose_cfg(["model=hf", f"model.path={tiny_qwen3_dir}"]))
+    with pytest.raises(ConfigError, match=r"is a real checkpoint, but experiment=tiny \(the default\) holds the tiny "
+                                          r"model's settings .* Add experiment=none"):
+        build_components(run)

@@ -398,6 +398,9 @@ class MilesConfig:
 
     seed: int = 0
     """Seeds data, sampling and model init."""
+    preset: str = "tiny"
+    """The experiment preset the run was composed from (``experiment=``, ``conf/experiment/``); ``tiny`` (the
+    default) holds the tiny model's settings and refuses a real checkpoint, ``none`` is no preset."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model spec axis (``model=``)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)

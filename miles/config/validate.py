@@ -299,7 +299,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
         if "@" in key or key.startswith("hydra"):
             continue
         parts = key.split(".")
-        if len(parts) == 1 and key in GROUP_SCHEMAS:
+        if len(parts) == 1 and (key in GROUP_SCHEMAS or key == "experiment"):
             options = group_options(key)
             for choice in _sweep_values(value):
                 if choice not in options:

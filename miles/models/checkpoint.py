@@ -91,6 +91,8 @@ def ensure_checkpoint(run: MilesConfig, spec: ModelSpec, task) -> Path:
     if run.model.path is not None:
         return Path(run.model.path)
     root = Path(run.warm_start.cache_dir).expanduser()
+    if spec.gguf is not None:
+        return _from_gguf(spec, root)
     final = root / f"{spec.name}-{spec.flavor}-{checkpoint_key(run, spec)[:16]}"
     if all((final / f).is_file() for f in _REQUIRED_FILES):
         log.info("reusing built checkpoint %s", final)
@@ -140,3 +142,45 @@ def _build(run: MilesConfig, spec: ModelSpec, task, out: Path) -> None:
         "built %s/%s checkpoint in %.1fs (%d params, warm start %s)", spec.name, spec.flavor,
         time.perf_counter() - t0, sum(p.numel() for p in model.parameters()), metrics,
     )
+
+
+def _from_gguf(spec: ModelSpec, root: Path) -> Path:
+    """The HF checkpoint converted from ``spec.gguf``, cached under ``root`` by the file's sha256."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert spec.gguf is not None
+    directory, name = spec.gguf
+    digest = hashlib.sha256()
+    with (Path(directory) / name).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    final = root / f"{spec.name}-{spec.flavor}-gguf-{digest.hexdigest()[:16]}"
+    if all((final / f).is_file() for f in _REQUIRED_FILES):
+        log.info("reusing converted checkpoint %s", final)
+        return final
+    t0 = time.perf_counter()
+    log.info("converting %s to an HF checkpoint in %s (once)", name, final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        # the dequantized weights in a plain model: transformers refuses to save a model marked as GGUF-quantized
+        config = copy.deepcopy(loaded.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.generation_config = loaded.generation_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not all((final / f).is_file() for f in _REQUIRED_FILES):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.1fs (%d params)", name, time.perf_counter() - t0,
+             sum(p.numel() for p in model.parameters()))
+    return final

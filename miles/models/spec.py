@@ -25,4 +25,6 @@ class ModelSpec:
     build_from_scratch: bool = True
     """Whether miles may build this size from random weights and a task-trained tokenizer (the small
     flavors); a published size needs ``model.path``."""
+    gguf: tuple[str, str] | None = None
+    """(directory, file) of a GGUF file that the checkpoint is converted from, once, when ``path`` is unset."""
     extra: dict = field(default_factory=dict)

@@ -17,7 +17,7 @@ from typing import Any
 
 import reasoning_gym  # at import, not at the first call: a reward worker's start has no deadline
 
-__all__ = ["gym_reward"]
+__all__ = ["gym_math_verify_reward", "gym_reward"]
 
 
 def gym_reward(response_text: str, label: Mapping[str, Any]) -> float:
@@ -34,3 +34,19 @@ def gym_reward(response_text: str, label: Mapping[str, Any]) -> float:
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, config_json: str) -> Any:
     return reasoning_gym.create_dataset(name, size=1, seed=0, **json.loads(config_json))
+
+
+def gym_math_verify_reward(response_text: str, label: Mapping[str, Any]) -> float:
+    """math-verify's comparison of the response's final answer with the entry's answer (0.0 or 1.0).
+
+    For tasks whose answer is a number or an expression: ``12 + 7 = 19`` and ``\\boxed{19}`` both
+    match ``"19"`` (:func:`miles.rewards.math.math_verify_reward`).
+    """
+    from miles.rewards.math import math_verify_reward
+
+    try:
+        answer = label["entry"]["answer"]
+    except (TypeError, KeyError) as e:
+        raise ValueError("gym_math_verify_reward: expected a label {'dataset', 'config', 'entry'} from "
+                         f"miles.tasks.gym.ReasoningGymTask, found {str(label)[:200]!r}") from e
+    return math_verify_reward(response_text, answer)
