@@ -1,0 +1,649 @@
+"""The SGLang rollout engine: a real SGLang server process behind the :class:`RolloutEngine` Protocol.
+
+Each engine actor owns one server (:mod:`miles.rollout.sglang_server`: SGLang's own venv, 127.0.0.1,
+a free port, killed with the actor) and maps the Protocol onto its HTTP API, token ids in and out
+(``--skip-tokenizer-init``):
+
+- ``generate`` -> one ``POST /generate`` per call with every completion as its own row (``rid``
+  ``<request_id>#<index>.<call>``), ``return_logprob``; results in request then index order.
+  SGLang's reported log-probs are ``log(softmax(logits / T))`` of the unfiltered distribution for
+  sampled rows and ``log_softmax(logits)`` for greedy ones (``sglang/srt/layers/sampler.py``, the
+  ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
+  they match ``log_softmax(logits / T)`` of a transformers forward to ~5e-7
+  (``tests/test_sglang.py``).
+- Finish reasons: SGLang's ``stop`` on an EOS id -> ``eos``, on a ``stop_token_ids`` id ->
+  ``stop_token`` (both ``COMPLETED``, the token kept); ``length`` -> ``TRUNCATED``; ``abort`` ->
+  ``ABORTED`` with the tokens so far. Stop *strings* need SGLang's tokenizer, which the server does
+  not load: they are refused (use ``stop_token_ids``).
+- Seeds: each row gets ``sampling_seed`` from ``(request seed, index)``, but SGLang honours it only
+  with ``--enable-deterministic-inference`` (``deterministic: true``), which needs a GPU attention
+  backend (fa3 / flashinfer / triton); SGLang refuses it with ``torch_native``. On CPU sampling
+  draws from the server's generator (``--random-seed`` = the engine seed): reproducible only for
+  the same sequence of batches, not per request.
+- Prefix caching (SGLang's radix cache) is off on CPU by default (``radix_cache``): a prompt
+  whose prefix is cached is prefilled in a different shape, and its log-probs then differ from an
+  uncached run's by ~5e-7 in fp32 (measured), so greedy decoding would not repeat bit for bit.
+- ``update_weights`` checks names and shapes against the checkpoint (SGLang's loader silently
+  skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
+  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; requests
+  in flight finish on the old weights first (SGLang's update waits for them), and every result
+  carries the version SGLang reports. The disk path works on CPU and on every node (the directory
+  is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
+  ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
+  here, and the disk path has not been run on a GPU.
+- ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
+  calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
+  /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
+- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``. A
+  watchdog thread probes every ``health_interval_s``; after ``max_health_failures`` misses in a row
+  (a hung or stopped server), or as soon as the process exits, the engine is dead: the server is
+  killed, every call in flight and every later call raises
+  :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
+  out of rotation and retries its requests on the others.
+- MoE routing (``capture_routing: true``): ``--enable-return-routed-experts`` and
+  ``return_routed_experts`` per request; ``GenerateResult.routing`` is ``[T, moe_layers, top_k]``
+  int16, the experts chosen at the forward step that produced each response token.
+
+Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
+CPU, so :class:`SGLangEngine` offers no ``release_memory`` and ``placement.offload_engines=true``
+is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
+
+Several engines: one server per engine actor, spread by miles' own dispatcher
+(:mod:`miles.rollout.dispatch`), not by ``sglang-router``. The loop needs, per engine, the weight
+version it serves, pause / resume around weight syncs, abort of a given request on the engine that
+runs it, and a retry on another engine with a deadline when one dies or hangs; the dispatcher
+already does these for every engine backend, while a router in front would hide which engine
+serves a request and which version it holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.backends.reuse import Reusable
+from miles.config.schema import PrecisionConfig
+from miles.rollout.dispatch import EngineDeadError
+from miles.rollout.sampling import check_sampling
+from miles.rollout.sglang_server import ServerHTTPError, SGLangServer, find_python, server_env
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CONTROL_TIMEOUT_S = 30.0  # pause / continue / abort / weight-update calls that should answer at once
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The sampling seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
+    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call while it waits on a pause; ``aborted`` fills as ``abort`` hits its requests."""
+
+    request_ids: set[str]
+    aborted: set[str] = field(default_factory=set)
+
+
+class SGLangEngine(Reusable):
+    """Generates through an SGLang server process it owns; see the module docstring.
+
+    Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
+    ``max_running_requests``, ``context_length`` (default: the model's), ``mem_fraction_static``
+    (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
+    ``deterministic`` (per-request seeds; GPU attention backends only), ``radix_cache`` (prefix
+    caching; default off on CPU, see the module docstring), ``capture_routing``,
+    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Liveness: ``start_timeout_s``,
+    ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
+    ``max_health_failures``.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        precision: PrecisionConfig,
+        *,
+        seed: int = 0,
+        num_threads: int = 0,
+        engine_id: int = 0,
+        device: str = "cpu",
+        python: str | None = None,
+        max_total_tokens: int | None = 32768,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        mem_fraction_static: float | None = None,
+        attention_backend: str | None = None,
+        deterministic: bool = False,
+        radix_cache: bool | None = None,
+        capture_routing: bool = False,
+        server_args: dict[str, Any] | None = None,
+        log_dir: str | None = None,
+        start_timeout_s: float = 300.0,
+        request_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
+        max_health_failures: int = 3,
+    ) -> None:
+        if precision.rollout_dtype not in _DTYPES:
+            raise ValueError(f"precision.rollout_dtype={precision.rollout_dtype!r}; valid: {sorted(_DTYPES)}")
+        if precision.rollout_quant != "none":
+            raise ValueError(f"precision.rollout_quant={precision.rollout_quant!r}: the SGLang engine serves "
+                             "unquantized weights only here; use rollout=torch for it, or set rollout_quant: none")
+        if device == "cpu" and deterministic:
+            raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
+                             "triton); SGLang refuses it with torch_native, the only one on CPU")
+        for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
+                           ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"rollout.engine.{key} must be > 0, got {value}")
+        if max_health_failures < 1:
+            raise ValueError(f"rollout.engine.max_health_failures must be >= 1, got {max_health_failures}")
+        self.checkpoint_dir, self.precision, self.engine_id = str(checkpoint_dir), precision, engine_id
+        self.device, self.dtype = device, _DTYPES[precision.rollout_dtype]
+        self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
+        self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
+        self.capture_routing = capture_routing
+        self._read_checkpoint(Path(self.checkpoint_dir))
+        self.context_length = context_length or self.max_positions
+        self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
+        self._cv = threading.Condition()
+        self._held: set[_Call] = set()
+        self._inflight: dict[str, set[str]] = {}  # request id -> SGLang rids in flight
+        self._calls = itertools.count()
+        self._update_lock = threading.Lock()
+        self._paused = self._closed = False
+        self._dead: str | None = None
+        self._version = 0
+        self._weights_dir = Path(tempfile.mkdtemp(prefix=f"miles-sglang{engine_id}-weights-"))
+
+        py = find_python(python)
+        args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
+                "--skip-tokenizer-init", "--random-seed", str(seed), "--sleep-on-idle", "--weight-version", "0"]
+        backend = attention_backend or ("torch_native" if device == "cpu" else None)
+        for flag, value in (("--attention-backend", backend), ("--max-total-tokens", max_total_tokens),
+                            ("--max-running-requests", max_running_requests),
+                            ("--context-length", context_length), ("--mem-fraction-static", mem_fraction_static)):
+            if value is not None:
+                args += [flag, str(value)]
+        if deterministic:
+            args.append("--enable-deterministic-inference")
+        if not (radix_cache if radix_cache is not None else device != "cpu"):
+            args.append("--disable-radix-cache")
+        if capture_routing:
+            args.append("--enable-return-routed-experts")
+        for key, value in (server_args or {}).items():
+            flag = "--" + str(key).lstrip("-").replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value not in (None, False):
+                args += [flag, str(value)]
+        logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "miles-sglang-logs"
+        log_path = logs / f"engine{engine_id}-{os.getpid()}-{int(time.time())}.log"
+        t0 = time.perf_counter()
+        try:
+            self.server = SGLangServer(py, args, server_env(py, device, num_threads), log_path,
+                                       start_timeout_s=start_timeout_s)
+        except BaseException:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            raise
+        self.start_s = time.perf_counter() - t0
+        log.info("engine %d: SGLang server pid %d on %s up in %.1f s (log %s)", engine_id, self.server.pid,
+                 self.server.url, self.start_s, log_path)
+        self._watchdog = threading.Thread(target=self._watch, name=f"sglang-watchdog-{engine_id}", daemon=True)
+        self._watchdog.start()
+
+    # ---- checkpoint facts -------------------------------------------------------------------------
+
+    def _read_checkpoint(self, path: Path) -> None:
+        """Vocabulary, EOS ids, positions and the weight names / shapes a full update must send."""
+        from safetensors import safe_open
+
+        config = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.eos_ids = sorted(set(_ids(config.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+        if not self.eos_ids:
+            raise ValueError(f"{path}: neither config.json nor generation_config.json sets eos_token_id")
+        text = config.get("text_config", config)
+        self.vocab_size = int(text["vocab_size"])
+        self.max_positions = text.get("max_position_embeddings")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors weights (the SGLang engine loads safetensors only)")
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    self._shapes[k] = tuple(st.get_slice(k).get_shape())
+        self._optional: set[str] = set()
+        tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        if tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
+            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+            self._optional.add("lm_head.weight")
+
+    # ---- Protocol -------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
+                 ) -> list[GenerateResult]:
+        """Complete each request ``n`` times; results ordered by request then index (see the module docstring)."""
+        self._check_usable("generate")
+        params = [self._check_request(r, sampling) for r in requests]
+        seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
+        call = _Call(request_ids={r.request_id for r in requests})
+        tag = next(self._calls)
+        rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]] = []  # (pos, request, sampling, index, seed)
+        with self._cv:
+            self._held.add(call)
+            try:
+                while self._paused and not self._stopped() and not call.request_ids <= call.aborted:
+                    self._cv.wait()
+            finally:
+                self._held.discard(call)
+            self._check_usable("generate")
+            for pos, (r, sp, seed) in enumerate(zip(requests, params, seeds, strict=True)):
+                if r.request_id not in call.aborted:
+                    rows += [(pos, r, sp, j, seed) for j in range(r.n)]
+            rids = [f"{r.request_id}#{j}.{tag}" for _, r, _, j, _ in rows]
+            for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
+                self._inflight.setdefault(r.request_id, set()).add(rid)
+        results: dict[tuple[int, int], GenerateResult] = {}
+        for pos, r in enumerate(requests):
+            if r.request_id in call.aborted:
+                for j in range(r.n):
+                    results[pos, j] = self._aborted(r.request_id, j)
+        if rows:
+            try:
+                outs = self._post_generate(rows, rids)
+            finally:
+                with self._cv:
+                    for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
+                        left = self._inflight.get(r.request_id)
+                        if left is not None:
+                            left.discard(rid)
+                            if not left:
+                                del self._inflight[r.request_id]
+            for (pos, r, sp, j, _), out in zip(rows, outs, strict=True):
+                results[pos, j] = self._result(r.request_id, j, sp, out)
+        return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
+
+        On a ``ValueError`` (wrong names, shapes or dtypes) nothing was sent to the server. Returns
+        ``{"update_s", "write_s", "load_s", "bytes", "bytes_per_s"}``.
+        """
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        self._check_usable("update_weights")
+        missing = [k for k in self._shapes if k not in state_dict and k not in self._optional]
+        unexpected = [k for k in state_dict if k not in self._shapes]
+        if missing or unexpected:
+            raise ValueError(f"update_weights(version={version}): names must match the checkpoint's exactly; "
+                             f"missing {_listing(missing)}, unexpected {_listing(unexpected)}. Send the full HF "
+                             "state dict of the same architecture.")
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {self._shapes[k]}" for k, v in state_dict.items()
+               if tuple(v.shape) != self._shapes[k]]
+        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
+                if not v.is_floating_point()]
+        if bad:
+            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
+        with self._update_lock:
+            final = self._weights_dir / f"v{int(version):08d}"
+            tmp = self._weights_dir / f".v{int(version):08d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state_dict.items()}
+            save_file(tensors, str(tmp / "model.safetensors"))
+            nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+            del tensors
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            t_written = time.perf_counter()
+            try:
+                out = self._control("/update_weights_from_disk", {
+                    "model_path": str(final), "weight_version": str(int(version)), "flush_cache": True,
+                }, timeout_s=self.request_timeout_s)
+                if not (isinstance(out, dict) and out.get("success")):
+                    raise RuntimeError(f"engine {self.engine_id}: SGLang refused the weights of version {version} "
+                                       f"(it keeps version {self._version}): {out}")
+                self._version = int(version)
+            finally:
+                for old in self._weights_dir.iterdir():
+                    if old != final or self._version != int(version):
+                        shutil.rmtree(old, ignore_errors=True)
+        t1 = time.perf_counter()
+        return {"update_s": t1 - t0, "write_s": t_written - t0, "load_s": t1 - t_written, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(t1 - t0, 1e-9)}
+
+    def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
+        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
+        t0 = time.perf_counter()
+        state_dict = receiver.receive(self)
+        receive_s = time.perf_counter() - t0
+        return {**self.update_weights(state_dict, version), "receive_s": receive_s}
+
+    def pause(self) -> None:
+        """Running rows stop stepping (they keep their KV cache); new calls wait in the engine."""
+        self._check_usable("pause")
+        with self._cv:
+            self._paused = True
+        self._control("/pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: the server continues and the waiting calls are sent."""
+        self._check_usable("resume")
+        self._control("/continue_generation", {})
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def abort(self, request_ids: list[str]) -> int:
+        """End these requests ``ABORTED``: those in flight on the server, and calls waiting on a pause."""
+        wanted, hit, rids = set(request_ids), set(), []
+        with self._cv:
+            for call in self._held:
+                found = (call.request_ids & wanted) - call.aborted
+                call.aborted |= found
+                hit |= found
+            for rid in wanted:
+                if rid in self._inflight:
+                    hit.add(rid)
+                    rids += sorted(self._inflight[rid])
+            self._cv.notify_all()
+        if rids and not self._stopped():
+            self._abort_rids(rids)
+            # a row whose HTTP call has not reached the server yet misses the first abort; once more
+            threading.Timer(0.25, self._abort_rids, args=(rids, True)).start()
+        return len(hit)
+
+    def health(self) -> dict[str, Any]:
+        """``ok``: the process runs, the engine is not dead, and ``/health`` answered within ``health_timeout_s``."""
+        ok = not self._stopped() and self.server.healthy(self.health_timeout_s)
+        with self._cv:
+            inflight, waiting = sum(len(v) for v in self._inflight.values()), len(self._held)
+        return {"ok": ok, "version": self._version, "engine_id": self.engine_id, "pid": self.server.pid,
+                "url": self.server.url, "paused": self._paused, "running": inflight, "waiting": waiting,
+                "dead": self._dead, "closed": self._closed, "log": str(self.server.log_path)}
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def close(self) -> None:
+        """Kill the server (its whole process group) and remove the weight directories; calls in flight fail."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self.server.kill()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    def _end_job(self) -> None:
+        """Parking (:mod:`miles.backends.reuse`): the server goes with the job."""
+        self.close()
+
+    # ---- HTTP calls -----------------------------------------------------------------------------
+
+    def _post_generate(self, rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]],
+                       rids: list[str]) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {
+            "input_ids": [list(r.prompt_ids) for _, r, _, _, _ in rows],
+            "sampling_params": [self._sglang_sampling(sp, seed, j) for _, _, sp, j, seed in rows],
+            "rid": rids,
+            "return_logprob": True,
+        }
+        if any(sp.logprobs_top_k for _, _, sp, _, _ in rows):
+            body["top_logprobs_num"] = [sp.logprobs_top_k for _, _, sp, _, _ in rows]
+        if self.capture_routing:
+            body["return_routed_experts"] = True
+        try:
+            outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
+        except (OSError, ServerHTTPError, ValueError) as e:
+            self._raise_if_dead("generate")
+            if isinstance(e, TimeoutError) or "timed out" in str(e):
+                self._abort_rids(rids, quiet=True)
+                raise RuntimeError(f"engine {self.engine_id}: SGLang did not answer a generate call of {len(rows)} "
+                                   f"row(s) within rollout.engine.request_timeout_s={self.request_timeout_s:g}s; "
+                                   "its rows were aborted") from e
+            raise RuntimeError(f"engine {self.engine_id}: SGLang generate failed: {e}") from e
+        if isinstance(outs, dict):
+            outs = [outs]
+        if not isinstance(outs, list) or len(outs) != len(rows):
+            raise RuntimeError(f"engine {self.engine_id}: SGLang answered {type(outs).__name__} "
+                               f"{len(outs) if isinstance(outs, list) else ''} for {len(rows)} rows")
+        return outs
+
+    def _control(self, path: str, body: dict[str, Any], timeout_s: float = _CONTROL_TIMEOUT_S) -> Any:
+        try:
+            return self.server.post(path, body, timeout_s=timeout_s)
+        except (OSError, ServerHTTPError, ValueError) as e:
+            self._raise_if_dead(path.lstrip("/"))
+            raise RuntimeError(f"engine {self.engine_id}: SGLang {path} failed: {e}") from e
+
+    def _abort_rids(self, rids: list[str], quiet: bool = False) -> None:
+        for rid in rids:
+            if self._stopped():
+                return
+            try:
+                self.server.post("/abort_request", {"rid": rid}, timeout_s=min(5.0, self.health_timeout_s))
+            except (OSError, ServerHTTPError, ValueError) as e:
+                if not quiet:
+                    log.warning("engine %d: abort of %s failed: %s", self.engine_id, rid, e)
+                return
+
+    # ---- requests and results -------------------------------------------------------------------
+
+    def _check_request(self, r: GenerateRequest, default: SamplingParams | None) -> SamplingParams:
+        rid = r.request_id
+        sp = r.sampling if r.sampling is not None else default
+        if sp is None:
+            raise ValueError(f"request {rid!r} has no sampling params: pass generate(..., sampling) "
+                             "or set GenerateRequest.sampling")
+        check_sampling(sp.temperature, sp.top_p, sp.top_k)
+        if sp.stop:
+            raise ValueError(f"request {rid!r}: stop strings need a tokenizer, which the SGLang engine's server does "
+                             "not load (--skip-tokenizer-init); use stop_token_ids")
+        if sp.max_new_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
+        if not 0 <= sp.logprobs_top_k <= self.vocab_size:
+            raise ValueError(f"request {rid!r}: logprobs_top_k must be in [0, {self.vocab_size}], got {sp.logprobs_top_k}")
+        if any(not 0 <= t < self.vocab_size for t in sp.stop_token_ids):
+            raise ValueError(f"request {rid!r}: stop_token_ids must be in [0, {self.vocab_size}); "
+                             f"got {list(sp.stop_token_ids)}")
+        if r.n < 1:
+            raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
+        if not r.prompt_ids:
+            raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
+        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
+            raise ValueError(f"request {rid!r}: token ids must be in [0, {self.vocab_size}); "
+                             f"got min {min(r.prompt_ids)}, max {max(r.prompt_ids)}")
+        if self.context_length and len(r.prompt_ids) + sp.max_new_tokens > self.context_length:
+            raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens ({sp.max_new_tokens}) "
+                             f"exceeds the context length {self.context_length}")
+        return sp
+
+    def _request_seed(self, r: GenerateRequest, sp: SamplingParams) -> int:
+        seed = r.seed if r.seed is not None else sp.seed
+        if seed is None:
+            with self._cv:
+                seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        return seed
+
+    @staticmethod
+    def _sglang_sampling(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]:
+        greedy = sp.greedy or sp.temperature == 0
+        out: dict[str, Any] = {
+            "max_new_tokens": sp.max_new_tokens,
+            "temperature": 0.0 if greedy else sp.temperature,
+            "top_p": 1.0 if greedy else sp.top_p,
+            "top_k": -1 if greedy or sp.top_k == 0 else sp.top_k,
+            "sampling_seed": row_seed(seed, index) % (2**31),
+        }
+        if sp.stop_token_ids:
+            out["stop_token_ids"] = list(sp.stop_token_ids)
+        return out
+
+    def _result(self, request_id: str, index: int, sp: SamplingParams, out: dict[str, Any]) -> GenerateResult:
+        meta = out.get("meta_info") or {}
+        ids = tuple(int(t) for t in out.get("output_ids") or ())
+        logprobs = tuple(float(x[0]) for x in meta.get("output_token_logprobs") or ())
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"engine {self.engine_id}: SGLang returned {len(ids)} tokens and {len(logprobs)} "
+                               f"log-probs for {request_id!r}[{index}]")
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind == "stop":
+            matched = finish.get("matched")
+            reason = "stop_token" if matched in sp.stop_token_ids and matched not in self.eos_ids else "eos"
+            status = Status.COMPLETED
+        elif kind == "length":
+            reason, status = "length", Status.TRUNCATED
+        elif kind == "abort":
+            reason, status = "abort", Status.ABORTED
+        else:
+            raise RuntimeError(f"engine {self.engine_id}: SGLang finished {request_id!r}[{index}] with "
+                               f"{finish!r}: {str(meta.get('error') or '')[:500]}")
+        top = None
+        if sp.logprobs_top_k:
+            top = tuple(tuple((int(t[1]), float(t[0])) for t in step[: sp.logprobs_top_k])
+                        for step in meta.get("output_top_logprobs") or ())
+        try:
+            version = int(meta.get("weight_version"))
+        except (TypeError, ValueError):
+            version = self._version
+        return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
+                              weight_version=version, finish_reason=reason, top_logprobs=top,
+                              routing=self._routing(meta, len(ids)) if self.capture_routing else None)
+
+    def _routing(self, meta: dict[str, Any], num_tokens: int) -> torch.Tensor | None:
+        """SGLang's routed experts (base64 int32, one row per position scored) -> [T, layers, top_k] int16 for
+        the response tokens: the forward steps at positions ``P - 1 + t``."""
+        raw = meta.get("routed_experts")
+        if raw is None or num_tokens == 0:
+            return None
+        flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
+        layers, top_k = self._moe_shape()
+        steps = flat.numel() // (layers * top_k)
+        per_step = flat[: steps * layers * top_k].view(steps, layers, top_k)
+        return per_step[steps - num_tokens:].to(torch.int16).clone() if steps >= num_tokens else None
+
+    def _moe_shape(self) -> tuple[int, int]:
+        config = json.loads((Path(self.checkpoint_dir) / "config.json").read_text())
+        text = config.get("text_config", config)
+        step = int(text.get("decoder_sparse_step", 1) or 1)
+        sparse = [i for i in range(int(text["num_hidden_layers"]))
+                  if (i + 1) % step == 0 and i not in set(text.get("mlp_only_layers") or ())]
+        return len(sparse), int(text["num_experts_per_tok"])
+
+    def _aborted(self, request_id: str, index: int) -> GenerateResult:
+        return GenerateResult(request_id=request_id, index=index, response_ids=(), logprobs=(), status=Status.ABORTED,
+                              weight_version=self._version, finish_reason="abort")
+
+    # ---- liveness -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Every ``health_interval_s``: the process runs and answers ``/health``; else the engine is dead."""
+        misses = 0
+        while not self._closed and self._dead is None:
+            if self.server.exited.wait(self.health_interval_s):
+                if not self._closed:
+                    self._die(f"the SGLang server process exited with code {self.server.exit_code}; last lines of "
+                              f"{self.server.log_path}:\n{self.server.log_tail(15)}")
+                return
+            if self._closed:
+                return
+            misses = 0 if self.server.healthy(self.health_timeout_s) else misses + 1
+            if misses >= self.max_health_failures:
+                self._die(f"the SGLang server (pid {self.server.pid}) did not answer /health within "
+                          f"{self.health_timeout_s:g} s {misses} times in a row (hung or stopped); it was killed")
+                return
+
+    def _die(self, reason: str) -> None:
+        with self._cv:
+            if self._dead is not None or self._closed:
+                return
+            self._dead = reason
+            self._cv.notify_all()
+        log.error("engine %d is dead: %s", self.engine_id, reason)
+        self.server.kill()
+
+    def _raise_if_dead(self, what: str) -> None:
+        """After a failed HTTP call: if the server is gone (or goes within a second), the engine is dead."""
+        if self._dead is None and not self._closed and self.server.exited.wait(1.0):
+            self._die(f"the SGLang server process exited with code {self.server.exit_code}; last lines of "
+                      f"{self.server.log_path}:\n{self.server.log_tail(15)}")
+        if self._dead is not None:
+            raise EngineDeadError(f"engine {self.engine_id}: {what} failed: {self._dead}")
+
+    def _stopped(self) -> bool:
+        return self._closed or self._dead is not None
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine {self.engine_id}: {what} after close()")
+        if self._dead is not None:
+            raise EngineDeadError(f"engine {self.engine_id}: {what} on a dead engine: {self._dead}")
+
+
+class SGLangOffloadingEngine(SGLangEngine):
+    """:class:`SGLangEngine` plus ``release_memory`` / ``resume_memory`` through SGLang's
+    ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``placement=colocate`` with
+    ``placement.offload_engines=true``). GPU only, and untested: no GPU has run it. On CPU the
+    release kills the server, so the constructor refuses ``device="cpu"``.
+    """
+
+    def __init__(self, checkpoint_dir: str, precision: PrecisionConfig, *, device: str = "cpu", **kwargs: Any) -> None:
+        if device == "cpu":
+            raise ValueError("SGLangOffloadingEngine needs a GPU: on CPU SGLang's /release_memory_occupation kills the "
+                             "server. Use rollout.engine._target_=miles.rollout.sglang_engine.SGLangEngine with "
+                             "placement.offload_engines=false")
+        server_args = {"enable_memory_saver": True, **(kwargs.pop("server_args", None) or {})}
+        super().__init__(checkpoint_dir, precision, device=device, server_args=server_args, **kwargs)
+        self._released = False
+
+    def release_memory(self) -> None:
+        """Free the KV cache and the weights on the GPU; ``generate`` raises until they are back."""
+        self._control("/release_memory_occupation", {})
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Restore what :meth:`release_memory` freed."""
+        self._control("/resume_memory_occupation", {})
+        self._released = False
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """A released engine takes its memory back first, then loads the new weights."""
+        if self._released:
+            self.resume_memory()
+        return super().update_weights(state_dict, version)
+
+    def _check_usable(self, what: str) -> None:
+        super()._check_usable(what)
+        if getattr(self, "_released", False) and what == "generate":
+            raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    more = " ..." if len(names) > limit else ""
+    return f"{names[:limit]}{more} ({len(names)})"
