@@ -40,9 +40,12 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   killed, every call in flight and every later call raises
   :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
   out of rotation and retries its requests on the others.
-- MoE routing (``capture_routing: true``): ``--enable-return-routed-experts`` and
-  ``return_routed_experts`` per request; ``GenerateResult.routing`` is ``[T, moe_layers, top_k]``
-  int16, the experts chosen at the forward step that produced each response token.
+- MoE models run on CPU (a tiny Qwen3-MoE: greedy tokens and log-probs equal transformers').
+  Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
+  ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
+  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with CUDA and the
+  server dies at start. The GPU path is untested, including the layout of SGLang's
+  ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
 
 Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
 CPU, so :class:`SGLangEngine` offers no ``release_memory`` and ``placement.offload_engines=true``
@@ -78,7 +81,13 @@ from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
 from miles.rollout.sampling import check_sampling
-from miles.rollout.sglang_server import ServerHTTPError, SGLangServer, find_python, server_env
+from miles.rollout.sglang_server import (
+    ServerHTTPError,
+    ServerStartError,
+    SGLangServer,
+    find_python,
+    server_env,
+)
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 log = logging.getLogger(__name__)
@@ -120,6 +129,9 @@ class SGLangEngine(Reusable):
     ``max_health_failures``.
     """
 
+    offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
+                    "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
+
     def __init__(
         self,
         checkpoint_dir: str,
@@ -154,6 +166,10 @@ class SGLangEngine(Reusable):
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
                              "triton); SGLang refuses it with torch_native, the only one on CPU")
+        if device == "cpu" and capture_routing:
+            raise ValueError("rollout.engine.capture_routing=true does not work on CPU: SGLang 0.5.23's routed-experts "
+                             "capture registers host memory with CUDA and the server dies at start; use rollout=torch "
+                             "(capture_routing) on CPU")
         for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
                            ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
             if not value > 0:
@@ -203,8 +219,17 @@ class SGLangEngine(Reusable):
         log_path = logs / f"engine{engine_id}-{os.getpid()}-{int(time.time())}.log"
         t0 = time.perf_counter()
         try:
-            self.server = SGLangServer(py, args, server_env(py, device, num_threads), log_path,
-                                       start_timeout_s=start_timeout_s)
+            for attempt in range(3):  # a port taken by another process between the pick and the bind: another port
+                try:
+                    self.server = SGLangServer(py, args, server_env(py, device, num_threads), log_path,
+                                               start_timeout_s=start_timeout_s)
+                    break
+                except ServerStartError as e:
+                    taken = getattr(e, "server", None)
+                    if attempt == 2 or taken is None or not taken.port_taken():
+                        raise
+                    log.warning("engine %d: port %d was taken before the SGLang server bound it; another port",
+                                engine_id, taken.port)
         except BaseException:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             raise
@@ -567,32 +592,35 @@ class SGLangEngine(Reusable):
         misses = 0
         while not self._closed and self._dead is None:
             if self.server.exited.wait(self.health_interval_s):
-                if not self._closed:
-                    self._die(f"the SGLang server process exited with code {self.server.exit_code}; last lines of "
-                              f"{self.server.log_path}:\n{self.server.log_tail(15)}")
+                self._die_exited()
                 return
             if self._closed:
                 return
             misses = 0 if self.server.healthy(self.health_timeout_s) else misses + 1
             if misses >= self.max_health_failures:
                 self._die(f"the SGLang server (pid {self.server.pid}) did not answer /health within "
-                          f"{self.health_timeout_s:g} s {misses} times in a row (hung or stopped); it was killed")
+                          f"{self.health_timeout_s:g} s {misses} times in a row (hung or stopped); it was killed "
+                          f"(log: {self.server.log_path})")
                 return
 
+    def _die_exited(self) -> None:
+        self._die(f"the SGLang server process exited with code {self.server.exit_code} (log: {self.server.log_path})")
+
     def _die(self, reason: str) -> None:
+        """Mark the engine dead (``reason``: one line, it ends up in the pool's error messages) and kill the server."""
         with self._cv:
             if self._dead is not None or self._closed:
                 return
             self._dead = reason
             self._cv.notify_all()
-        log.error("engine %d is dead: %s", self.engine_id, reason)
         self.server.kill()
+        log.error("engine %d is dead: %s; last lines of its log:\n%s", self.engine_id, reason,
+                  self.server.log_tail(15))
 
     def _raise_if_dead(self, what: str) -> None:
         """After a failed HTTP call: if the server is gone (or goes within a second), the engine is dead."""
         if self._dead is None and not self._closed and self.server.exited.wait(1.0):
-            self._die(f"the SGLang server process exited with code {self.server.exit_code}; last lines of "
-                      f"{self.server.log_path}:\n{self.server.log_tail(15)}")
+            self._die_exited()
         if self._dead is not None:
             raise EngineDeadError(f"engine {self.engine_id}: {what} failed: {self._dead}")
 

@@ -22,9 +22,12 @@ runs a one-token generation, which waits while generation is paused.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -35,6 +38,10 @@ from typing import Any
 
 from miles.core.cluster import free_port
 
+PORT_RANGE = (10000, 22000)
+"""Where the server's HTTP port is picked: below the kernel's ephemeral range (32768+ here), where no
+outgoing connection or ``bind(0)`` takes it during the server's minute of start-up, and below the
+range SGLang picks its own internal ports from (22000-29999)."""
 PYTHON_ENV = "MILES_SGLANG_PYTHON"
 """Environment variable naming the SGLang venv's interpreter (when ``rollout.engine.python`` is unset)."""
 STUB_DIR = "lib/miles-libcuda"
@@ -51,7 +58,22 @@ _BOOTSTRAP = (
 
 
 class ServerStartError(RuntimeError):
-    """The SGLang server did not come up; the message carries the tail of its log."""
+    """The SGLang server did not come up; the message carries the tail of its log, ``server`` the
+    :class:`SGLangServer` that failed (None when the process did not start)."""
+
+    server: SGLangServer | None = None
+
+
+def pick_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port in :data:`PORT_RANGE` that ``host`` can bind now (else any free port)."""
+    for port in random.sample(range(*PORT_RANGE), attempts):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 class ServerHTTPError(RuntimeError):
@@ -104,7 +126,7 @@ class SGLangServer:
 
     def __init__(self, python: Path, args: list[str], env: dict[str, str], log_path: Path, *,
                  start_timeout_s: float, host: str = "127.0.0.1") -> None:
-        self.host, self.port = host, free_port(host)
+        self.host, self.port = host, pick_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self.exit_code: int | None = None
@@ -139,8 +161,10 @@ class SGLangServer:
         self.pid = self.proc.pid
         try:
             self._wait_healthy(start_timeout_s)
-        except BaseException:
+        except BaseException as e:
             self.kill()
+            if isinstance(e, ServerStartError):
+                e.server = self  # the caller may read its log (port_taken) and start another
             raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -149,11 +173,19 @@ class SGLangServer:
             if self.exited.is_set():
                 raise ServerStartError(f"the SGLang server exited with code {self.exit_code} while starting; "
                                        f"last lines of {self.log_path}:\n{self.log_tail()}")
-            if self.healthy(timeout_s=2.0):
+            if self.healthy(timeout_s=2.0) and self._is_ours():
                 return
             self.exited.wait(0.5)
         raise ServerStartError(f"the SGLang server did not answer /health within {timeout_s:g} s "
                                f"(rollout.engine.start_timeout_s); last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def _is_ours(self) -> bool:
+        """``/model_info`` names the model this server was started with (not another process on the port)."""
+        try:
+            info = self.request("GET", "/model_info", timeout_s=5.0)
+        except (OSError, ServerHTTPError, ValueError):
+            return False
+        return isinstance(info, dict) and "model_path" in info
 
     # ---- HTTP ---------------------------------------------------------------------------------
 
@@ -172,6 +204,8 @@ class SGLangServer:
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace")[:2000]
             raise ServerHTTPError(f"{method} {path} answered {e.code}: {text}", e.code, text) from None
+        except http.client.HTTPException as e:  # something that is not an HTTP server answered
+            raise ConnectionError(f"{method} {path}: not an HTTP answer from {self.url} ({e!r:.200})") from e
         return json.loads(raw) if raw.strip() else None
 
     def post(self, path: str, body: Any = None, *, timeout_s: float) -> Any:
@@ -211,5 +245,10 @@ class SGLangServer:
                 text = f.read().decode(errors="replace")
         except OSError as e:
             return f"(log unreadable: {e})"
-        keep = [line for line in text.splitlines() if "Ignore import error when loading" not in line]
+        keep = [line[:400] for line in text.splitlines() if "Ignore import error when loading" not in line]
         return "\n".join(keep[-lines:])
+
+    def port_taken(self) -> bool:
+        """Whether the log says the server could not bind its port (another process took it meanwhile)."""
+        tail = self.log_tail(80).lower()
+        return "address already in use" in tail or "errno 98" in tail
