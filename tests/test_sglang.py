@@ -76,7 +76,11 @@ def actors(ray_cluster, built) -> dict[str, Any]:
     print(f"\n{len(names)} SGLang servers up in {time.perf_counter() - t0:.0f} s")
     assert all(h["ok"] for h in health.values()), health
     yield handles
-    for h in handles.values():
+    for h in handles.values():  # close() removes the engine's weight directory; a dead actor has nothing left
+        try:
+            ray_cluster.get(h.close.remote(), timeout=60)
+        except Exception:
+            pass
         ray_cluster.kill(h)
 
 

@@ -192,7 +192,7 @@ class SGLangEngine(Reusable):
         self._paused = self._closed = False
         self._dead: str | None = None
         self._version = 0
-        self._weights_dir = Path(tempfile.mkdtemp(prefix=f"miles-sglang{engine_id}-weights-"))
+        self._weights_dir = _weights_dir(engine_id)
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
@@ -670,6 +670,31 @@ class SGLangOffloadingEngine(SGLangEngine):
         super()._check_usable(what)
         if getattr(self, "_released", False) and what == "generate":
             raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
+
+
+def _weights_dir(engine_id: int) -> Path:
+    """A fresh directory for this engine's weight versions, under ``<tmp>/miles-sglang-weights``.
+
+    Its name starts with this process's pid. An actor killed by Ray never runs :meth:`SGLangEngine.close`,
+    so every new engine first removes the directories of processes that no longer run.
+    """
+    root = Path(tempfile.gettempdir()) / "miles-sglang-weights"
+    root.mkdir(exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-engine{engine_id}-", dir=root))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _listing(names: list[str], limit: int = 10) -> str:
