@@ -61,10 +61,7 @@ serves a request and which version it holds.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -80,7 +77,6 @@ import torch
 from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
-from miles.rollout.sampling import check_sampling
 from miles.rollout.sglang_server import (
     ServerHTTPError,
     ServerStartError,
@@ -88,24 +84,13 @@ from miles.rollout.sglang_server import (
     find_python,
     server_env,
 )
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, row_seed, sampling_params, to_result
+from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CONTROL_TIMEOUT_S = 30.0  # pause / continue / abort / weight-update calls that should answer at once
-
-
-def row_seed(seed: int, index: int) -> int:
-    """The sampling seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
-    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
 @dataclass(eq=False)
@@ -181,8 +166,9 @@ class SGLangEngine(Reusable):
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
         self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
         self.capture_routing = capture_routing
-        self._read_checkpoint(Path(self.checkpoint_dir))
-        self.context_length = context_length or self.max_positions
+        self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
+        self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
+        self.context_length = context_length or self.ckpt.max_positions
         self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
         self._cv = threading.Condition()
         self._held: set[_Call] = set()
@@ -239,42 +225,13 @@ class SGLangEngine(Reusable):
         self._watchdog = threading.Thread(target=self._watch, name=f"sglang-watchdog-{engine_id}", daemon=True)
         self._watchdog.start()
 
-    # ---- checkpoint facts -------------------------------------------------------------------------
-
-    def _read_checkpoint(self, path: Path) -> None:
-        """Vocabulary, EOS ids, positions and the weight names / shapes a full update must send."""
-        from safetensors import safe_open
-
-        config = json.loads((path / "config.json").read_text())
-        gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.eos_ids = sorted(set(_ids(config.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
-        if not self.eos_ids:
-            raise ValueError(f"{path}: neither config.json nor generation_config.json sets eos_token_id")
-        text = config.get("text_config", config)
-        self.vocab_size = int(text["vocab_size"])
-        self.max_positions = text.get("max_position_embeddings")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{path}: no *.safetensors weights (the SGLang engine loads safetensors only)")
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    self._shapes[k] = tuple(st.get_slice(k).get_shape())
-        self._optional: set[str] = set()
-        tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        if tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
-            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
-            self._optional.add("lm_head.weight")
-
     # ---- Protocol -------------------------------------------------------------------------------
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
                  ) -> list[GenerateResult]:
         """Complete each request ``n`` times; results ordered by request then index (see the module docstring)."""
         self._check_usable("generate")
-        params = [self._check_request(r, sampling) for r in requests]
+        params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
         seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
         call = _Call(request_ids={r.request_id for r in requests})
         tag = next(self._calls)
@@ -297,7 +254,7 @@ class SGLangEngine(Reusable):
         for pos, r in enumerate(requests):
             if r.request_id in call.aborted:
                 for j in range(r.n):
-                    results[pos, j] = self._aborted(r.request_id, j)
+                    results[pos, j] = aborted(r.request_id, j, self._version)
         if rows:
             try:
                 outs = self._post_generate(rows, rids)
@@ -310,7 +267,8 @@ class SGLangEngine(Reusable):
                             if not left:
                                 del self._inflight[r.request_id]
             for (pos, r, sp, j, _), out in zip(rows, outs, strict=True):
-                results[pos, j] = self._result(r.request_id, j, sp, out)
+                results[pos, j] = to_result(r.request_id, j, sp, out, self.ckpt, version=self._version,
+                                            routing=self.capture_routing)
         return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -323,14 +281,15 @@ class SGLangEngine(Reusable):
 
         t0 = time.perf_counter()
         self._check_usable("update_weights")
-        missing = [k for k in self._shapes if k not in state_dict and k not in self._optional]
-        unexpected = [k for k in state_dict if k not in self._shapes]
+        shapes = self.ckpt.shapes
+        missing = [k for k in shapes if k not in state_dict and k not in self.ckpt.optional]
+        unexpected = [k for k in state_dict if k not in shapes]
         if missing or unexpected:
             raise ValueError(f"update_weights(version={version}): names must match the checkpoint's exactly; "
                              f"missing {_listing(missing)}, unexpected {_listing(unexpected)}. Send the full HF "
                              "state dict of the same architecture.")
-        bad = [f"{k}: sent {tuple(v.shape)}, expected {self._shapes[k]}" for k, v in state_dict.items()
-               if tuple(v.shape) != self._shapes[k]]
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
+               if tuple(v.shape) != shapes[k]]
         bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
                 if not v.is_floating_point()]
         if bad:
@@ -434,7 +393,7 @@ class SGLangEngine(Reusable):
                        rids: list[str]) -> list[dict[str, Any]]:
         body: dict[str, Any] = {
             "input_ids": [list(r.prompt_ids) for _, r, _, _, _ in rows],
-            "sampling_params": [self._sglang_sampling(sp, seed, j) for _, _, sp, j, seed in rows],
+            "sampling_params": [sampling_params(sp, seed, j) for _, _, sp, j, seed in rows],
             "rid": rids,
             "return_logprob": True,
         }
@@ -479,111 +438,12 @@ class SGLangEngine(Reusable):
 
     # ---- requests and results -------------------------------------------------------------------
 
-    def _check_request(self, r: GenerateRequest, default: SamplingParams | None) -> SamplingParams:
-        rid = r.request_id
-        sp = r.sampling if r.sampling is not None else default
-        if sp is None:
-            raise ValueError(f"request {rid!r} has no sampling params: pass generate(..., sampling) "
-                             "or set GenerateRequest.sampling")
-        check_sampling(sp.temperature, sp.top_p, sp.top_k)
-        if sp.stop:
-            raise ValueError(f"request {rid!r}: stop strings need a tokenizer, which the SGLang engine's server does "
-                             "not load (--skip-tokenizer-init); use stop_token_ids")
-        if sp.max_new_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
-        if not 0 <= sp.logprobs_top_k <= self.vocab_size:
-            raise ValueError(f"request {rid!r}: logprobs_top_k must be in [0, {self.vocab_size}], got {sp.logprobs_top_k}")
-        if any(not 0 <= t < self.vocab_size for t in sp.stop_token_ids):
-            raise ValueError(f"request {rid!r}: stop_token_ids must be in [0, {self.vocab_size}); "
-                             f"got {list(sp.stop_token_ids)}")
-        if r.n < 1:
-            raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
-        if not r.prompt_ids:
-            raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
-            raise ValueError(f"request {rid!r}: token ids must be in [0, {self.vocab_size}); "
-                             f"got min {min(r.prompt_ids)}, max {max(r.prompt_ids)}")
-        if self.context_length and len(r.prompt_ids) + sp.max_new_tokens > self.context_length:
-            raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens ({sp.max_new_tokens}) "
-                             f"exceeds the context length {self.context_length}")
-        return sp
-
     def _request_seed(self, r: GenerateRequest, sp: SamplingParams) -> int:
         seed = r.seed if r.seed is not None else sp.seed
         if seed is None:
             with self._cv:
                 seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         return seed
-
-    @staticmethod
-    def _sglang_sampling(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]:
-        greedy = sp.greedy or sp.temperature == 0
-        out: dict[str, Any] = {
-            "max_new_tokens": sp.max_new_tokens,
-            "temperature": 0.0 if greedy else sp.temperature,
-            "top_p": 1.0 if greedy else sp.top_p,
-            "top_k": -1 if greedy or sp.top_k == 0 else sp.top_k,
-            "sampling_seed": row_seed(seed, index) % (2**31),
-        }
-        if sp.stop_token_ids:
-            out["stop_token_ids"] = list(sp.stop_token_ids)
-        return out
-
-    def _result(self, request_id: str, index: int, sp: SamplingParams, out: dict[str, Any]) -> GenerateResult:
-        meta = out.get("meta_info") or {}
-        ids = tuple(int(t) for t in out.get("output_ids") or ())
-        logprobs = tuple(float(x[0]) for x in meta.get("output_token_logprobs") or ())
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"engine {self.engine_id}: SGLang returned {len(ids)} tokens and {len(logprobs)} "
-                               f"log-probs for {request_id!r}[{index}]")
-        finish = meta.get("finish_reason") or {}
-        kind = finish.get("type") if isinstance(finish, dict) else None
-        if kind == "stop":
-            matched = finish.get("matched")
-            reason = "stop_token" if matched in sp.stop_token_ids and matched not in self.eos_ids else "eos"
-            status = Status.COMPLETED
-        elif kind == "length":
-            reason, status = "length", Status.TRUNCATED
-        elif kind == "abort":
-            reason, status = "abort", Status.ABORTED
-        else:
-            raise RuntimeError(f"engine {self.engine_id}: SGLang finished {request_id!r}[{index}] with "
-                               f"{finish!r}: {str(meta.get('error') or '')[:500]}")
-        top = None
-        if sp.logprobs_top_k:
-            top = tuple(tuple((int(t[1]), float(t[0])) for t in step[: sp.logprobs_top_k])
-                        for step in meta.get("output_top_logprobs") or ())
-        try:
-            version = int(meta.get("weight_version"))
-        except (TypeError, ValueError):
-            version = self._version
-        return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
-                              weight_version=version, finish_reason=reason, top_logprobs=top,
-                              routing=self._routing(meta, len(ids)) if self.capture_routing else None)
-
-    def _routing(self, meta: dict[str, Any], num_tokens: int) -> torch.Tensor | None:
-        """SGLang's routed experts (base64 int32, one row per position scored) -> [T, layers, top_k] int16 for
-        the response tokens: the forward steps at positions ``P - 1 + t``."""
-        raw = meta.get("routed_experts")
-        if raw is None or num_tokens == 0:
-            return None
-        flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
-        layers, top_k = self._moe_shape()
-        steps = flat.numel() // (layers * top_k)
-        per_step = flat[: steps * layers * top_k].view(steps, layers, top_k)
-        return per_step[steps - num_tokens:].to(torch.int16).clone() if steps >= num_tokens else None
-
-    def _moe_shape(self) -> tuple[int, int]:
-        config = json.loads((Path(self.checkpoint_dir) / "config.json").read_text())
-        text = config.get("text_config", config)
-        step = int(text.get("decoder_sparse_step", 1) or 1)
-        sparse = [i for i in range(int(text["num_hidden_layers"]))
-                  if (i + 1) % step == 0 and i not in set(text.get("mlp_only_layers") or ())]
-        return len(sparse), int(text["num_experts_per_tok"])
-
-    def _aborted(self, request_id: str, index: int) -> GenerateResult:
-        return GenerateResult(request_id=request_id, index=index, response_ids=(), logprobs=(), status=Status.ABORTED,
-                              weight_version=self._version, finish_reason="abort")
 
     # ---- liveness -------------------------------------------------------------------------------
 
