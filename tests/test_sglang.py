@@ -1,7 +1,8 @@
 """The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
-Three engine actors, made as the driver makes them, start together once per session (a server
-takes 35-90 s to start on 2 cores): ``serving`` answers every test that leaves its server alive,
+Four engine actors, made as the driver makes them, start together once per module (a server takes
+30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` answers every
+test that leaves its server alive,
 ``victim`` and ``hangs`` lose theirs in the fault tests at the end of the module (killed, then
 stopped with SIGSTOP), and ``spare`` is killed with its actor. All serve one checkpoint built like
 a run's (task tokenizer, random tiny Qwen3, fp32): rewards decode text, SGLang itself reads ids only.
