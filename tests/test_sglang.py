@@ -2,9 +2,9 @@
 
 Four engine actors, made as the driver makes them, start together once per module (a server takes
 30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` answers every
-test that leaves its server alive,
-``victim`` and ``hangs`` lose theirs in the fault tests at the end of the module (killed, then
-stopped with SIGSTOP), and ``spare`` is killed with its actor. All serve one checkpoint built like
+test that leaves its server alive, ``victim`` and ``hangs`` lose theirs in the fault tests at the
+end of the module (killed, then stopped with SIGSTOP), and ``spare`` serves the manager test, then
+is killed with its actor. All serve one checkpoint built like
 a run's (task tokenizer, random tiny Qwen3, fp32): rewards decode text, SGLang itself reads ids only.
 
 Tolerances, measured on CPU in fp32: SGLang's log-probs of greedy and sampled tokens equal
