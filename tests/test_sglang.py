@@ -156,6 +156,45 @@ def _max_diff(a, b) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+# --- no server process outlives its engine ------------------------------------------------------
+
+def _group_of(marker: str) -> int | None:
+    """The process group of the SGLang server whose command line holds ``marker``."""
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"--served-model-name {marker}" in cmd:  # the server's own command line, not the engine's
+            return _pgid(pid)
+    return None
+
+
+def test_a_server_killed_while_it_starts_leaves_no_process(built, tmp_path: Path) -> None:
+    """SGLang's scheduler and detokenizer arm their own death signal only once they run: an engine
+    killed while they start must still take them down (the supervisor kills the group)."""
+    import subprocess
+    import sys
+
+    marker = f"start-race-{tmp_path.name}"
+    code = ("from miles.config.schema import PrecisionConfig\n"
+            "from miles.rollout.sglang_engine import SGLangEngine\n"
+            f"SGLangEngine({built.path!r}, PrecisionConfig(), num_threads=1, server_args={{'served_model_name': "
+            f"{marker!r}}})\n")
+    engine = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
+    try:
+        deadline, group, pids = time.monotonic() + 240, None, []
+        while time.monotonic() < deadline and len(pids) < 4:  # supervisor, launcher and at least two children
+            group = group or _group_of(marker)
+            pids = _group_pids(group) if group else []
+            time.sleep(0.2)
+        assert len(pids) >= 4, f"the server's children did not start within 240 s: {pids}"
+    finally:
+        engine.kill()
+        engine.wait()
+    assert _wait_gone(pids, 15) == [], "server processes outlived the engine that was killed while they started"
+
+
 # --- the contract and the numbers ----------------------------------------------------------------
 
 def test_sglang_engine_meets_the_engine_contract(serving, built) -> None:

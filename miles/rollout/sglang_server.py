@@ -6,10 +6,11 @@ the ``python`` argument, else ``$MILES_SGLANG_PYTHON``, else ``<repo>/.venv-sgla
 
 :class:`SGLangServer` starts ``python -m sglang.launch_server`` bound to 127.0.0.1 on a free port, in
 a process group of its own, and waits for ``/health`` with a deadline; a server that exits or does
-not come up raises :class:`ServerStartError` with the tail of its log. The server cannot outlive
-the process that started it: a small bootstrap sets ``PR_SET_PDEATHSIG`` (SIGKILL) before it runs
-SGLang's launcher, and SGLang's own scheduler and detokenizer processes die with the launcher. The
-process is started from a thread that lives exactly as long as the server (the death signal
+not come up raises :class:`ServerStartError` with the tail of its log. No process of the server
+outlives the process that started it: :mod:`miles.rollout.sglang_supervisor` leads the server's
+process group, gets a signal when its parent dies (``PR_SET_PDEATHSIG``) and then kills the whole
+group, SGLang's scheduler and detokenizer included, even while they are still starting. The
+supervisor is started from a thread that lives exactly as long as the server (the death signal
 follows the thread that forked, not the process), which also notices the moment it exits.
 :meth:`SGLangServer.kill` kills the whole process group.
 
@@ -47,14 +48,8 @@ PYTHON_ENV = "MILES_SGLANG_PYTHON"
 STUB_DIR = "lib/miles-libcuda"
 """Where, inside the SGLang venv, the setup script puts the stand-in ``libcuda.so.1``."""
 
-_BOOTSTRAP = (
-    "import ctypes, os, runpy, signal, sys\n"
-    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('the process that started this SGLang server is gone')\n"
-    "sys.argv = ['sglang.launch_server'] + sys.argv[2:]\n"
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
-)
+SUPERVISOR = Path(__file__).with_name("sglang_supervisor.py")
+"""Started by the SGLang interpreter in front of ``sglang.launch_server``: see :mod:`miles.rollout.sglang_supervisor`."""
 
 
 class ServerStartError(RuntimeError):
@@ -131,10 +126,10 @@ class SGLangServer:
         self.log_path = log_path
         self.exit_code: int | None = None
         self.exited = threading.Event()
-        cmd = [str(python), "-c", _BOOTSTRAP, str(os.getpid()), *args, "--host", host, "--port", str(self.port)]
+        cmd = [str(python), str(SUPERVISOR), str(os.getpid()), *args, "--host", host, "--port", str(self.port)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it until it exits
-        self._log.write(f"$ {' '.join(cmd[:1] + cmd[3:])}\n".encode())
+        self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
         started: dict[str, Any] = {}
         ready = threading.Event()
