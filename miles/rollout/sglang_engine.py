@@ -26,7 +26,8 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - ``update_weights`` checks names and shapes against the checkpoint (SGLang's loader silently
   skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
   version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; requests
-  in flight finish on the old weights first (SGLang's update waits for them), and every result
+  in flight finish on the old weights first (SGLang's update takes a lock that waits for them, in
+  ``TokenizerManager.update_weights_from_disk``), and every result
   carries the version SGLang reports. The disk path works on CPU and on every node (the directory
   is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
   ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
@@ -40,7 +41,8 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   killed, every call in flight and every later call raises
   :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
   out of rotation and retries its requests on the others.
-- MoE models run on CPU (a tiny Qwen3-MoE: greedy tokens and log-probs equal transformers').
+- MoE models run on CPU (checked by hand, not by a test: on a tiny Qwen3-MoE greedy tokens and
+  log-probs equaled transformers').
   Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
   ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
   top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with CUDA and the
@@ -302,7 +304,12 @@ class SGLangEngine(Reusable):
             tmp = self._weights_dir / f".v{int(version):08d}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state_dict.items()}
+            tensors, seen = {}, set()
+            for k, v in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
+                t = v.detach().to("cpu", self.dtype).contiguous()
+                ptr = t.untyped_storage().data_ptr()
+                tensors[k] = t.clone() if t.numel() and ptr in seen else t
+                seen.add(ptr)
             save_file(tensors, str(tmp / "model.safetensors"))
             nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
             del tensors
