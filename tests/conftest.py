@@ -57,10 +57,19 @@ def ray_cluster():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu``-marked tests need a CUDA device: skipped, with the reason, where there is none."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")
+    """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv: skipped, with
+    the reason, where it is missing."""
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = "needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)"
+    if any("sglang" in item.keywords for item in items):
+        from miles.rollout.sglang_server import find_python
+
+        try:
+            find_python()
+        except FileNotFoundError as e:
+            skips["sglang"] = f"needs the SGLang venv: {e}"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -90,9 +90,10 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
     if offload:
         lacking = [m for m in ("release_memory", "resume_memory") if not callable(getattr(cls, m, None))]
         if lacking:
+            hint = getattr(cls, "offload_hint", "")  # an engine's own word on where it can offload
             raise ConfigError(
                 f"placement.offload_engines=true, but {key} {_name(cls)} has no {' / '.join(m + '()' for m in lacking)}. "
-                "Set placement.offload_engines=false or use an engine that can offload.")
+                f"Set placement.offload_engines=false or use an engine that can offload.{' ' + hint if hint else ''}")
 
 
 def check_trainer_class(cls: Any, run: Any, *, key: str = "trainer._target_") -> None:

@@ -13,16 +13,22 @@ then roughly geometric, capped at ``--max-new-tokens`` (default 128: mean ~46, s
 longest row.
 
 Workload: ``rows_per_batch_size x batch size`` requests (one completion each), prompts of 8-24 random
-tokens, sampled at temperature 1 (no top-k / top-p), EOS as the stop. Both sides get the same prompts
+tokens, sampled at temperature 1 (no top-k / top-p), EOS as the stop. Every side gets the same prompts
 and the same model; each samples with its own random numbers, so lengths differ run to run (the
 reported numbers are medians over ``--repeats``, sides alternating, first side swapped every repeat).
 Batch-1 latency is measured on a copy of the model whose EOS offset is -15 (EOS never comes), so every
-request is exactly ``--max-new-tokens`` long on both sides.
+request is exactly ``--max-new-tokens`` long on every side.
 
 - HF: ``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1, eos_token_id=EOS)`` on padded
   static batches of ``batch size`` rows (left padding, attention mask), ``max_new_tokens`` per batch.
 - miles: one in-process :class:`~miles.rollout.torch_engine.TorchEngine` with
   ``max_batch_size = batch size`` slots, all requests in one ``generate`` call (not via Ray).
+- sglang (``--engine sglang``, needs ``scripts/setup_sglang.sh``): one in-process
+  :class:`~miles.rollout.sglang_engine.SGLangEngine`, a real SGLang server started anew for each batch
+  size with ``max_running_requests = batch size`` (the start is not timed), all requests in one
+  ``generate`` call (one HTTP request), same dtype (fp32) and thread count. Its sampling draws from the
+  server's generator, not per request, so its lengths follow the same distribution but not the same
+  draws.
 
 Tokens/s counts the useful tokens: each row's tokens up to and including its EOS (HF pads finished rows
 until the batch's longest row ends; those pads are not counted). The last line printed is JSON.
@@ -106,40 +112,56 @@ def run_miles(engine: Any, prompts: list[tuple[int, ...]], max_new: int, seed: i
     return time.perf_counter() - t0, [len(r.response_ids) for r in results]
 
 
-def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: int, eos_prob: float,
-          threads: int, out=sys.stdout) -> dict[str, Any]:
-    """Both sides on every batch size (a line each to ``out``), then batch-1 latency: the JSON summary."""
-    from transformers import AutoModelForCausalLM
-
+def _engine(kind: str, path: Path, batch_size: int, threads: int) -> Any:
     from miles.config.schema import PrecisionConfig
+
+    if kind == "sglang":
+        from miles.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(str(path), PrecisionConfig(), num_threads=threads, max_running_requests=batch_size,
+                            max_total_tokens=max(8192, batch_size * 256))
     from miles.rollout.torch_engine import TorchEngine
 
+    return TorchEngine(str(path), PrecisionConfig(), max_batch_size=batch_size, num_threads=threads)
+
+
+def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: int, eos_prob: float,
+          threads: int, out=sys.stdout, engine: str = "torch") -> dict[str, Any]:
+    """Every side on every batch size (a line each to ``out``), then batch-1 latency: the JSON summary.
+
+    Sides: HF generate and the miles torch engine; with ``engine="sglang"`` also the SGLang engine."""
+    from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(threads)
+    sides = ("hf", "miles", "sglang") if engine == "sglang" else ("hf", "miles")
     with tempfile.TemporaryDirectory(prefix="miles-bench-rollout-") as tmp:
         path = build_model(Path(tmp) / "tiny", eos_prob)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
         table = []
         for bs in batch_sizes:
-            engine = TorchEngine(str(path), PrecisionConfig(), max_batch_size=bs, num_threads=threads)
+            engines = {side: _engine("torch" if side == "miles" else side, path, bs, threads)
+                       for side in sides if side != "hf"}
             n_rows = max(rows_per_batch * bs, 4)
-            run_hf(hf, make_prompts(bs, vocab, 999), bs, 8)  # warm-up both sides
-            run_miles(engine, make_prompts(bs, vocab, 999), 8, 999)
-            times: dict[str, list[float]] = {"hf": [], "miles": []}
-            tps: dict[str, list[float]] = {"hf": [], "miles": []}
-            lens: dict[str, list[int]] = {"hf": [], "miles": []}
+            run_hf(hf, make_prompts(bs, vocab, 999), bs, 8)  # warm-up every side
+            for e in engines.values():
+                run_miles(e, make_prompts(bs, vocab, 999), 8, 999)
+            times: dict[str, list[float]] = {side: [] for side in sides}
+            tps: dict[str, list[float]] = {side: [] for side in sides}
+            lens: dict[str, list[int]] = {side: [] for side in sides}
             for rep in range(repeats):
                 prompts = make_prompts(n_rows, vocab, rep)
-                order = ("hf", "miles") if rep % 2 == 0 else ("miles", "hf")
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]  # each side first in turn
                 for side in order:
                     if side == "hf":
                         seconds, lengths = run_hf(hf, prompts, bs, max_new)
                     else:
-                        seconds, lengths = run_miles(engine, prompts, max_new, rep)
+                        seconds, lengths = run_miles(engines[side], prompts, max_new, rep)
                     times[side].append(seconds)
                     tps[side].append(sum(lengths) / seconds)
                     lens[side] += lengths
-            engine.close()
+            for e in engines.values():
+                e.close()
             row = {
                 "batch_size": bs, "rows": n_rows,
                 "tokens_per_s_miles": statistics.median(tps["miles"]),
@@ -150,37 +172,55 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
                 "stdev_len_miles": statistics.pstdev(lens["miles"]),
             }
             row["ratio_vs_hf_generate"] = row["tokens_per_s_miles"] / row["tokens_per_s_hf_generate"]
+            extra = ""
+            if "sglang" in sides:
+                row |= {"tokens_per_s_sglang": statistics.median(tps["sglang"]),
+                        "seconds_sglang": statistics.median(times["sglang"]),
+                        "mean_len_sglang": statistics.mean(lens["sglang"])}
+                row["sglang_ratio_vs_hf_generate"] = row["tokens_per_s_sglang"] / row["tokens_per_s_hf_generate"]
+                row["sglang_ratio_vs_miles"] = row["tokens_per_s_sglang"] / row["tokens_per_s_miles"]
+                extra = (f", SGLang {row['tokens_per_s_sglang']:8.0f} tok/s ({row['sglang_ratio_vs_miles']:.2f}x miles, "
+                         f"mean length {row['mean_len_sglang']:.1f})")
             table.append(row)
             print(f"batch {bs:3d}: miles {row['tokens_per_s_miles']:8.0f} tok/s, HF generate "
                   f"{row['tokens_per_s_hf_generate']:8.0f} tok/s, ratio {row['ratio_vs_hf_generate']:.2f}x "
-                  f"(mean length {row['mean_len_miles']:.1f} / {row['mean_len_hf']:.1f}, {n_rows} rows)",
+                  f"(mean length {row['mean_len_miles']:.1f} / {row['mean_len_hf']:.1f}, {n_rows} rows){extra}",
                   file=out, flush=True)
         latency = {}
         if 1 in batch_sizes:  # one request at a time, always max_new tokens: the same model without EOS
             path1 = build_model(Path(tmp) / "no_eos", 1e-9)
             hf1 = AutoModelForCausalLM.from_pretrained(str(path1), dtype=torch.float32).eval()
-            engine = TorchEngine(str(path1), PrecisionConfig(), max_batch_size=1, num_threads=threads)
+            engines = {side: _engine("torch" if side == "miles" else side, path1, 1, threads)
+                       for side in sides if side != "hf"}
             prompt = make_prompts(1, vocab, 7)
-            lat: dict[str, list[float]] = {"hf": [], "miles": []}
+            lat: dict[str, list[float]] = {side: [] for side in sides}
             for rep in range(max(repeats, 3) * 2):
-                for side in (("hf", "miles") if rep % 2 == 0 else ("miles", "hf")):
+                for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
                     seconds, lengths = (run_hf(hf1, prompt, 1, max_new) if side == "hf"
-                                        else run_miles(engine, prompt, max_new, rep))
-                    assert lengths == [max_new], lengths
+                                        else run_miles(engines[side], prompt, max_new, rep))
+                    assert lengths == [max_new], (side, lengths)
                     lat[side].append(seconds)
-            engine.close()
+            for e in engines.values():
+                e.close()
             latency = {"batch1_latency_s_miles": statistics.median(lat["miles"]),
                        "batch1_latency_s_hf_generate": statistics.median(lat["hf"]),
                        "batch1_ms_per_token_miles": 1e3 * statistics.median(lat["miles"]) / max_new,
                        "batch1_ms_per_token_hf_generate": 1e3 * statistics.median(lat["hf"]) / max_new}
+            if "sglang" in sides:
+                latency |= {"batch1_latency_s_sglang": statistics.median(lat["sglang"]),
+                            "batch1_ms_per_token_sglang": 1e3 * statistics.median(lat["sglang"]) / max_new}
             print(f"batch-1 latency ({max_new} tokens): miles {latency['batch1_latency_s_miles']:.3f} s, "
-                  f"HF generate {latency['batch1_latency_s_hf_generate']:.3f} s", file=out, flush=True)
+                  f"HF generate {latency['batch1_latency_s_hf_generate']:.3f} s"
+                  + (f", SGLang {latency['batch1_latency_s_sglang']:.3f} s" if "sglang" in sides else ""),
+                  file=out, flush=True)
     main_bs = 32 if 32 in batch_sizes else max(batch_sizes)
     main = next(r for r in table if r["batch_size"] == main_bs)
+    sglang = {k: main[k] for k in ("tokens_per_s_sglang", "sglang_ratio_vs_hf_generate", "sglang_ratio_vs_miles")
+              if k in main}
     return {
         "tokens_per_s_miles": main["tokens_per_s_miles"],
         "tokens_per_s_hf_generate": main["tokens_per_s_hf_generate"],
-        "ratio_vs_hf_generate": main["ratio_vs_hf_generate"],
+        "ratio_vs_hf_generate": main["ratio_vs_hf_generate"], **sglang, "engines": list(sides),
         "main_batch_size": main_bs, "batch_sizes": batch_sizes, **latency,
         "per_batch_size": table,
         "workload": {"model": "qwen3 tiny (random init, EOS offset)", "vocab": vocab, "eos_prob": eos_prob,
@@ -196,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="runs per side and batch size, median (default 3)")
     p.add_argument("--rows-per-batch", type=int, help="requests = this x batch size, at least 4 (default 4)")
     p.add_argument("--eos-prob", type=float, default=0.03, help="per-token EOS probability of the model")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (every side)")
+    p.add_argument("--engine", choices=("torch", "sglang"), default="torch",
+                   help="sglang: also a real SGLang server (needs scripts/setup_sglang.sh), next to torch and HF")
     p.add_argument("--quick", action="store_true",
                    help="seconds, for tests: defaults become batch sizes 1,4, 16 new tokens, 1 repeat, 2 rows/batch")
     args = p.parse_args(argv)
@@ -216,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats and --rows-per-batch must be >= 1")
     if not 0.0 < args.eos_prob < 1.0:
         p.error(f"--eos-prob: must be in (0, 1), got {args.eos_prob}")
-    result = bench(batch_sizes, args.rows_per_batch, args.max_new_tokens, args.repeats, args.eos_prob, args.threads)
+    result = bench(batch_sizes, args.rows_per_batch, args.max_new_tokens, args.repeats, args.eos_prob, args.threads,
+                   engine=args.engine)
     print(json.dumps(result))
     return 0
 

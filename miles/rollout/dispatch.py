@@ -10,9 +10,10 @@
   aborted on its engine (if it can abort) and its requests are retried on another engine, as are
   requests of a call that raised; after ``rollout.max_retries`` retries a request fails with
   :class:`EngineRequestError`, whose message lists every attempt.
-- **Dead engines.** An engine whose actor died leaves the rotation (logged) and its requests are
-  retried on the others; with no engine left every waiting request raises
-  :class:`AllEnginesDeadError`.
+- **Dead engines.** An engine whose actor died, or whose call raised :class:`EngineDeadError` (an
+  actor alive around a backend that is gone, e.g. an SGLang server process that exited or hung),
+  leaves the rotation (logged) and its requests are retried on the others; with no engine left
+  every waiting request raises :class:`AllEnginesDeadError`.
 
 Each call carries fresh request ids (``<id>@<n>``), so a late answer to an abandoned call can
 never be mistaken for its retry; results come back under the caller's ids, ordered by index.
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 
 class AllEnginesDeadError(RuntimeError):
     """Every rollout engine actor died: nothing is left to generate on."""
+
+
+class EngineDeadError(RuntimeError):
+    """Raised by an engine whose backend is gone for good while its actor lives on (a server process
+    that exited or stopped answering); the pool takes the engine out of rotation as if its actor died."""
 
 
 class EngineRequestError(RuntimeError):
@@ -184,6 +190,8 @@ class Session:
             pool.mark_dead(e, err)
             self._retry_all(call, e, f"engine {e} died")
         except Exception as err:  # the engine raised (a RayTaskError wrapping its exception)
+            if isinstance(err, EngineDeadError) or isinstance(getattr(err, "cause", None), EngineDeadError):
+                pool.mark_dead(e, err)
             self._retry_all(call, e, f"engine {e} raised {first_line(err)}")
         else:
             self._deliver(e, call, wire, results)

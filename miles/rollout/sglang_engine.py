@@ -1,0 +1,572 @@
+"""The SGLang rollout engine: a real SGLang server process behind the :class:`RolloutEngine` Protocol.
+
+Each engine actor owns one server (:mod:`miles.rollout.sglang_server`: SGLang's own venv, 127.0.0.1,
+a free port, killed with the actor) and maps the Protocol onto its HTTP API, token ids in and out
+(``--skip-tokenizer-init``):
+
+- ``generate`` -> one ``POST /generate`` per call with every completion as its own row (``rid``
+  ``<request_id>#<index>.<call>``), ``return_logprob``; results in request then index order.
+  SGLang's reported log-probs are ``log(softmax(logits / T))`` of the unfiltered distribution for
+  sampled rows and ``log_softmax(logits)`` for greedy ones (``sglang/srt/layers/sampler.py``, the
+  ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
+  they match ``log_softmax(logits / T)`` of a transformers forward to ~5e-7
+  (``tests/test_sglang.py``).
+- Finish reasons: SGLang's ``stop`` on an EOS id -> ``eos``, on a ``stop_token_ids`` id ->
+  ``stop_token`` (both ``COMPLETED``, the token kept); ``length`` -> ``TRUNCATED``; ``abort`` ->
+  ``ABORTED`` with the tokens so far. Stop *strings* need SGLang's tokenizer, which the server does
+  not load: they are refused (use ``stop_token_ids``).
+- Seeds: each row gets ``sampling_seed`` from ``(request seed, index)``, but SGLang honours it only
+  with ``--enable-deterministic-inference`` (``deterministic: true``), which needs a GPU attention
+  backend (fa3 / flashinfer / triton); SGLang refuses it with ``torch_native``. On CPU sampling
+  draws from the server's generator (``--random-seed`` = the engine seed): reproducible only for
+  the same sequence of batches, not per request.
+- Prefix caching (SGLang's radix cache) is off on CPU by default (``radix_cache``): a prompt
+  whose prefix is cached is prefilled in a different shape, and its log-probs then differ from an
+  uncached run's by ~5e-7 in fp32 (measured), so greedy decoding would not repeat bit for bit.
+- ``update_weights`` checks names and shapes against the checkpoint (SGLang's loader silently
+  skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
+  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; requests
+  in flight finish on the old weights first (SGLang's update takes a lock that waits for them, in
+  ``TokenizerManager.update_weights_from_disk``), and every result
+  carries the version SGLang reports. The disk path works on CPU and on every node (the directory
+  is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
+  ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
+  here, and the disk path has not been run on a GPU.
+- ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
+  calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
+  /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
+- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``. A
+  watchdog thread probes every ``health_interval_s``; after ``max_health_failures`` misses in a row
+  (a hung or stopped server), or as soon as the process exits, the engine is dead: the server is
+  killed, every call in flight and every later call raises
+  :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
+  out of rotation and retries its requests on the others.
+- MoE models run on CPU (checked by hand, not by a test: on a tiny Qwen3-MoE greedy tokens and
+  log-probs equaled transformers').
+  Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
+  ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
+  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with CUDA and the
+  server dies at start. The GPU path is untested, including the layout of SGLang's
+  ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
+
+Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
+CPU, so :class:`SGLangEngine` offers no ``release_memory`` and ``placement.offload_engines=true``
+is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
+
+Several engines: one server per engine actor, spread by miles' own dispatcher
+(:mod:`miles.rollout.dispatch`), not by ``sglang-router``. The router works on CPU (0.3.2 installs
+in seconds without torch; in front of two of these servers it routed ``/generate``, retried on the
+live one when the other was killed, and its health check marked the dead one unhealthy within
+~4 s). But the loop needs, per engine, the weight version it serves, pause / resume and weight
+updates around each sync, abort of a given request on the engine that runs it, and a retry on
+another engine with a deadline when one dies or hangs: the dispatcher already does all of these
+for every engine backend over the engine actors, while a router in front would hide which server
+serves a request and which version it holds, and each per-engine call would bypass it anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.backends.reuse import Reusable
+from miles.config.schema import PrecisionConfig
+from miles.rollout.dispatch import EngineDeadError
+from miles.rollout.sglang_server import (
+    ServerHTTPError,
+    ServerStartError,
+    SGLangServer,
+    find_python,
+    server_env,
+)
+from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, row_seed, sampling_params, to_result
+from miles.types import GenerateRequest, GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CONTROL_TIMEOUT_S = 30.0  # pause / continue / abort / weight-update calls that should answer at once
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call while it waits on a pause; ``aborted`` fills as ``abort`` hits its requests."""
+
+    request_ids: set[str]
+    aborted: set[str] = field(default_factory=set)
+
+
+class SGLangEngine(Reusable):
+    """Generates through an SGLang server process it owns; see the module docstring.
+
+    Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
+    ``max_running_requests``, ``context_length`` (default: the model's), ``mem_fraction_static``
+    (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
+    ``deterministic`` (per-request seeds; GPU attention backends only), ``radix_cache`` (prefix
+    caching; default off on CPU, see the module docstring), ``capture_routing``,
+    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Liveness: ``start_timeout_s``,
+    ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
+    ``max_health_failures``.
+    """
+
+    offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
+                    "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        precision: PrecisionConfig,
+        *,
+        seed: int = 0,
+        num_threads: int = 0,
+        engine_id: int = 0,
+        device: str = "cpu",
+        python: str | None = None,
+        max_total_tokens: int | None = 32768,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        mem_fraction_static: float | None = None,
+        attention_backend: str | None = None,
+        deterministic: bool = False,
+        radix_cache: bool | None = None,
+        capture_routing: bool = False,
+        server_args: dict[str, Any] | None = None,
+        log_dir: str | None = None,
+        start_timeout_s: float = 300.0,
+        request_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
+        max_health_failures: int = 3,
+    ) -> None:
+        if precision.rollout_dtype not in _DTYPES:
+            raise ValueError(f"precision.rollout_dtype={precision.rollout_dtype!r}; valid: {sorted(_DTYPES)}")
+        if precision.rollout_quant != "none":
+            raise ValueError(f"precision.rollout_quant={precision.rollout_quant!r}: the SGLang engine serves "
+                             "unquantized weights only here; use rollout=torch for it, or set rollout_quant: none")
+        if device == "cpu" and deterministic:
+            raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
+                             "triton); SGLang refuses it with torch_native, the only one on CPU")
+        if device == "cpu" and capture_routing:
+            raise ValueError("rollout.engine.capture_routing=true does not work on CPU: SGLang 0.5.23's routed-experts "
+                             "capture registers host memory with CUDA and the server dies at start; use rollout=torch "
+                             "(capture_routing) on CPU")
+        for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
+                           ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"rollout.engine.{key} must be > 0, got {value}")
+        if max_health_failures < 1:
+            raise ValueError(f"rollout.engine.max_health_failures must be >= 1, got {max_health_failures}")
+        self.checkpoint_dir, self.precision, self.engine_id = str(checkpoint_dir), precision, engine_id
+        self.device, self.dtype = device, _DTYPES[precision.rollout_dtype]
+        self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
+        self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
+        self.capture_routing = capture_routing
+        self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
+        self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
+        self.context_length = context_length or self.ckpt.max_positions
+        self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
+        self._cv = threading.Condition()
+        self._held: set[_Call] = set()
+        self._inflight: dict[str, set[str]] = {}  # request id -> SGLang rids in flight
+        self._calls = itertools.count()
+        self._update_lock = threading.Lock()
+        self._paused = self._closed = False
+        self._dead: str | None = None
+        self._version = 0
+        self._weights_dir = _weights_dir(engine_id)
+
+        py = find_python(python)
+        args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
+                "--skip-tokenizer-init", "--random-seed", str(seed), "--sleep-on-idle", "--weight-version", "0"]
+        backend = attention_backend or ("torch_native" if device == "cpu" else None)
+        for flag, value in (("--attention-backend", backend), ("--max-total-tokens", max_total_tokens),
+                            ("--max-running-requests", max_running_requests),
+                            ("--context-length", context_length), ("--mem-fraction-static", mem_fraction_static)):
+            if value is not None:
+                args += [flag, str(value)]
+        if deterministic:
+            args.append("--enable-deterministic-inference")
+        if not (radix_cache if radix_cache is not None else device != "cpu"):
+            args.append("--disable-radix-cache")
+        if capture_routing:
+            args.append("--enable-return-routed-experts")
+        for key, value in (server_args or {}).items():
+            flag = "--" + str(key).lstrip("-").replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value not in (None, False):
+                args += [flag, str(value)]
+        logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "miles-sglang-logs"
+        log_path = logs / f"engine{engine_id}-{os.getpid()}-{int(time.time())}.log"
+        t0 = time.perf_counter()
+        try:
+            for attempt in range(3):  # a port taken by another process between the pick and the bind: another port
+                try:
+                    self.server = SGLangServer(py, args, server_env(py, device, num_threads), log_path,
+                                               start_timeout_s=start_timeout_s)
+                    break
+                except ServerStartError as e:
+                    taken = getattr(e, "server", None)
+                    if attempt == 2 or taken is None or not taken.port_taken():
+                        raise
+                    log.warning("engine %d: port %d was taken before the SGLang server bound it; another port",
+                                engine_id, taken.port)
+        except BaseException:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            raise
+        self.start_s = time.perf_counter() - t0
+        log.info("engine %d: SGLang server pid %d on %s up in %.1f s (log %s)", engine_id, self.server.pid,
+                 self.server.url, self.start_s, log_path)
+        self._watchdog = threading.Thread(target=self._watch, name=f"sglang-watchdog-{engine_id}", daemon=True)
+        self._watchdog.start()
+
+    # ---- Protocol -------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
+                 ) -> list[GenerateResult]:
+        """Complete each request ``n`` times; results ordered by request then index (see the module docstring)."""
+        self._check_usable("generate")
+        params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
+        seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
+        call = _Call(request_ids={r.request_id for r in requests})
+        tag = next(self._calls)
+        rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]] = []  # (pos, request, sampling, index, seed)
+        with self._cv:
+            self._held.add(call)
+            try:
+                while self._paused and not self._stopped() and not call.request_ids <= call.aborted:
+                    self._cv.wait()
+            finally:
+                self._held.discard(call)
+            self._check_usable("generate")
+            for pos, (r, sp, seed) in enumerate(zip(requests, params, seeds, strict=True)):
+                if r.request_id not in call.aborted:
+                    rows += [(pos, r, sp, j, seed) for j in range(r.n)]
+            rids = [f"{r.request_id}#{j}.{tag}" for _, r, _, j, _ in rows]
+            for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
+                self._inflight.setdefault(r.request_id, set()).add(rid)
+        results: dict[tuple[int, int], GenerateResult] = {}
+        for pos, r in enumerate(requests):
+            if r.request_id in call.aborted:
+                for j in range(r.n):
+                    results[pos, j] = aborted(r.request_id, j, self._version)
+        if rows:
+            try:
+                outs = self._post_generate(rows, rids)
+            finally:
+                with self._cv:
+                    for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
+                        left = self._inflight.get(r.request_id)
+                        if left is not None:
+                            left.discard(rid)
+                            if not left:
+                                del self._inflight[r.request_id]
+            for (pos, r, sp, j, _), out in zip(rows, outs, strict=True):
+                results[pos, j] = to_result(r.request_id, j, sp, out, self.ckpt, version=self._version,
+                                            routing=self.capture_routing)
+        return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
+
+        On a ``ValueError`` (wrong names, shapes or dtypes) nothing was sent to the server. Returns
+        ``{"update_s", "write_s", "load_s", "bytes", "bytes_per_s"}``.
+        """
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        self._check_usable("update_weights")
+        shapes = self.ckpt.shapes
+        missing = [k for k in shapes if k not in state_dict and k not in self.ckpt.optional]
+        unexpected = [k for k in state_dict if k not in shapes]
+        if missing or unexpected:
+            raise ValueError(f"update_weights(version={version}): names must match the checkpoint's exactly; "
+                             f"missing {_listing(missing)}, unexpected {_listing(unexpected)}. Send the full HF "
+                             "state dict of the same architecture.")
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
+               if tuple(v.shape) != shapes[k]]
+        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
+                if not v.is_floating_point()]
+        if bad:
+            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
+        with self._update_lock:
+            final = self._weights_dir / f"v{int(version):08d}"
+            tmp = self._weights_dir / f".v{int(version):08d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            tensors, seen = {}, set()
+            for k, v in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
+                t = v.detach().to("cpu", self.dtype).contiguous()
+                ptr = t.untyped_storage().data_ptr()
+                tensors[k] = t.clone() if t.numel() and ptr in seen else t
+                seen.add(ptr)
+            save_file(tensors, str(tmp / "model.safetensors"))
+            nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+            del tensors
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            t_written = time.perf_counter()
+            try:
+                out = self._control("/update_weights_from_disk", {
+                    "model_path": str(final), "weight_version": str(int(version)), "flush_cache": True,
+                }, timeout_s=self.request_timeout_s)
+                if not (isinstance(out, dict) and out.get("success")):
+                    raise RuntimeError(f"engine {self.engine_id}: SGLang refused the weights of version {version} "
+                                       f"(it keeps version {self._version}): {out}")
+                self._version = int(version)
+            finally:
+                for old in self._weights_dir.iterdir():
+                    if old != final or self._version != int(version):
+                        shutil.rmtree(old, ignore_errors=True)
+        t1 = time.perf_counter()
+        return {"update_s": t1 - t0, "write_s": t_written - t0, "load_s": t1 - t_written, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(t1 - t0, 1e-9)}
+
+    def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
+        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
+        t0 = time.perf_counter()
+        state_dict = receiver.receive(self)
+        receive_s = time.perf_counter() - t0
+        return {**self.update_weights(state_dict, version), "receive_s": receive_s}
+
+    def pause(self) -> None:
+        """Running rows stop stepping (they keep their KV cache); new calls wait in the engine."""
+        self._check_usable("pause")
+        with self._cv:
+            self._paused = True
+        self._control("/pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: the server continues and the waiting calls are sent."""
+        self._check_usable("resume")
+        self._control("/continue_generation", {})
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def abort(self, request_ids: list[str]) -> int:
+        """End these requests ``ABORTED``: those in flight on the server, and calls waiting on a pause."""
+        wanted, hit, rids = set(request_ids), set(), []
+        with self._cv:
+            for call in self._held:
+                found = (call.request_ids & wanted) - call.aborted
+                call.aborted |= found
+                hit |= found
+            for rid in wanted:
+                if rid in self._inflight:
+                    hit.add(rid)
+                    rids += sorted(self._inflight[rid])
+            self._cv.notify_all()
+        if rids and not self._stopped():
+            self._abort_rids(rids)
+            # a row whose HTTP call has not reached the server yet misses the first abort; once more
+            threading.Timer(0.25, self._abort_rids, args=(rids, True)).start()
+        return len(hit)
+
+    def health(self) -> dict[str, Any]:
+        """``ok``: the process runs, the engine is not dead, and ``/health`` answered within ``health_timeout_s``."""
+        ok = not self._stopped() and self.server.healthy(self.health_timeout_s)
+        with self._cv:
+            inflight, waiting = sum(len(v) for v in self._inflight.values()), len(self._held)
+        return {"ok": ok, "version": self._version, "engine_id": self.engine_id, "pid": self.server.pid,
+                "url": self.server.url, "paused": self._paused, "running": inflight, "waiting": waiting,
+                "dead": self._dead, "closed": self._closed, "log": str(self.server.log_path)}
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def close(self) -> None:
+        """Kill the server (its whole process group) and remove the weight directories; calls in flight fail."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self.server.kill()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    def _end_job(self) -> None:
+        """Parking (:mod:`miles.backends.reuse`): the server goes with the job."""
+        self.close()
+
+    # ---- HTTP calls -----------------------------------------------------------------------------
+
+    def _post_generate(self, rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]],
+                       rids: list[str]) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {
+            "input_ids": [list(r.prompt_ids) for _, r, _, _, _ in rows],
+            "sampling_params": [sampling_params(sp, seed, j) for _, _, sp, j, seed in rows],
+            "rid": rids,
+            "return_logprob": True,
+        }
+        if any(sp.logprobs_top_k for _, _, sp, _, _ in rows):
+            body["top_logprobs_num"] = [sp.logprobs_top_k for _, _, sp, _, _ in rows]
+        if self.capture_routing:
+            body["return_routed_experts"] = True
+        try:
+            outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
+        except (OSError, ServerHTTPError, ValueError) as e:
+            self._raise_if_dead("generate")
+            if isinstance(e, TimeoutError) or "timed out" in str(e):
+                self._abort_rids(rids, quiet=True)
+                raise RuntimeError(f"engine {self.engine_id}: SGLang did not answer a generate call of {len(rows)} "
+                                   f"row(s) within rollout.engine.request_timeout_s={self.request_timeout_s:g}s; "
+                                   "its rows were aborted") from e
+            raise RuntimeError(f"engine {self.engine_id}: SGLang generate failed: {e}") from e
+        if isinstance(outs, dict):
+            outs = [outs]
+        if not isinstance(outs, list) or len(outs) != len(rows):
+            raise RuntimeError(f"engine {self.engine_id}: SGLang answered {type(outs).__name__} "
+                               f"{len(outs) if isinstance(outs, list) else ''} for {len(rows)} rows")
+        return outs
+
+    def _control(self, path: str, body: dict[str, Any], timeout_s: float = _CONTROL_TIMEOUT_S) -> Any:
+        try:
+            return self.server.post(path, body, timeout_s=timeout_s)
+        except (OSError, ServerHTTPError, ValueError) as e:
+            self._raise_if_dead(path.lstrip("/"))
+            raise RuntimeError(f"engine {self.engine_id}: SGLang {path} failed: {e}") from e
+
+    def _abort_rids(self, rids: list[str], quiet: bool = False) -> None:
+        for rid in rids:
+            if self._stopped():
+                return
+            try:
+                self.server.post("/abort_request", {"rid": rid}, timeout_s=min(5.0, self.health_timeout_s))
+            except (OSError, ServerHTTPError, ValueError) as e:
+                if not quiet:
+                    log.warning("engine %d: abort of %s failed: %s", self.engine_id, rid, e)
+                return
+
+    # ---- requests and results -------------------------------------------------------------------
+
+    def _request_seed(self, r: GenerateRequest, sp: SamplingParams) -> int:
+        seed = r.seed if r.seed is not None else sp.seed
+        if seed is None:
+            with self._cv:
+                seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        return seed
+
+    # ---- liveness -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Every ``health_interval_s``: the process runs and answers ``/health``; else the engine is dead."""
+        misses = 0
+        while not self._closed and self._dead is None:
+            if self.server.exited.wait(self.health_interval_s):
+                self._die_exited()
+                return
+            if self._closed:
+                return
+            misses = 0 if self.server.healthy(self.health_timeout_s) else misses + 1
+            if misses >= self.max_health_failures:
+                self._die(f"the SGLang server (pid {self.server.pid}) did not answer /health within "
+                          f"{self.health_timeout_s:g} s {misses} times in a row (hung or stopped); it was killed "
+                          f"(log: {self.server.log_path})")
+                return
+
+    def _die_exited(self) -> None:
+        self._die(f"the SGLang server process exited with code {self.server.exit_code} (log: {self.server.log_path})")
+
+    def _die(self, reason: str) -> None:
+        """Mark the engine dead (``reason``: one line, it ends up in the pool's error messages) and kill the server."""
+        with self._cv:
+            if self._dead is not None or self._closed:
+                return
+            self._dead = reason
+            self._cv.notify_all()
+        self.server.kill()
+        log.error("engine %d is dead: %s; last lines of its log:\n%s", self.engine_id, reason,
+                  self.server.log_tail(15))
+
+    def _raise_if_dead(self, what: str) -> None:
+        """After a failed HTTP call: if the server is gone (or goes within a second), the engine is dead."""
+        if self._dead is None and not self._closed and self.server.exited.wait(1.0):
+            self._die_exited()
+        if self._dead is not None:
+            raise EngineDeadError(f"engine {self.engine_id}: {what} failed: {self._dead}")
+
+    def _stopped(self) -> bool:
+        return self._closed or self._dead is not None
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine {self.engine_id}: {what} after close()")
+        if self._dead is not None:
+            raise EngineDeadError(f"engine {self.engine_id}: {what} on a dead engine: {self._dead}")
+
+
+class SGLangOffloadingEngine(SGLangEngine):
+    """:class:`SGLangEngine` plus ``release_memory`` / ``resume_memory`` through SGLang's
+    ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``placement=colocate`` with
+    ``placement.offload_engines=true``). GPU only, and untested: no GPU has run it. On CPU the
+    release kills the server, so the constructor refuses ``device="cpu"``.
+    """
+
+    def __init__(self, checkpoint_dir: str, precision: PrecisionConfig, *, device: str = "cpu", **kwargs: Any) -> None:
+        if device == "cpu":
+            raise ValueError("SGLangOffloadingEngine needs a GPU: on CPU SGLang's /release_memory_occupation kills the "
+                             "server. Use rollout.engine._target_=miles.rollout.sglang_engine.SGLangEngine with "
+                             "placement.offload_engines=false")
+        server_args = {"enable_memory_saver": True, **(kwargs.pop("server_args", None) or {})}
+        super().__init__(checkpoint_dir, precision, device=device, server_args=server_args, **kwargs)
+        self._released = False
+
+    def release_memory(self) -> None:
+        """Free the KV cache and the weights on the GPU; ``generate`` raises until they are back."""
+        self._control("/release_memory_occupation", {})
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Restore what :meth:`release_memory` freed."""
+        self._control("/resume_memory_occupation", {})
+        self._released = False
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """A released engine takes its memory back first, then loads the new weights."""
+        if self._released:
+            self.resume_memory()
+        return super().update_weights(state_dict, version)
+
+    def _check_usable(self, what: str) -> None:
+        super()._check_usable(what)
+        if getattr(self, "_released", False) and what == "generate":
+            raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
+
+
+def _weights_dir(engine_id: int) -> Path:
+    """A fresh directory for this engine's weight versions, under ``<tmp>/miles-sglang-weights``.
+
+    Its name starts with this process's pid. An actor killed by Ray never runs :meth:`SGLangEngine.close`,
+    so every new engine first removes the directories of processes that no longer run.
+    """
+    root = Path(tempfile.gettempdir()) / "miles-sglang-weights"
+    root.mkdir(exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-engine{engine_id}-", dir=root))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    more = " ..." if len(names) > limit else ""
+    return f"{names[:limit]}{more} ({len(names)})"

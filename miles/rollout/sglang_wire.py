@@ -1,0 +1,180 @@
+"""SGLang's ``/generate`` JSON and checkpoint facts <-> miles' types, as plain functions.
+
+What :class:`~miles.rollout.sglang_engine.SGLangEngine` sends and reads, kept apart from the process
+and liveness handling: a request checked and turned into SGLang sampling params, an answer turned
+into a :class:`~miles.types.GenerateResult`, and the facts of a checkpoint the engine checks against
+(vocabulary, EOS ids, positions, weight names and shapes).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.rollout.sampling import check_sampling
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The sampling seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
+    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the engine checks requests and weight updates against, read from an HF checkpoint directory."""
+
+    eos_ids: list[int]
+    vocab_size: int
+    max_positions: int | None
+    shapes: dict[str, tuple[int, ...]]
+    """Every weight a full update sends, with its shape."""
+    optional: set[str]
+    """Names an update may leave out (``lm_head.weight`` of tied embeddings)."""
+    moe_shape: tuple[int, int] | None
+    """(MoE layers, experts per token), None for a dense model."""
+
+    @classmethod
+    def read(cls, path: Path) -> Checkpoint:
+        from safetensors import safe_open
+
+        config = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos_ids = sorted(set(_ids(config.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+        if not eos_ids:
+            raise ValueError(f"{path}: neither config.json nor generation_config.json sets eos_token_id")
+        text = config.get("text_config", config)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors weights (the SGLang engine loads safetensors only)")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    shapes[k] = tuple(st.get_slice(k).get_shape())
+        optional: set[str] = set()
+        tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+            shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+            optional.add("lm_head.weight")
+        moe = None
+        if text.get("num_experts_per_tok"):
+            step = int(text.get("decoder_sparse_step", 1) or 1)
+            dense = set(text.get("mlp_only_layers") or ())
+            layers = sum(1 for i in range(int(text["num_hidden_layers"])) if (i + 1) % step == 0 and i not in dense)
+            moe = (layers, int(text["num_experts_per_tok"]))
+        return cls(eos_ids=eos_ids, vocab_size=int(text["vocab_size"]),
+                   max_positions=text.get("max_position_embeddings"), shapes=shapes, optional=optional, moe_shape=moe)
+
+
+def check_request(r: GenerateRequest, default: SamplingParams | None, ckpt: Checkpoint,
+                  context_length: int | None) -> SamplingParams:
+    """The request's sampling params after checking them and the request; ``ValueError`` says what is wrong."""
+    rid, vocab = r.request_id, ckpt.vocab_size
+    sp = r.sampling if r.sampling is not None else default
+    if sp is None:
+        raise ValueError(f"request {rid!r} has no sampling params: pass generate(..., sampling) "
+                         "or set GenerateRequest.sampling")
+    check_sampling(sp.temperature, sp.top_p, sp.top_k)
+    if sp.stop:
+        raise ValueError(f"request {rid!r}: stop strings need a tokenizer, which the SGLang engine's server does "
+                         "not load (--skip-tokenizer-init); use stop_token_ids")
+    if sp.max_new_tokens < 1:
+        raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
+    if not 0 <= sp.logprobs_top_k <= vocab:
+        raise ValueError(f"request {rid!r}: logprobs_top_k must be in [0, {vocab}], got {sp.logprobs_top_k}")
+    if any(not 0 <= t < vocab for t in sp.stop_token_ids):
+        raise ValueError(f"request {rid!r}: stop_token_ids must be in [0, {vocab}); got {list(sp.stop_token_ids)}")
+    if r.n < 1:
+        raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
+    if not r.prompt_ids:
+        raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
+    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+        raise ValueError(f"request {rid!r}: token ids must be in [0, {vocab}); "
+                         f"got min {min(r.prompt_ids)}, max {max(r.prompt_ids)}")
+    if context_length and len(r.prompt_ids) + sp.max_new_tokens > context_length:
+        raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens ({sp.max_new_tokens}) "
+                         f"exceeds the context length {context_length}")
+    return sp
+
+
+def sampling_params(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for completion ``index`` (greedy: temperature 0; top-k 0 -> -1)."""
+    greedy = sp.greedy or sp.temperature == 0
+    out: dict[str, Any] = {
+        "max_new_tokens": sp.max_new_tokens,
+        "temperature": 0.0 if greedy else sp.temperature,
+        "top_p": 1.0 if greedy else sp.top_p,
+        "top_k": -1 if greedy or sp.top_k == 0 else sp.top_k,
+        "sampling_seed": row_seed(seed, index) % (2**31),
+    }
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    return out
+
+
+def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, Any], ckpt: Checkpoint, *,
+              version: int, routing: bool = False) -> GenerateResult:
+    """One row of SGLang's answer -> a result. ``version``: reported when SGLang names none."""
+    meta = out.get("meta_info") or {}
+    ids = tuple(int(t) for t in out.get("output_ids") or ())
+    logprobs = tuple(float(x[0]) for x in meta.get("output_token_logprobs") or ())
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"SGLang returned {len(ids)} tokens and {len(logprobs)} log-probs for {request_id!r}[{index}]")
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind == "stop":
+        matched = finish.get("matched")
+        reason = "stop_token" if matched in sp.stop_token_ids and matched not in ckpt.eos_ids else "eos"
+        status = Status.COMPLETED
+    elif kind == "length":
+        reason, status = "length", Status.TRUNCATED
+    elif kind == "abort":
+        reason, status = "abort", Status.ABORTED
+    else:
+        raise RuntimeError(f"SGLang finished {request_id!r}[{index}] with {finish!r}: "
+                           f"{str(meta.get('error') or '')[:500]}")
+    top = None
+    if sp.logprobs_top_k:
+        top = tuple(tuple((int(t[1]), float(t[0])) for t in step[: sp.logprobs_top_k])
+                    for step in meta.get("output_top_logprobs") or ())
+    try:
+        version = int(meta.get("weight_version"))
+    except (TypeError, ValueError):
+        pass
+    return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
+                          weight_version=version, finish_reason=reason, top_logprobs=top,
+                          routing=decode_routing(meta.get("routed_experts"), len(ids), ckpt) if routing else None)
+
+
+def decode_routing(raw: str | None, num_tokens: int, ckpt: Checkpoint) -> torch.Tensor | None:
+    """SGLang's routed experts (base64 int32, taken as one ``[layers, top_k]`` row per scored position) ->
+    ``[T, layers, top_k]`` int16 for the response tokens (positions ``P - 1 + t``). Not run: SGLang 0.5.23
+    cannot capture on CPU, and no GPU has run it."""
+    if raw is None or num_tokens == 0 or ckpt.moe_shape is None:
+        return None
+    layers, top_k = ckpt.moe_shape
+    flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
+    steps = flat.numel() // (layers * top_k)
+    per_step = flat[: steps * layers * top_k].view(steps, layers, top_k)
+    return per_step[steps - num_tokens:].to(torch.int16).clone() if steps >= num_tokens else None
+
+
+def aborted(request_id: str, index: int, version: int) -> GenerateResult:
+    """A completion aborted before it reached the server: no tokens."""
+    return GenerateResult(request_id=request_id, index=index, response_ids=(), logprobs=(), status=Status.ABORTED,
+                          weight_version=version, finish_reason="abort")

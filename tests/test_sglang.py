@@ -1,0 +1,375 @@
+"""The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
+
+Four engine actors, made as the driver makes them, start together once per module (a server takes
+30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` answers every
+test that leaves its server alive, ``victim`` and ``hangs`` lose theirs in the fault tests at the
+end of the module (killed, then stopped with SIGSTOP), and ``spare`` serves the manager test, then
+is killed with its actor. All serve one checkpoint built like
+a run's (task tokenizer, random tiny Qwen3, fp32): rewards decode text, SGLang itself reads ids only.
+
+Tolerances, measured on CPU in fp32: SGLang's log-probs of greedy and sampled tokens equal
+``log_softmax(logits / T)`` of a transformers forward and the torch engine's to ~5e-7; the tests
+allow 1e-4. The contract check runs with ``logprob_atol=0``: with prefix caching off (the CPU
+default) the same greedy request repeats bit for bit, also across a weight round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from miles.backends.contract import check_engine
+from miles.config import TargetConfig, validate
+from miles.config.schema import PrecisionConfig, RolloutConfig
+from miles.core.actors import ENGINE_MAX_CONCURRENCY
+from miles.rewards import RewardRunner
+from miles.rollout.dispatch import AllEnginesDeadError, EngineDeadError
+from miles.rollout.manager import RolloutManager
+from miles.rollout.torch_engine import TorchEngine
+from miles.types import GenerateRequest, SamplingParams, Status
+
+pytestmark = pytest.mark.sglang
+
+LOGPROB_ATOL = 1e-4
+PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 101, 250, 12), (40,), tuple(range(60, 90))]
+ENGINE_KW = dict(health_interval_s=1.0, health_timeout_s=3.0, max_health_failures=2, request_timeout_s=120.0,
+                 max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A run's checkpoint (task tokenizer + tiny Qwen3, random init), its task and state dict."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from miles.core.run import build_components
+    from miles.models.checkpoint import ensure_checkpoint
+
+    run = validate({"warm_start": {"steps": 0, "cache_dir": str(tmp_path_factory.mktemp("ckpt"))}})
+    parts = build_components(run)
+    path = ensure_checkpoint(run, parts["spec"], parts["task"])
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return SimpleNamespace(path=str(path), tokenizer=AutoTokenizer.from_pretrained(path), task=parts["task"],
+                           state_dict=state)
+
+
+@pytest.fixture(scope="module")
+def actors(ray_cluster, built) -> dict[str, Any]:
+    from miles.rollout.sglang_engine import SGLangEngine
+
+    cls = ray_cluster.remote(SGLangEngine).options(max_concurrency=ENGINE_MAX_CONCURRENCY, num_cpus=0.1)
+    names = ("serving", "victim", "hangs", "spare")
+    handles = {name: cls.remote(built.path, PrecisionConfig(), seed=i, num_threads=1, engine_id=i, **ENGINE_KW)
+               for i, name in enumerate(names)}
+    t0 = time.perf_counter()
+    health = dict(zip(names, ray_cluster.get([h.health.remote() for h in handles.values()], timeout=900),
+                      strict=True))
+    print(f"\n{len(names)} SGLang servers up in {time.perf_counter() - t0:.0f} s")
+    assert all(h["ok"] for h in health.values()), health
+    yield handles
+    for h in handles.values():  # close() removes the engine's weight directory; a dead actor has nothing left
+        try:
+            ray_cluster.get(h.close.remote(), timeout=60)
+        except Exception:
+            pass
+        ray_cluster.kill(h)
+
+
+class Remote:
+    """An engine actor behind the plain-object interface :func:`check_engine` drives."""
+
+    def __init__(self, ray: Any, actor: Any) -> None:
+        self.ray, self.actor = ray, actor
+
+    def _call(self, name: str, *args: Any) -> Any:
+        return self.ray.get(getattr(self.actor, name).remote(*args), timeout=300)
+
+    def generate(self, requests, sampling=None):
+        return self._call("generate", requests, sampling)
+
+    def update_weights(self, state_dict, version):
+        return self._call("update_weights", state_dict, version)
+
+    def update_weights_from(self, receiver, version):
+        return self._call("update_weights_from", receiver, version)
+
+    def pause(self):
+        return self._call("pause")
+
+    def resume(self):
+        return self._call("resume")
+
+    def abort(self, request_ids):
+        return self._call("abort", request_ids)
+
+    def health(self):
+        return self._call("health")
+
+    def weight_version(self):
+        return self._call("weight_version")
+
+
+@pytest.fixture(scope="module")
+def serving(ray_cluster, actors) -> Remote:
+    return Remote(ray_cluster, actors["serving"])
+
+
+@pytest.fixture(scope="module")
+def torch_engine(built):
+    engine = TorchEngine(built.path, PrecisionConfig(), num_threads=1, max_batch_size=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(built):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(built.path, dtype=torch.float32).eval()
+
+
+def _greedy(engine: Any, prompt: tuple[int, ...], n_tokens: int = 16, rid: str = "g") -> Any:
+    return engine.generate([GenerateRequest(request_id=rid, prompt_ids=prompt)],
+                           SamplingParams(greedy=True, max_new_tokens=n_tokens))[0]
+
+
+def _reference_logprobs(model: Any, prompt: tuple[int, ...], response: tuple[int, ...], temperature: float) -> list:
+    """``log_softmax(logits / T)`` of each response token under a transformers forward over prompt + response."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+def _max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+# --- no server process outlives its engine ------------------------------------------------------
+
+def _group_of(marker: str) -> int | None:
+    """The process group of the SGLang server whose command line holds ``marker``."""
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"--served-model-name {marker}" in cmd:  # the server's own command line, not the engine's
+            return _pgid(pid)
+    return None
+
+
+def test_a_server_killed_while_it_starts_leaves_no_process(built, tmp_path: Path) -> None:
+    """SGLang's scheduler and detokenizer arm their own death signal only once they run: an engine
+    killed while they start must still take them down (the supervisor kills the group)."""
+    import subprocess
+    import sys
+
+    marker = f"start-race-{tmp_path.name}"
+    code = ("from miles.config.schema import PrecisionConfig\n"
+            "from miles.rollout.sglang_engine import SGLangEngine\n"
+            f"SGLangEngine({built.path!r}, PrecisionConfig(), num_threads=1, server_args={{'served_model_name': "
+            f"{marker!r}}})\n")
+    engine = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
+    try:
+        deadline, group, pids = time.monotonic() + 240, None, []
+        while time.monotonic() < deadline and len(pids) < 4:  # supervisor, launcher and at least two children
+            group = group or _group_of(marker)
+            pids = _group_pids(group) if group else []
+            time.sleep(0.2)
+        assert len(pids) >= 4, f"the server's children did not start within 240 s: {pids}"
+    finally:
+        engine.kill()
+        engine.wait()
+    assert _wait_gone(pids, 15) == [], "server processes outlived the engine that was killed while they started"
+
+
+# --- the contract and the numbers ----------------------------------------------------------------
+
+def test_sglang_engine_meets_the_engine_contract(serving, built) -> None:
+    check_engine(serving, built.state_dict, logprob_atol=0.0)
+    assert serving.health()["version"] == 2  # the contract's round trip: perturbed (1), original (2)
+
+
+def test_greedy_tokens_and_logprobs_equal_the_torch_engines(serving, torch_engine) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        ours, ref = _greedy(serving, prompt, rid=f"p{i}"), _greedy(torch_engine, prompt, rid=f"p{i}")
+        assert ours.response_ids == ref.response_ids, (prompt, ours.response_ids, ref.response_ids)
+        assert _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL
+        assert (ours.status, ours.finish_reason) == (ref.status, ref.finish_reason)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 0), (1.5, 0), (0.7, 5)])
+def test_sampled_logprobs_are_of_the_temperature_scaled_unfiltered_distribution(serving, hf_model, temperature,
+                                                                                 top_k) -> None:
+    out = serving.generate([GenerateRequest(request_id="s", prompt_ids=PROMPTS[1], n=3, seed=5)],
+                           SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=12))
+    assert [r.index for r in out] == [0, 1, 2]
+    for r in out:
+        ref = _reference_logprobs(hf_model, PROMPTS[1], r.response_ids, temperature)
+        assert _max_diff(r.logprobs, ref) <= LOGPROB_ATOL, (temperature, top_k)
+        if temperature != 1.0:  # not the T = 1 log-probs
+            assert _max_diff(r.logprobs, _reference_logprobs(hf_model, PROMPTS[1], r.response_ids, 1.0)) > 1e-2
+    assert len({r.response_ids for r in out}) > 1, "the n completions of a request are separate samples"
+
+
+def test_a_weight_update_moves_sglang_as_it_moves_the_torch_engine(serving, torch_engine, built) -> None:
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    before = _greedy(serving, PROMPTS[0])
+    version = serving.weight_version() + 1
+    metrics = serving.update_weights(perturbed, version)
+    torch_engine.update_weights(perturbed, version)
+    try:
+        assert metrics["bytes"] > 0 and metrics["update_s"] > 0
+        for i, prompt in enumerate(PROMPTS):
+            ours, ref = _greedy(serving, prompt, rid=f"u{i}"), _greedy(torch_engine, prompt, rid=f"u{i}")
+            assert ours.weight_version == version
+            assert ours.response_ids == ref.response_ids and _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL
+        moved = _greedy(serving, PROMPTS[0])
+        assert moved.logprobs != before.logprobs
+    finally:
+        serving.update_weights(built.state_dict, version + 1)
+        torch_engine.update_weights(built.state_dict, version + 1)
+    assert _greedy(serving, PROMPTS[0]).logprobs == before.logprobs
+
+
+def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:
+    first = _greedy(serving, PROMPTS[1], 8)
+    stop = first.response_ids[3]
+    cut = serving.generate([GenerateRequest(request_id="st", prompt_ids=PROMPTS[1])],
+                           SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(stop,), logprobs_top_k=3))[0]
+    k = first.response_ids.index(stop) + 1
+    assert (cut.status, cut.finish_reason, cut.response_ids) == (Status.COMPLETED, "stop_token", first.response_ids[:k])
+    assert first.status is Status.TRUNCATED and first.finish_reason == "length"
+    assert len(cut.top_logprobs) == k and all(len(step) == 3 for step in cut.top_logprobs)
+    assert all(step[0] == (tok, lp) for step, tok, lp in zip(cut.top_logprobs, cut.response_ids, cut.logprobs,
+                                                               strict=True)), "greedy: the top-1 is the token"
+    # a model that always says EOS: its first token ends the completion
+    # (embedding channel 0 a large constant, so the final hidden state points along it; only EOS reads it)
+    eos = built.tokenizer.eos_token_id
+    version = serving.weight_version()
+    loud = dict(built.state_dict)
+    loud["model.embed_tokens.weight"] = loud["model.embed_tokens.weight"].clone()
+    loud["model.embed_tokens.weight"][:, 0] = 100.0
+    loud["lm_head.weight"] = loud["lm_head.weight"].clone()
+    loud["lm_head.weight"][:, 0] = 0.0
+    loud["lm_head.weight"][eos, 0] = 10.0
+    serving.update_weights(loud, version + 1)
+    try:
+        out = _greedy(serving, PROMPTS[0], 8)
+        assert (out.response_ids, out.status, out.finish_reason) == ((eos,), Status.COMPLETED, "eos")
+    finally:
+        serving.update_weights(built.state_dict, version + 2)
+
+
+def test_requests_are_checked_before_they_reach_the_server(serving, built) -> None:
+    import json
+
+    config = json.loads((Path(built.path) / "config.json").read_text())
+    vocab, positions = config["vocab_size"], config["max_position_embeddings"]
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        serving.generate([GenerateRequest(request_id="x", prompt_ids=(3,))], SamplingParams(stop=("ab",)))
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\)"):
+        serving.generate([GenerateRequest(request_id="x", prompt_ids=(3, vocab))], SamplingParams())
+    with pytest.raises(ValueError, match=f"exceeds the context length {positions}"):
+        serving.generate([GenerateRequest(request_id="x", prompt_ids=(3,) * positions)], SamplingParams())
+
+
+def test_rollout_manager_over_sglang_engines(ray_cluster, actors, built) -> None:
+    with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
+                      timeout_s=0) as reward:
+        manager = RolloutManager([actors["serving"], actors["spare"]], built.tokenizer, reward,
+                                 config=RolloutConfig(max_inflight_samples_per_engine=8, max_requests_per_call=2))
+        groups, metrics = manager.rollout(built.task.sample(6, random.Random(0)), 4,
+                                          SamplingParams(temperature=1.0, max_new_tokens=8), seed=0)
+    assert metrics["rollout/samples"] == 24 and all(s.trainable for g in groups for s in g)
+    versions = {ray_cluster.get(e.weight_version.remote()) for e in (actors["serving"], actors["spare"])}
+    assert {s.weight_version for g in groups for s in g} <= versions
+    assert min(manager.pool.dispatched) > 0, "both engines served"
+
+
+# --- faults (these tests end servers: keep them last) ----------------------------------------------
+
+def _group_pids(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    return alive
+
+
+def test_the_server_dies_with_its_actor(ray_cluster, actors) -> None:
+    spare = actors["spare"]
+    pid = ray_cluster.get(spare.health.remote())["pid"]
+    pids = _group_pids(pid)
+    assert len(pids) >= 3, f"launcher, scheduler and detokenizer in the server's process group, found {pids}"
+    ray_cluster.kill(spare)
+    assert _wait_gone(pids) == [], "the SGLang server outlived its engine actor"
+
+
+def test_a_killed_server_is_dead_and_its_requests_go_to_another_engine(ray_cluster, actors, built) -> None:
+    victim = Remote(ray_cluster, actors["victim"])
+    pid = victim.health()["pid"]
+    os.killpg(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    h = victim.health()
+    assert not h["ok"] and "exited with code -9" in h["dead"]
+    with pytest.raises(EngineDeadError, match="engine 1: generate on a dead engine: the SGLang server process exited"):
+        _greedy(victim, PROMPTS[0])
+    with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
+                      timeout_s=0) as reward:
+        manager = RolloutManager([actors["victim"], actors["serving"]], built.tokenizer, reward,
+                                 config=RolloutConfig(max_inflight_samples_per_engine=4, max_requests_per_call=1))
+        groups, metrics = manager.rollout(built.task.sample(5, random.Random(1)), 4,
+                                          SamplingParams(temperature=1.0, max_new_tokens=8), seed=0)
+    assert all(s.trainable for g in groups for s in g), "every request was retried on the live engine"
+    assert metrics["rollout/engines_lost"] == 1 and manager.pool.alive == [1] and metrics["rollout/retried"] >= 1
+    assert "EngineDeadError" in manager.pool.deaths[0]
+
+
+def test_a_hung_server_times_out_and_a_total_outage_is_one_clear_error(ray_cluster, actors, built) -> None:
+    hangs = Remote(ray_cluster, actors["hangs"])
+    pid = hangs.health()["pid"]
+    pids = _group_pids(pid)
+    os.killpg(pid, signal.SIGSTOP)
+    t0 = time.perf_counter()
+    assert hangs.health()["ok"] is False  # /health does not answer within health_timeout_s
+    with pytest.raises(EngineDeadError, match=r"did not answer /health within 3 s 2 times in a row \(hung or stopped\)"):
+        _greedy(hangs, PROMPTS[0])
+    waited = time.perf_counter() - t0
+    assert waited < 60, f"the hung server was detected after {waited:.0f} s"
+    assert _wait_gone(pids) == [], "the hung server was killed"
+    with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
+                      timeout_s=0) as reward:
+        manager = RolloutManager([actors["victim"], actors["hangs"]], built.tokenizer, reward)
+        with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died \(engine 0: .*exited.*; "
+                                                      r"engine 1: .*hung or stopped"):
+            manager.rollout(built.task.sample(2, random.Random(2)), 2, SamplingParams(max_new_tokens=4), seed=0)
