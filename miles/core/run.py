@@ -52,17 +52,17 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     # the task's data is read now: a missing file or a malformed row is one line, not a traceback
     _user_input("task", lambda: parts["task"].eval_problems(run.task.num_eval_prompts), DataError)
     spec = parts["spec"]
+    if run.model.path is None and spec.gguf is None and not spec.build_from_scratch:
+        raise ConfigError(
+            f"model.flavor={spec.flavor}: {spec.name} at this size is a published model, not something to build "
+            "from random weights with a task-trained tokenizer (miles builds only the small flavors from scratch). "
+            f"Set model.path to a local HF checkpoint of it, or pick a small flavor.")
     if run.preset == "tiny" and not spec.build_from_scratch:
         raise ConfigError(
             f"model: {spec.name} ({run.model.path or spec.flavor}) is a real checkpoint, but experiment=tiny (the "
             "default) holds the tiny model's settings (trainer.lr=5e-4, rollout.max_new_tokens=8). Add "
             "experiment=none and set trainer.lr, rollout.max_new_tokens and the batch sizes for it, or use a "
             "preset made for it (e.g. experiment=smollm2_grpo).")
-    if run.model.path is None and spec.gguf is None and not spec.build_from_scratch:
-        raise ConfigError(
-            f"model.flavor={spec.flavor}: {spec.name} at this size is a published model, not something to build "
-            "from random weights with a task-trained tokenizer (miles builds only the small flavors from scratch). "
-            f"Set model.path to a local HF checkpoint of it, or pick a small flavor.")
     parts["backends"] = backends(run)
     from miles.hooks import build_hooks
 
