@@ -76,6 +76,11 @@ def _check_init(cls: type, names: tuple[str, ...] | list[str], key: str, what: s
                           f"{what}; accept them (or **kwargs)")
 
 
+def can_offload(cls: Any) -> bool:
+    """Whether an engine class can release and resume its memory (``placement.offload_engines``)."""
+    return all(callable(getattr(cls, m, None)) for m in ("release_memory", "resume_memory"))
+
+
 def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: bool = False,
                        key: str = "rollout.engine") -> None:
     """An engine class the driver can use: the Protocol's methods, a constructor taking the driver's

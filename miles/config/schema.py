@@ -193,8 +193,10 @@ class PlacementConfig:
     """Custom Ray resources per engine bundle, e.g. ``{node2: 1}`` (colocate: added to each shared bundle)."""
     trainer_resources: Mapping[str, float] | None = None
     """Custom Ray resources per trainer-rank bundle (colocate: added to each shared bundle)."""
-    offload_engines: bool = True
-    """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated."""
+    offload_engines: bool | None = None
+    """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated.
+    ``None``: when the engine class can (``release_memory`` / ``resume_memory``; the torch engine can, SGLang's
+    CPU engine cannot); ``true`` with an engine that cannot is a config error."""
     torch_threads_per_actor: int = 0
     """torch threads in each actor; 0: colocate splits the CPUs among actors busy at once, disaggregated uses the actor's own bundle."""
     huge_pages: bool = True
