@@ -126,7 +126,12 @@ def backends(run: MilesConfig) -> Backends:
     its Protocol (:mod:`miles.backends.contract`): a class that cannot serve raises :class:`ConfigError`
     before any actor starts.
     """
-    from miles.backends.contract import can_offload, check_critic_class, check_engine_class, check_trainer_class
+    from miles.backends.contract import (
+        can_offload,
+        check_critic_class,
+        check_engine_class,
+        check_trainer_class,
+    )
 
     node, allow = run.rollout.engine, run.plugins.allow
     for key, target in (("rollout.engine._target_", node.target), ("trainer._target_", run.trainer.target),
