@@ -132,7 +132,7 @@ def backends(run: MilesConfig) -> Backends:
         check_allowed(target, allow, key=key)
     engine = locate(node.target)
     check_engine_class(engine, kwargs=node.kwargs,
-                       offload=run.placement.name == "colocate" and run.placement.offload_engines)
+                       offload=run.placement.name == "colocate" and run.placement.offload_engines, run=run)
     trainer = locate(run.trainer.target)
     check_trainer_class(trainer, run)
     critic = None

@@ -119,6 +119,16 @@ class SGLangEngine(Reusable):
     ``max_health_failures``.
     """
 
+    @staticmethod
+    def check_config(run: Any) -> None:
+        """Refuse, before any actor starts, what this engine cannot serve: quantized weight formats."""
+        from miles.config.validate import ConfigError
+
+        if run.precision.rollout_quant != "none":
+            raise ConfigError(f"precision.rollout_quant={run.precision.rollout_quant}: the SGLang engine serves "
+                              "unquantized weights only here; use rollout=torch for it, or a recipe with "
+                              "rollout_quant: none (precision=fp32 or bf16)")
+
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
 

@@ -98,7 +98,7 @@ from torch import Tensor
 
 from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
-from miles.precision.fp8 import apply_rollout_quant
+from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status

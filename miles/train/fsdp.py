@@ -58,6 +58,7 @@ import torch.distributed as dist
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
+from miles.precision.recipe import effective_tis_clip, quantize_train_forward
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -150,6 +151,7 @@ class FSDPTrainer(FSDPRank):
         def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
+            quantize_train_forward(model, run.precision)  # precision.train_quant: QAT through an STE
             checkpointed = checkpoint_activations if trainable and t.activation_checkpointing else None
             return self._shard(model, set(getattr(model, "_no_split_modules", None) or []),
                                sharded=self.sharded, per_layer=checkpointed)
@@ -300,7 +302,7 @@ class FSDPTrainer(FSDPRank):
                 logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
                 rollout_logp=p.rollout_logp, advantages=p.advantages,
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                tis_clip=self.run.precision.tis_clip, mismatch_mode=self.run.precision.mismatch_mode,
+                tis_clip=effective_tis_clip(self.run.precision), mismatch_mode=self.run.precision.mismatch_mode,
                 mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[j],
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
             )
