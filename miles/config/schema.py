@@ -123,6 +123,11 @@ class AlgoConfig:
     """DAPO dynamic sampling: groups whose rewards are all equal are dropped and replaced by fresh prompts
     (:func:`miles.rollout.filters.nonzero_reward_std` ahead of ``rollout.filters``; over-sampling up to
     ``rollout.max_oversample_rounds``)."""
+    routing_replay: Literal["rollout", "off"] = "off"
+    """MoE rollout routing replay (R3): ``rollout`` makes the trainer's forward send every token to the
+    experts the engine chose (gate weights still from the trainer's router; :mod:`miles.train.routing_replay`)
+    and has the engines record them (``capture_routing``); torch engine and FSDP trainer, MoE models
+    only; turns off ``trainer.shared_prompt_forward``. ``off``: the trainer routes by itself."""
 
 
 @dataclass(**_frozen)
@@ -172,6 +177,11 @@ class PrecisionConfig:
     """``auto``: correct (TIS / MIS with ``tis_clip``) when rollout and training dtypes or weight formats
     differ, and whenever ``tis_clip`` is set; ``on``: always; ``off``: never (``tis_clip`` is ignored, and a run
     whose numerics differ logs a warning)."""
+    true_on_policy: bool = False
+    """Engine and trainer compute every sequence with one forward at a fixed padded length (prompt +
+    ``rollout.max_new_tokens``), so rollout and recomputed log-probs are bitwise equal
+    (:mod:`miles.precision.on_policy`); torch engine (no KV cache: one forward per generated token) and
+    FSDP trainer (one forward per sequence) only, same dtype and weight format on both sides, dense models."""
     mismatch_mode: Literal["tis", "mis"] = "tis"
     """Ratios above tis_clip are truncated to it (tis) or their tokens / sequences dropped (mis)."""
     mismatch_level: Literal["token", "sequence"] = "token"

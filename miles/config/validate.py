@@ -105,6 +105,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):  # YAML 1.1 reads a bare on / off as a bool
+            value = "on" if value else "off"
         if value not in args:
             shown = [str(a) for a in args]
             raise ConfigError(
@@ -222,6 +224,16 @@ def _check_precision(run: MilesConfig) -> None:
             f"precision.train_quant={p.train_quant} with precision.rollout_quant={p.rollout_quant}: the trainer "
             "trains through the format the engine serves (quantization-aware training) or none; set "
             f"precision.train_quant to {p.rollout_quant} or none")
+    if p.true_on_policy:
+        if p.rollout_dtype != p.train_dtype or p.rollout_quant != p.train_quant:
+            raise ConfigError(
+                f"precision.true_on_policy=true needs the same numerics on both sides; found rollout "
+                f"{p.rollout_dtype} / {p.rollout_quant} and training {p.train_dtype} / {p.train_quant} (precision=fp32 "
+                "or bf16 have them)")
+        if run.rollout.top_p < 1.0 or run.rollout.top_k > 0:
+            raise ConfigError(
+                f"precision.true_on_policy=true samples from the full distribution; found rollout.top_p="
+                f"{run.rollout.top_p}, rollout.top_k={run.rollout.top_k} (set 1.0 and 0)")
     fixed, fmt = FIXED_QUANT_BLOCK, p.rollout_quant
     if fmt in fixed and p.quant_block_size != fixed[fmt]:
         raise ConfigError(

@@ -131,7 +131,7 @@ def backends(run: MilesConfig) -> Backends:
                         ("algo.critic._target_", run.algo.critic.target)):
         check_allowed(target, allow, key=key)
     engine = locate(node.target)
-    check_engine_class(engine, kwargs=node.kwargs,
+    check_engine_class(engine, kwargs=engine_kwargs(run),
                        offload=run.placement.name == "colocate" and run.placement.offload_engines, run=run)
     trainer = locate(run.trainer.target)
     check_trainer_class(trainer, run)
@@ -139,7 +139,16 @@ def backends(run: MilesConfig) -> Backends:
     if run.algo.estimator == "gae":
         critic = locate(run.algo.critic.target)
         check_critic_class(critic)
-    return Backends(engine=engine, engine_kwargs=dict(node.kwargs), trainer=trainer, critic=critic)
+    return Backends(engine=engine, engine_kwargs=engine_kwargs(run), trainer=trainer, critic=critic)
+
+
+def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
+    """The ``rollout.engine`` node's keyword arguments, with ``capture_routing=True`` when
+    ``algo.routing_replay=rollout`` (the trainer replays what the engines record; this wins over the node)."""
+    kwargs = dict(run.rollout.engine.kwargs)
+    if run.algo.routing_replay == "rollout":
+        kwargs["capture_routing"] = True
+    return kwargs
 
 
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
@@ -224,7 +233,7 @@ def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: Placeme
     """What each actor is constructed with, for new actors and reused ones alike."""
     p, dev = run.placement, device(run)
     engines = [((checkpoint_dir, run.precision),
-                dict(run.rollout.engine.kwargs, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
+                dict(engine_kwargs(run), seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
                      device=dev))
                for i in range(p.num_engines)]
 
