@@ -12,7 +12,7 @@ from fsdp_ranks import hf_model_from, local_trainer
 
 from miles.config import ConfigError, validate
 from miles.config.schema import PrecisionConfig
-from miles.rollout.generate import _routes
+from miles.rollout.generate import routes_of
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.batching import pad_batch
 from miles.train.routing_replay import RouteReplay, find_routers, replay_gate
@@ -49,7 +49,7 @@ def _rollout(ckpt: Path, state_dict: dict[str, torch.Tensor] | None = None) -> T
                       rollout_logprobs=[list(r.logprobs) for r in results],
                       loss_mask=[[1] * len(r.response_ids) for r in results],
                       advantages=[1.0 if i % 2 else -1.0 for i in range(len(results))],
-                      routing=[_routes(r) for r in results])
+                      routing=[routes_of(r) for r in results])
 
 
 def _expert_inputs(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -87,7 +87,7 @@ def _run_config(recipe: str, args: argparse.Namespace, *, replay: bool, true_on_
 
 def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, Any]:
     """``args.steps`` RL steps of one configuration; the row's numbers."""
-    from miles.rollout.generate import _routes
+    from miles.rollout.generate import routes_of
     from miles.rollout.torch_engine import TorchEngine
     from miles.train.fsdp import FSDPTrainer
     from miles.types import GenerateRequest, SamplingParams, TrainBatch
@@ -115,7 +115,7 @@ def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, 
                 rollout_logprobs=[list(r.logprobs) for r in results],
                 loss_mask=[[1] * len(r.response_ids) for r in results],
                 advantages=torch.randn(len(results), generator=g).tolist(),
-                routing=[_routes(r) for r in results] if moe and results[0].routing is not None else None)
+                routing=[routes_of(r) for r in results] if moe and results[0].routing is not None else None)
             recomputed = trainer.compute_logprobs(batch)
             got, want = torch.tensor(sum(recomputed, [])), torch.tensor(sum(batch.rollout_logprobs, []))
             diffs.append((got - want).abs())
