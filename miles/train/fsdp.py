@@ -39,6 +39,15 @@ Reference model (``algo.kl_coef > 0``): a second copy of the initial checkpoint,
 FSDP-sharded like the policy, so it costs 1/W of a model per rank instead of a whole one; its
 forward all-gathers per layer inside ``train_step``, which every rank calls anyway.
 
+Precision and MoE options: ``precision.train_quant`` makes every forward compute with fake-quantized
+weights, gradients straight through (:func:`miles.precision.recipe.quantize_train_forward`); the
+mismatch-correction threshold is :func:`miles.precision.recipe.effective_tis_clip`. On MoE models the
+routers carry :class:`miles.train.routing_replay.RouteReplay` hooks: a batch with rollout routes
+reports ``moe/route_agreement``, and ``algo.routing_replay=rollout`` replays the routes (policy and
+reference model). ``precision.true_on_policy`` runs each sequence alone at the engine's fixed length
+(:mod:`miles.precision.on_policy`). Replay, true on-policy and batches with routes run without the
+shared-prompt forward.
+
 Dropout is off (``model.eval()``): the trainer must compute the same log-probs as the engine and
 as its own no-grad passes. Every method that runs the model is collective: all ranks must call it.
 """
