@@ -143,14 +143,23 @@ def backends(run: MilesConfig) -> Backends:
     if p.name == "colocate" and p.offload_engines is None and not offload:
         log.info("placement.offload_engines=null: %s cannot release memory, so engines keep it while the "
                  "trainer trains", node.target)
-    check_engine_class(engine, kwargs=node.kwargs, offload=offload)
+    check_engine_class(engine, kwargs=engine_kwargs(run), offload=offload, run=run)
     trainer = locate(run.trainer.target)
     check_trainer_class(trainer, run)
     critic = None
     if run.algo.estimator == "gae":
         critic = locate(run.algo.critic.target)
         check_critic_class(critic)
-    return Backends(engine=engine, engine_kwargs=dict(node.kwargs), trainer=trainer, critic=critic, offload=offload)
+    return Backends(engine=engine, engine_kwargs=engine_kwargs(run), trainer=trainer, critic=critic, offload=offload)
+
+
+def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
+    """The ``rollout.engine`` node's keyword arguments, with ``capture_routing=True`` when
+    ``algo.routing_replay=rollout`` (the trainer replays what the engines record; this wins over the node)."""
+    kwargs = dict(run.rollout.engine.kwargs)
+    if run.algo.routing_replay == "rollout":
+        kwargs["capture_routing"] = True
+    return kwargs
 
 
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
@@ -235,7 +244,7 @@ def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: Placeme
     """What each actor is constructed with, for new actors and reused ones alike."""
     p, dev = run.placement, device(run)
     engines = [((checkpoint_dir, run.precision),
-                dict(run.rollout.engine.kwargs, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
+                dict(engine_kwargs(run), seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
                      device=dev))
                for i in range(p.num_engines)]
 

@@ -119,6 +119,23 @@ class SGLangEngine(Reusable):
     ``max_health_failures``.
     """
 
+    @staticmethod
+    def check_config(run: Any) -> None:
+        """Refuse, before any actor starts, what this engine cannot serve: quantized weight formats, and
+        routing replay (which needs the routes of prompt positions too)."""
+        from miles.config.validate import ConfigError
+
+        if run.precision.rollout_quant != "none":
+            raise ConfigError(f"precision.rollout_quant={run.precision.rollout_quant}: the SGLang engine serves "
+                              "unquantized weights only here; use rollout=torch for it, or a recipe with "
+                              "rollout_quant: none (precision=fp32 or bf16)")
+        if run.precision.true_on_policy:
+            raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
+                              "use rollout=torch for it")
+        if run.algo.routing_replay != "off":
+            raise ConfigError("algo.routing_replay=rollout: the SGLang engine returns no routes of the prompt "
+                              "tokens, which replay needs; use rollout=torch, or algo.routing_replay=off")
+
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
 
