@@ -1,21 +1,22 @@
 """``python -m miles.bench async``: the same workload under ``schedule=sync``, ``one_step_off`` and
 ``fully_async``, alternating, in one command.
 
-``sync`` runs at its best placement on this machine: colocated, engine and trainer taking turns with
-all ``--threads`` torch threads each. The async schedules run disaggregated, the engine and the
-trainer rank each on its own share of the threads (``--threads // 2``, at least 1), since their
-phases overlap. Every seed (``--seeds``) runs the three schedules once, in the order given, from the
+``sync`` runs colocated, engine and trainer taking turns with all ``--threads`` torch threads each;
+``sync_disaggregated`` is the same loop on the async schedules' placement, for the ratio at equal
+cores per phase. The async schedules run disaggregated, the engine and the trainer rank each on its
+own share of the threads (``--threads // 2``, at least 1), since their phases overlap. Every seed (``--seeds``) runs the three schedules once, in the order given, from the
 same checkpoint (built once); the same seed draws the same prompts in every schedule.
 
-Per run: trained samples per second over steps 2..N (``algo.num_prompts_per_step x
-num_samples_per_prompt`` per step, divided by the sum of ``perf/step_time_s``: rollout wait, train
-step and weight sync; evaluation excluded), the trainer's busy fraction (``perf/train_s`` over the
+Per run: trained samples per second over steps 1..N (``algo.num_prompts_per_step x
+num_samples_per_prompt`` per step, divided by the sum of ``perf/step_time_s``: rollout or the wait
+for it, train step and weight sync; evaluation excluded; step 1 included, so the async schedules'
+head start while it trains is paid for), the trainer's busy fraction (``perf/train_s`` over the
 step time), the share of the step the trainer waited for rollouts, staleness, and ``eval/accuracy``
 after the run (the same number of trained samples in every schedule).
 
 The last line printed is JSON: per schedule the mean over seeds of throughput, busy fractions and
 eval accuracy (with the standard error over seeds, or over eval prompts with one seed), and
-``ratio_throughput_<schedule>_over_sync`` (throughputs pooled over seeds).
+``ratio_throughput_<schedule>_over_sync`` and ``..._over_sync_disaggregated`` (means over seeds).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from miles.bench.e2e import WORKLOADS, compose
 
 log = logging.getLogger("miles.bench.async")
 
-SCHEDULES = ("sync", "one_step_off", "fully_async")
+SCHEDULES = ("sync", "sync_disaggregated", "one_step_off", "fully_async")
 
 WORKLOADS_ASYNC: dict[str, list[str]] = {
     **WORKLOADS,
@@ -45,7 +46,8 @@ def schedule_overrides(schedule: str, threads: int) -> list[str]:
     if schedule == "sync":
         return ["schedule=sync", "placement=colocate", f"placement.torch_threads_per_actor={threads}"]
     half = max(1, threads // 2)
-    return [f"schedule={schedule}", "placement=disaggregated", f"placement.torch_threads_per_actor={half}"]
+    name = "sync" if schedule == "sync_disaggregated" else schedule
+    return [f"schedule={name}", "placement=disaggregated", f"placement.torch_threads_per_actor={half}"]
 
 
 def run_one(overrides: list[str]) -> dict[str, Any]:
@@ -56,7 +58,7 @@ def run_one(overrides: list[str]) -> dict[str, Any]:
     steps: dict[int, dict[str, float]] = {}
     final = run_job(run, resolved_yaml=resolved, overrides=overrides,
                     on_metrics=lambda m, s: steps.__setitem__(s, dict(m)) if s >= 1 else None)
-    later = [m for s, m in sorted(steps.items()) if s >= 2]
+    later = [m for _, m in sorted(steps.items())]
     per_step = run.algo.num_prompts_per_step * run.algo.num_samples_per_prompt
     step_s = sum(m["perf/step_time_s"] for m in later)
     return {
@@ -77,17 +79,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out[name] = {k: round(statistics.fmean(r[k] for r in rows), 4) for k in rows[0]} | {
             "eval_accuracy_se": round(statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1
                                       else rows[0]["eval_accuracy_se"], 4)}
-    for name in runs:
-        if name != "sync" and "sync" in runs:
-            out[f"ratio_throughput_{name}_over_sync"] = round(
-                out[name]["samples_per_s"] / out["sync"]["samples_per_s"], 3)
+    for ref in ("sync", "sync_disaggregated"):
+        for name in runs:
+            if name not in ("sync", ref) and ref in runs:
+                out[f"ratio_throughput_{name}_over_{ref}"] = round(
+                    out[name]["samples_per_s"] / out[ref]["samples_per_s"], 3)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.bench async", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS_ASYNC), default="count_tiny")
-    p.add_argument("--steps", type=int, default=8, help="RL steps per run (throughput over steps 2..N)")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds; each runs every schedule once")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="order within a seed")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the sync side (split when async)")
