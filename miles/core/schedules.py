@@ -193,7 +193,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
             version = step - 1  # the trainer's weights: the proximal policy of this update
             groups, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
             dropped_total, taken_total = dropped_total + stale, taken_total + stale + len(groups)
-            metrics = ctx.rollout.metrics(groups, wait_s) | _staleness_metrics(groups, version, stale)
+            metrics = ctx.rollout.metrics(groups) | _staleness_metrics(groups, version, stale)
             hooks.after_rollout(step, groups)
             t1 = time.perf_counter()
             metrics, samples = learn(ctx, step, groups, metrics)

@@ -182,9 +182,12 @@ class RolloutManager:
         """``(filter name, reason)`` of the first sample filter that drops ``group``, or None."""
         return first_rejection(self.filters, group)
 
-    def metrics(self, groups: list[list[Sample]], seconds: float) -> dict[str, float]:
-        """``rollout/*`` metrics of groups generated outside :meth:`collect` (async schedules)."""
-        return self._metrics(groups, seconds, Counter())
+    def metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
+        """``rollout/*`` metrics of groups generated outside :meth:`collect` (async schedules), without the
+        timings and the retry / timeout / lost-engine counts: those belong to the stream, not to these groups."""
+        per_call = ("rollout/retried", "rollout/timeouts", "rollout/engines_lost")
+        return {k: v for k, v in self._metrics(groups, 1.0, Counter()).items()
+                if k.startswith("rollout/") and k not in per_call}
 
     def _failed_group(self, problem: Problem, n: int, group_id: int, reason: str) -> list[Sample]:
         prompt_ids = list(self.encode(problem.prompt))
