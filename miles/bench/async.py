@@ -4,19 +4,23 @@
 ``sync`` runs colocated, engine and trainer taking turns with all ``--threads`` torch threads each;
 ``sync_disaggregated`` is the same loop on the async schedules' placement, for the ratio at equal
 cores per phase. The async schedules run disaggregated, the engine and the trainer rank each on its
-own share of the threads (``--threads // 2``, at least 1), since their phases overlap. Every seed (``--seeds``) runs the three schedules once, in the order given, from the
-same checkpoint (built once); the same seed draws the same prompts in every schedule.
+own share of the threads (``--threads // 2``, at least 1), since their phases overlap. Every seed
+(``--seeds``) runs the four once, in the order of ``--schedules``, from the same checkpoint (built
+once); a seed draws the same sequence of prompts in every schedule (the procedural tasks draw one
+prompt at a time), though the async schedules train on them in the order their groups finish.
 
 Per run: trained samples per second over steps 1..N (``algo.num_prompts_per_step x
 num_samples_per_prompt`` per step, divided by the sum of ``perf/step_time_s``: rollout or the wait
-for it, train step and weight sync; evaluation excluded; step 1 included, so the async schedules'
-head start while it trains is paid for), the trainer's busy fraction (``perf/train_s`` over the
-step time), the share of the step the trainer waited for rollouts, staleness, and ``eval/accuracy``
-after the run (the same number of trained samples in every schedule).
+for it, train step and weight sync; evaluation excluded; step 1 included: every schedule starts with
+no rollout done), the trainer's busy fraction (``perf/train_s`` over the step time), the share of
+the step spent on the rollout (sync) or waiting for it (async), staleness, the share of trained
+samples whose tokens come from more than one weight version (partial rollouts), and
+``eval/accuracy`` after the run (the same number of trained samples in every schedule).
 
 The last line printed is JSON: per schedule the mean over seeds of throughput, busy fractions and
 eval accuracy (with the standard error over seeds, or over eval prompts with one seed), and
-``ratio_throughput_<schedule>_over_sync`` and ``..._over_sync_disaggregated`` (means over seeds).
+``ratio_throughput_<schedule>_over_sync`` and ``..._over_sync_disaggregated`` (ratios of those
+means).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ A :class:`GroupStream` keeps the engines busy on a thread of its own: its event 
 ``capacity = schedule.buffer_batches x algo.num_prompts_per_step`` groups in flight or finished and
 waiting, drawing a new prompt as soon as the trainer takes a group. Each group is generated and
 scored as in the synchronous rollout (same group ids and sampling seeds), and the sample filters
-(DAPO) drop groups as they finish: a new prompt takes the place of a dropped one.
+(DAPO) drop groups as they finish: a new prompt takes the place of a dropped one (after
+``(rollout.max_oversample_rounds + 1) x algo.num_prompts_per_step`` drops in a row the run stops
+with an error naming the last filter).
 
 The trainer, on the driver's main thread, repeats:
 
