@@ -1,7 +1,8 @@
 """The data that crosses process boundaries: token ids in, token ids out.
 
 A :class:`Sample` is one response to one prompt. It carries the weight version
-that produced it, so async modes can bound staleness later. Nothing here is
+of each of its tokens (a weight update mid-generation gives one response tokens
+of two versions: a partial rollout), so async schedules can bound staleness. Nothing here is
 re-tokenized: the trainer sees exactly the ids the engine sampled.
 """
 
@@ -64,7 +65,8 @@ class GenerateResult:
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # log-prob of each response token, same length
     status: Status
-    weight_version: int
+    weight_version: int  # the version current at completion
+    token_versions: tuple[int, ...] = ()  # version that sampled each response token; () if the engine does not say
     finish_reason: str = ""  # "eos", "stop_token", "stop_string", "length" or "abort"
     top_logprobs: tuple | None = None  # per token: ((token_id, logprob), ...) most likely first
     routing: Any = field(default=None, compare=False)  # MoE: int16 tensor [T, moe_layers, top_k]
@@ -82,7 +84,7 @@ class Sample:
     rollout_logprobs: list[float]
     loss_mask: list[int]  # 1 for tokens the policy generated, 0 for environment tokens
     status: Status
-    weight_version: int
+    weight_version: int  # the newest weights that produced any of its tokens (-1: none, a failed group)
     label: Any = None  # the task's reference answer
     response_text: str = ""
     reward: float = 0.0
@@ -94,6 +96,15 @@ class Sample:
     """MoE routes the engine chose: int16 tensor [P + T - 1, moe_layers, top_k], one row per input position
     0 .. P + T - 2 of the forward over prompt + response (every position whose output is scored); None
     when the engine did not capture routing."""
+
+    token_versions: list[int] = field(default_factory=list)
+    """Weight version that sampled each response token (partial rollouts mix versions); empty: all
+    ``weight_version`` (a generate function that does not set them)."""
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version behind any of its tokens: what its staleness is measured from."""
+        return min(self.token_versions) if self.token_versions else self.weight_version
 
     @property
     def trainable(self) -> bool:

@@ -25,7 +25,8 @@ def compose_cfg(overrides: list[str] | None = None):
     "group,option", [(g, o) for g in GROUP_SCHEMAS for o in group_options(g)]
 )
 def test_every_shipped_option_composes_and_validates(group: str, option: str) -> None:
-    run = validate(compose_cfg([f"{group}={option}"]))
+    extra = ["placement=disaggregated"] if group == "schedule" and option != "sync" else []  # async needs it
+    run = validate(compose_cfg([f"{group}={option}", *extra]))
     assert isinstance(run, MilesConfig)
     node = getattr(run, group)
     assert isinstance(node, GROUP_SCHEMAS[group])
@@ -122,6 +123,24 @@ def test_impossible_combinations() -> None:
         validate({"algo": {"num_prompts_per_step": 3, "num_samples_per_prompt": 3}, "placement": {"trainer_world_size": 2}})
     with pytest.raises(ConfigError, match="model.path: no config.json"):
         validate({"model": {"path": "/nonexistent/checkpoint"}})
+
+
+@pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+def test_async_schedule_refuses_colocated_placement_and_says_what_to_use(schedule: str) -> None:
+    with pytest.raises(ConfigError, match=f"schedule={schedule} with placement=colocate.*Use placement=disaggregated"):
+        validate(compose_cfg([f"schedule={schedule}"]))
+    run = validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated"]))
+    assert run.schedule.name == schedule and run.schedule.max_staleness >= 1
+    for bad, match in ((["schedule.max_staleness=0"], "max_staleness: must be at least 1"),
+                       (["schedule.behaviour_is_clip=0.5"], "behaviour_is_clip: must be >= 1"),
+                       (["rollout=sglang"], "does not report the weight version of each token"),
+                       (["trainer.save_every=2", "trainer.save_dir=/tmp/x"], "run checkpoints do not hold")):
+        with pytest.raises(ConfigError, match=match):
+            validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", *bad]))
+
+
+def test_sync_is_the_default_schedule() -> None:
+    assert validate(compose_cfg()).schedule.name == "sync" == MilesConfig().schedule.name
 
 
 def test_cli_fails_fast_on_typos_before_ray() -> None:

@@ -442,6 +442,8 @@ def test_update_weights_mid_flight_keeps_rows(tiny_qwen3_dir) -> None:
     thread.join(60)
     assert box[0]["receive_s"] >= 0 and box[0]["update_s"] >= 0 and eng.weight_version() == 3
     assert [r.weight_version for r in mixed] == [3, 3]  # the version at completion
+    assert [r.token_versions for r in mixed] == [(0,) * 3 + (3,) * 197] * 2  # and the version of every token
+    assert [r.token_versions for r in old] == [(0,) * 200] * 2
     for m, o in zip(mixed, old, strict=True):
         assert (m.status, m.finish_reason, len(m.response_ids)) == (o.status, o.finish_reason, 200)  # not dropped
         assert m.response_ids[:3] == o.response_ids[:3] and m.logprobs[:3] == o.logprobs[:3]  # old weights ...

@@ -172,6 +172,7 @@ def test_builtins_meet_their_contracts(pair, built, exact_reward) -> None:
     manager = RolloutManager(pair, built.tokenizer, exact_reward)
     samples = check_generate_fn(single_turn, manager, _problems(built, 1)[0], n=3)
     assert len(samples) == 3 and all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
+    assert all(s.token_versions == [s.weight_version] * len(s.response_ids) for s in samples)  # one version each
     assert check_reward_fn(exact_answer_reward, [("82", "82"), (" 82 ", "82"), ("8", "82")]) == [1.0, 1.0, 0.0]
     groups = manager.rollout(_problems(built, 2), 3, SAMPLING, seed=0)[0]
     groups[0][0].reward = 1.0  # spread in group 0; group 1 is all zeros (a random model never answers)
@@ -199,6 +200,13 @@ def test_contract_checks_catch_broken_plugins(pair, built, exact_reward) -> None
         check_generate_fn(not_async, manager, problem)
     with pytest.raises(ContractError, match="loss-mask entries; all must match"):
         check_generate_fn(bad_mask, manager, problem)
+    async def versions_short(ctx, problem, sampling):
+        samples = await single_turn(ctx, problem, sampling)
+        samples[0].token_versions = samples[0].token_versions[:-1]
+        return samples
+
+    with pytest.raises(ContractError, match="token versions for .* response tokens"):
+        check_generate_fn(versions_short, manager, problem)
     with pytest.raises(ContractError, match="not deterministic"):
         check_reward_fn(lambda text, label: random.random(), [("a", "b")])
     with pytest.raises(ContractError, match="finite"):

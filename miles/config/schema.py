@@ -415,6 +415,23 @@ class WeightSyncConfig:
 
 
 @dataclass(**_frozen)
+class ScheduleConfig:
+    """When rollouts run relative to train steps, and how old a trained sample may be (miles.core.schedules)."""
+
+    name: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    """``sync``: rollout, train, sync in turn; ``one_step_off``: the next batch's rollout overlaps the train
+    step; ``fully_async``: groups generated continuously into a buffer. The last two need disaggregated placement."""
+    max_staleness: int = 0
+    """Async: a group whose oldest token is more than this many weight versions behind the trainer is dropped."""
+    update_interval: int = 1
+    """Async: train steps between weight pushes to the engines."""
+    buffer_batches: int = 1
+    """Async: how far the engines may work ahead of the trainer, in batches of ``algo.num_prompts_per_step`` groups."""
+    behaviour_is_clip: float = 2.0
+    """Async: cap of the truncated importance weight exp(proximal - behaviour log-prob) (decoupled PPO); >= 1."""
+
+
+@dataclass(**_frozen)
 class MilesConfig:
     """The whole run."""
 
@@ -447,6 +464,8 @@ class MilesConfig:
     """User code allowed in ``_target_``."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight-sync transport axis (``weight_sync=``)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Schedule axis (``schedule=``): synchronous, one step off-policy or fully asynchronous."""
     hooks: tuple[TargetConfig, ...] = ()
     """Hook chain (:mod:`miles.hooks`): objects called in list order at named points of the loop
     (``on_run_start``, ``after_rollout``, ``after_reward``, ``before_train``, ``after_train``,
@@ -467,6 +486,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "task": TaskConfig,
     "tracking": TrackingConfig,
     "weight_sync": WeightSyncConfig,
+    "schedule": ScheduleConfig,
 }
 
 

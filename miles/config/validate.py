@@ -209,6 +209,7 @@ def check_semantics(run: MilesConfig) -> None:
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)
     _check_hooks(run)
+    _check_schedule(run)
 
 
 FIXED_QUANT_BLOCK = {"mxfp8": 32, "nvfp4": 16}
@@ -303,6 +304,38 @@ def _check_hooks(run: MilesConfig) -> None:
         if h.partial:
             raise ConfigError(f"hooks[{i}]._partial_: a hook is an object whose methods are called at the loop's "
                               f"points, not a function to bind; remove _partial_ from '{h.target}'")
+
+
+def _check_schedule(run: MilesConfig) -> None:
+    """An async schedule needs engines and trainer on their own CPUs, and knobs in range."""
+    s = run.schedule
+    if s.name == "sync":
+        return
+    if run.placement.name == "colocate":
+        raise ConfigError(
+            f"schedule={s.name} with placement=colocate: colocated engines and trainer ranks share their CPUs "
+            "and take turns (the engines release memory while the trainer trains), so a rollout cannot overlap "
+            f"a train step. Use placement=disaggregated with schedule={s.name}, or schedule=sync to stay colocated")
+    if s.max_staleness < 1:
+        raise ConfigError(f"schedule.max_staleness: must be at least 1 with schedule={s.name} (a batch generated "
+                          f"while the step before trains is one version old), found {s.max_staleness}")
+    for k, v in {"schedule.update_interval": s.update_interval, "schedule.buffer_batches": s.buffer_batches}.items():
+        if v < 1:
+            raise ConfigError(f"{k}: must be at least 1, found {v}")
+    if s.name == "one_step_off" and (s.update_interval, s.buffer_batches) != (1, 1):
+        raise ConfigError(f"schedule=one_step_off is one batch ahead with weights after every step "
+                          f"(update_interval=1, buffer_batches=1), found update_interval={s.update_interval}, "
+                          f"buffer_batches={s.buffer_batches}; use schedule=fully_async for other values")
+    if not s.behaviour_is_clip >= 1.0:
+        raise ConfigError(f"schedule.behaviour_is_clip: must be >= 1, found {s.behaviour_is_clip}")
+    if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
+        raise ConfigError(f"schedule={s.name}: the rollout engine {run.rollout.engine.target} does not report the "
+                          "weight version of each token, which partial rollouts need to bound staleness; use "
+                          "rollout=torch with an async schedule, or schedule=sync")
+    if run.trainer.save_every or run.trainer.resume_from is not None:
+        raise ConfigError(f"schedule={s.name}: run checkpoints do not hold the async buffer and the generations in "
+                          "flight yet, so a resumed run would lose them; set trainer.save_every=0 and no "
+                          "trainer.resume_from, or use schedule=sync")
 
 
 # --- command-line pre-check ---------------------------------------------------------------------

@@ -42,6 +42,7 @@ from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.evaluate import evaluate
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
+from miles.core.ledger import Ledger
 from miles.core.progress import Progress
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
@@ -75,17 +76,23 @@ class LoopContext:
     """Where run checkpoints go when ``trainer.save_every`` is set (:mod:`miles.core.resume`)."""
     hooks: HookChain = field(default_factory=HookChain)
     """The ``hooks:`` chain (:mod:`miles.hooks`), called at the points of the loop; empty: none."""
+    ledger: Ledger = field(default_factory=Ledger)
+    """Outcome of every prompt drawn for training (:mod:`miles.core.ledger`)."""
 
 
 def train(ctx: LoopContext) -> dict[str, float]:
-    """Run ``trainer.num_steps`` RL steps; returns the last step's metrics (including final eval)."""
+    """Run ``trainer.num_steps`` RL steps; returns the last step's metrics (including final eval).
+
+    ``schedule=sync`` runs the steps below; the async schedules are :mod:`miles.core.schedules`.
+    """
+    if ctx.run.schedule.name != "sync":
+        from miles.core.schedules import train_async
+
+        return train_async(ctx)
     run, algo = ctx.run, ctx.run.algo
     rng = random.Random(run.seed)
     eval_set = ctx.task.eval_problems(run.task.num_eval_prompts)
-    sampling = SamplingParams(
-        temperature=run.rollout.temperature, top_p=run.rollout.top_p, top_k=run.rollout.top_k,
-        max_new_tokens=run.rollout.max_new_tokens,
-    )
+    sampling = sampling_params(run)
     log_batch_sizes(run)
     hooks = ctx.hooks
 
@@ -112,47 +119,16 @@ def train(ctx: LoopContext) -> dict[str, float]:
             lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
             seed=run.seed * 1_000_003 + next_group_id, first_group_id=next_group_id,
         )
+        ctx.ledger.draw(range(next_group_id, next_group_id + int(metrics["rollout/groups"])))
+        for group_id, outcome in ctx.rollout.left_out.items():
+            ctx.ledger.settle(group_id, outcome)
         next_group_id += int(metrics["rollout/groups"])
         hooks.after_rollout(step, groups)
         t1 = time.perf_counter()
 
-        # 3. advantages: how much better each response is than its siblings (failed ones sit out),
-        # or, with a critic (PPO), than the critic expected at each token (GAE)
-        if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
-            metrics |= shape_overlong(groups, run)
-        hooks.after_reward(step, groups)  # the rewards are final: advantages come from them
-        gae = algo.estimator == "gae"
-        metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
-        samples = [s for g in groups for s in g]
-        if len(samples) % (algo.num_minibatches * run.placement.trainer_world_size):
-            raise RuntimeError(
-                f"step {step}: the rollout returned {len(samples)} samples, which do not split into "
-                f"algo.num_minibatches ({algo.num_minibatches}) x placement.trainer_world_size "
-                f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
-        batch = TrainBatch.from_samples(samples)
-        if gae:
-            values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
-            batch.token_advantages, returns = gae_from_lists(
-                [s.reward for s in samples], values, batch.loss_mask,
-                gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
-            )
-        hooks.before_train(step, batch)
-
-        # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
-        # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
-        # CPUs, so one after the other)
-        offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
-        if metrics["train/trainable_samples"] > 0:
-            batch = ray.put(batch)
-            metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
-            if gae:
-                metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
-        elif all(s.status is Status.FAILED for s in samples):
-            raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
-        else:  # nothing to learn from (e.g. every group filtered out): keep the weights
-            log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
-        ray.get(offloading)
-        hooks.after_train(step, metrics)
+        # 3-4. advantages and the train step
+        metrics, samples = learn(ctx, step, groups, metrics)
+        ctx.ledger.settle_batch(groups)
         t2 = time.perf_counter()
 
         # 5. sync: the engines still in rotation sample from the new weights from now on
@@ -179,7 +155,55 @@ def train(ctx: LoopContext) -> dict[str, float]:
         if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
             _save(ctx, step, rng, next_group_id)
     progress.close()
-    return metrics
+    ctx.ledger.check_closed()
+    return metrics | ctx.ledger.metrics()
+
+
+def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]
+          ) -> tuple[dict[str, float], list[Any]]:
+    """Steps 3-4 on a batch of scored groups: advantages, then one train step (and the critic's).
+
+    Returns the metrics with the reward and train metrics added, and the batch's samples in order.
+    """
+    run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
+    # 3. advantages: how much better each response is than its siblings (failed ones sit out),
+    # or, with a critic (PPO), than the critic expected at each token (GAE)
+    if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
+        metrics |= shape_overlong(groups, run)
+    hooks.after_reward(step, groups)  # the rewards are final: advantages come from them
+    gae = algo.estimator == "gae"
+    metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
+    samples = [s for g in groups for s in g]
+    if len(samples) % (algo.num_minibatches * run.placement.trainer_world_size):
+        raise RuntimeError(
+            f"step {step}: the rollout returned {len(samples)} samples, which do not split into "
+            f"algo.num_minibatches ({algo.num_minibatches}) x placement.trainer_world_size "
+            f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
+    batch = TrainBatch.from_samples(samples)
+    if gae:
+        values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
+        batch.token_advantages, returns = gae_from_lists(
+            [s.reward for s in samples], values, batch.loss_mask,
+            gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
+        )
+    hooks.before_train(step, batch)
+
+    # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
+    # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
+    # CPUs, so one after the other)
+    offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
+    if metrics["train/trainable_samples"] > 0:
+        batch = ray.put(batch)
+        metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+        if gae:
+            metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
+    elif all(s.status is Status.FAILED for s in samples):
+        raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
+    else:  # nothing to learn from (e.g. every group filtered out): keep the weights
+        log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
+    ray.get(offloading)
+    hooks.after_train(step, metrics)
+    return metrics, samples
 
 
 def _config_dict(run: MilesConfig) -> dict[str, Any]:
@@ -213,6 +237,12 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state
+
+
+def sampling_params(run: MilesConfig) -> SamplingParams:
+    """The sampling of training rollouts (``rollout.*``)."""
+    r = run.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
 
 
 def log_batch_sizes(run: MilesConfig) -> None:

@@ -63,6 +63,7 @@ def samples_from_results(
             rollout_logprobs=list(r.logprobs), loss_mask=[1] * len(r.response_ids), status=r.status,
             weight_version=r.weight_version, label=problem.label, response_text=text,
             routing=routes_of(r),
+            token_versions=list(r.token_versions) or [r.weight_version] * len(r.response_ids),
         )
         for r, text in zip(results, texts, strict=True)
     ]

@@ -121,6 +121,7 @@ class RolloutManager:
         self.counts: Counter[str] = Counter()  # reward_ms
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
         self.reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward")
+        self.left_out: dict[int, str] = {}  # groups the last collect() generated but left out of its batch
 
     @property
     def live_engines(self) -> list[Any]:
@@ -166,6 +167,27 @@ class RolloutManager:
         samples.sort(key=lambda s: s.index)
         await scorer.score(samples, problem)
         return samples
+
+    def group_runner(self) -> Callable[..., Any]:
+        """For the running event loop: ``await run(problem, n, sampling, group_id, seed)`` generates and
+        scores one group as :meth:`rollout` does (one request queue and one scorer shared by the calls)."""
+        dispatch, scorer = self.pool.session(), _Scorer(self)
+
+        async def run(problem: Problem, n: int, sampling: SamplingParams, group_id: int, seed: int) -> list[Sample]:
+            return await self._group(dispatch, scorer, problem, n, sampling, group_id, seed)
+
+        return run
+
+    def rejection(self, group: list[Sample]) -> tuple[str, str] | None:
+        """``(filter name, reason)`` of the first sample filter that drops ``group``, or None."""
+        return first_rejection(self.filters, group)
+
+    def metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
+        """``rollout/*`` metrics of groups generated outside :meth:`collect` (async schedules), without the
+        timings and the retry / timeout / lost-engine counts: those belong to the stream, not to these groups."""
+        per_call = ("rollout/retried", "rollout/timeouts", "rollout/engines_lost")
+        return {k: v for k, v in self._metrics(groups, 1.0, Counter()).items()
+                if k.startswith("rollout/") and k not in per_call}
 
     def _failed_group(self, problem: Problem, n: int, group_id: int, reason: str) -> list[Sample]:
         prompt_ids = list(self.encode(problem.prompt))
@@ -256,6 +278,8 @@ class RolloutManager:
                         "fill the batch without entering the loss (raise rollout.max_oversample_rounds)",
                         len(kept), num_groups, rounds, len(padded))
         batch = kept[:num_groups] + padded
+        self.left_out = {g[0].group_id: "filtered" for g in dropped[len(padded):]}
+        self.left_out |= {g[0].group_id: "surplus" for g in kept[num_groups:]}
         metrics = self._metrics(generated, time.perf_counter() - t0, self._totals() - before)
         metrics |= {
             "rollout/filtered_groups": float(len(dropped)),

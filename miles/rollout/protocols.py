@@ -120,6 +120,9 @@ def check_group(samples: Any, *, n: int, group_id: int, who: str) -> None:
             raise ContractError(
                 f"{where}: {r} response tokens, {lp} rollout log-probs and {m} loss-mask entries; all must match"
             )
+        if s.token_versions and len(s.token_versions) != r:
+            raise ContractError(f"{where}: {len(s.token_versions)} token versions for {r} response tokens; set one "
+                                "per token (environment tokens: the version of the turn before) or none")
         if any(v not in (0, 1) for v in s.loss_mask):
             raise ContractError(f"{where}: loss_mask must hold only 0 and 1, found {sorted(set(s.loss_mask))}")
         if any(not math.isfinite(x) or x > 1e-6 for x in s.rollout_logprobs):

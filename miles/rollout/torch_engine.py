@@ -50,10 +50,12 @@ the scheduler thread between two steps, never during a forward):
 - ``update_weights(sd, version)``: checked first (names, shapes, dtypes; on an
   error nothing changes), then applied between steps. In-flight rows are not
   dropped: they continue with the new weights (their K/V cache from the old
-  weights is kept) and report the version current at their completion, i.e.
-  the newest weights that produced any of their tokens. A caller that needs
-  single-version samples updates when no ``generate`` is in flight (the
-  synchronous loop does) or ``abort``s the in-flight requests first.
+  weights is kept), a partial rollout. A result reports the version current at
+  its completion (``weight_version``, the newest weights that produced any of
+  its tokens) and, per token, the version of the weights that sampled it
+  (``token_versions``). A caller that needs single-version samples updates
+  when no ``generate`` is in flight (the synchronous loop does) or ``abort``s
+  the in-flight requests first.
 - ``pause()`` / ``resume()``: no further steps while paused; in-flight rows
   keep their slots and cache, new requests queue. ``pause()`` returns once the
   current step has finished.
@@ -488,6 +490,7 @@ class TorchEngine(Reusable):
             "greedy": torch.zeros(s, dtype=torch.bool, device=self.device),
             "noise": torch.ones(s, self.noise_chunk, v, device=self.device),
             "out_tok": torch.zeros(s, 0, **long), "out_lp": torch.zeros(s, 0, device=self.device),
+            "out_ver": torch.zeros(s, 0, **long),
             "top_v": torch.zeros(s, 0, 0, device=self.device), "top_i": torch.zeros(s, 0, 0, **long),
             "route": torch.zeros(s, 0, len(self._routers), self._router_top_k(), dtype=torch.int16,
                                  device=self.device),
@@ -516,7 +519,7 @@ class TorchEngine(Reusable):
         need_new = max(r.sampling.max_new_tokens for r in rows)
         need_len = max(len(r.request.prompt_ids) + r.sampling.max_new_tokens for r in rows)
         cap_new = pow2_at_least(need_new)
-        for name in ("out_tok", "out_lp", "top_v", "top_i", "route"):
+        for name in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route"):
             self._grow(name, 1, cap_new)
         self._grow("top_v", 2, max(r.sampling.logprobs_top_k for r in rows))
         self._grow("top_i", 2, self._st["top_v"].shape[2])
@@ -689,6 +692,7 @@ class TorchEngine(Reusable):
         ngen = st["ngen"][sl]
         st["out_tok"][rows, ngen] = tok
         st["out_lp"][rows, ngen] = logp.gather(1, tok[:, None])[:, 0]
+        st["out_ver"][rows, ngen] = self._version
         if count["top_logprobs"]:
             top_v, top_i = logp.topk(st["top_v"].shape[2], dim=-1)
             st["top_v"][rows, ngen], st["top_i"][rows, ngen] = top_v, top_i
@@ -759,7 +763,7 @@ class TorchEngine(Reusable):
         return GenerateResult(
             request_id=row.request.request_id, index=row.index, response_ids=tuple(st["out_tok"][slot, :n].tolist()),
             logprobs=tuple(st["out_lp"][slot, :n].tolist()), status=status, weight_version=self._version,
-            finish_reason=reason, top_logprobs=top,
+            token_versions=tuple(st["out_ver"][slot, :n].tolist()), finish_reason=reason, top_logprobs=top,
             routing=st["route"][slot, :n].cpu().clone() if self._routers else None,
             prompt_routing=row.prompt_route if self._routers else None,
         )
@@ -808,7 +812,7 @@ class TorchEngine(Reusable):
                         self._n, len(self._waiting))
             self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
         self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
-        for k in ("out_tok", "out_lp", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
+        for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
             self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
         unique = {k: self._weights[k] for k in self._required}
         if self.device.type == "cpu":

@@ -68,7 +68,7 @@ from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
 from miles.precision.on_policy import sequence_logits
-from miles.precision.recipe import effective_tis_clip, quantize_train_forward
+from miles.precision.recipe import quantize_train_forward
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -77,7 +77,7 @@ from miles.train.batching import (
     split_microbatches,
     unpad_response,
 )
-from miles.train.objective import policy_objective
+from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_multiplier
 from miles.train.rank import FSDPRank, pad_token_id
 from miles.train.routing_replay import RouteReplay, find_routers
@@ -329,8 +329,7 @@ class FSDPTrainer(FSDPRank):
                 logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
                 rollout_logp=p.rollout_logp, advantages=p.advantages,
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                tis_clip=effective_tis_clip(self.run.precision), mismatch_mode=self.run.precision.mismatch_mode,
-                mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[j],
+                **mismatch_settings(self.run), ref_logp=ref_logps[j],
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
             )
             # FSDP divides the reduced gradient by W; loss is a share of a sum

@@ -12,6 +12,11 @@ the sum over ranks equals the loss of one rank holding the whole mini-batch. Met
 rule (each is a token mean over the global loss-mask tokens), so one all-reduce SUM makes them
 global.
 
+Under an async schedule (``schedule`` other than ``sync``) the samples may come from older weights and
+mix versions; ``old_logp`` is then the proximal policy (recomputed at the start of the update) and the
+truncated weight ``w_t`` against ``rollout_logp`` (the behaviour policy of each token) is always on:
+decoupled PPO (:func:`miles.algos.losses.decoupled_ppo_loss`). :func:`mismatch_settings` picks it.
+
 This module is pure tensor math: no process group, no model, testable on its own.
 """
 
@@ -21,7 +26,23 @@ import torch
 
 from miles.algos.losses import MismatchLevel, MismatchMode, aggregate, kl_penalty, mismatch_weights
 from miles.algos.protocols import PolicyLossFn
-from miles.config.schema import AlgoConfig
+from miles.config.schema import AlgoConfig, MilesConfig
+
+
+def mismatch_settings(run: MilesConfig) -> dict[str, object]:
+    """``tis_clip``, ``mismatch_mode``, ``mismatch_level`` for :func:`policy_objective`.
+
+    ``precision.*`` when the precision recipe corrects a mismatch (:func:`~miles.precision.recipe.effective_tis_clip`
+    is set); otherwise, under an async schedule, token-level truncation at ``schedule.behaviour_is_clip``
+    (decoupled PPO's behaviour weight); otherwise off.
+    """
+    from miles.precision.recipe import effective_tis_clip
+
+    p, s = run.precision, run.schedule
+    clip = effective_tis_clip(p)
+    if clip is None and s.name != "sync":
+        return {"tis_clip": s.behaviour_is_clip, "mismatch_mode": "tis", "mismatch_level": "token"}
+    return {"tis_clip": clip, "mismatch_mode": p.mismatch_mode, "mismatch_level": p.mismatch_level}
 
 
 def policy_objective(

@@ -46,7 +46,6 @@ from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
-from miles.precision.recipe import effective_tis_clip
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -55,7 +54,7 @@ from miles.train.batching import (
 )
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
-from miles.train.objective import policy_objective
+from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_multiplier
 from miles.train.rank import init_device_and_group, pad_token_id
 from miles.types import TrainBatch
@@ -190,9 +189,7 @@ class MegatronTrainer(Reusable):
         run = self.run
         return policy_objective(
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
-            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo,
-            tis_clip=effective_tis_clip(run.precision),
-            mismatch_mode=run.precision.mismatch_mode, mismatch_level=run.precision.mismatch_level,
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **mismatch_settings(run),
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
 
     def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:

@@ -1,0 +1,126 @@
+"""``python -m miles.bench async``: the same workload under ``schedule=sync``, ``one_step_off`` and
+``fully_async``, alternating, in one command.
+
+``sync`` runs colocated, engine and trainer taking turns with all ``--threads`` torch threads each;
+``sync_disaggregated`` is the same loop on the async schedules' placement, for the ratio at equal
+cores per phase. The async schedules run disaggregated, the engine and the trainer rank each on its
+own share of the threads (``--threads // 2``, at least 1), since their phases overlap. Every seed
+(``--seeds``) runs the four once, in the order of ``--schedules``, from the same checkpoint (built
+once); a seed draws the same sequence of prompts in every schedule (the procedural tasks draw one
+prompt at a time), though the async schedules train on them in the order their groups finish.
+
+Per run: trained samples per second over steps 1..N (``algo.num_prompts_per_step x
+num_samples_per_prompt`` per step, divided by the sum of ``perf/step_time_s``: rollout or the wait
+for it, train step and weight sync; evaluation excluded; step 1 included: every schedule starts with
+no rollout done), the trainer's busy fraction (``perf/train_s`` over the step time), the share of
+the step spent on the rollout (sync) or waiting for it (async), staleness, the share of trained
+samples whose tokens come from more than one weight version (partial rollouts), and
+``eval/accuracy`` after the run (the same number of trained samples in every schedule).
+
+The last line printed is JSON: per schedule the mean over seeds of throughput, busy fractions and
+eval accuracy (with the standard error over seeds, or over eval prompts with one seed), and
+``ratio_throughput_<schedule>_over_sync`` and ``..._over_sync_disaggregated`` (ratios of those
+means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from typing import Any
+
+from miles.bench.e2e import WORKLOADS, compose
+
+log = logging.getLogger("miles.bench.async")
+
+SCHEDULES = ("sync", "sync_disaggregated", "one_step_off", "fully_async")
+
+WORKLOADS_ASYNC: dict[str, list[str]] = {
+    **WORKLOADS,
+    "count_tiny": ["model=qwen3", "task=count", "algo=grpo", "algo.num_prompts_per_step=16",
+                   "algo.num_samples_per_prompt=8", "rollout.max_new_tokens=64", "task.num_eval_prompts=64"],
+}
+"""``short`` and ``long`` as in ``bench e2e``; ``count_tiny``: the long-output ``count`` task on the tiny model."""
+
+
+def schedule_overrides(schedule: str, threads: int) -> list[str]:
+    """Placement and schedule of one side (see the module docstring)."""
+    if schedule == "sync":
+        return ["schedule=sync", "placement=colocate", f"placement.torch_threads_per_actor={threads}"]
+    half = max(1, threads // 2)
+    name = "sync" if schedule == "sync_disaggregated" else schedule
+    return [f"schedule={name}", "placement=disaggregated", f"placement.torch_threads_per_actor={half}"]
+
+
+def run_one(overrides: list[str]) -> dict[str, Any]:
+    """One job; per-step metrics from the loop, final eval from the job."""
+    from miles.core.run import run_job
+
+    run, resolved = compose(overrides)
+    steps: dict[int, dict[str, float]] = {}
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides,
+                    on_metrics=lambda m, s: steps.__setitem__(s, dict(m)) if s >= 1 else None)
+    later = [m for _, m in sorted(steps.items())]
+    per_step = run.algo.num_prompts_per_step * run.algo.num_samples_per_prompt
+    step_s = sum(m["perf/step_time_s"] for m in later)
+    return {
+        "samples_per_s": per_step * len(later) / step_s,
+        "trainer_busy_frac": sum(m["perf/train_s"] for m in later) / step_s,
+        "rollout_wait_frac": sum(m["perf/rollout_s"] for m in later) / step_s,
+        "staleness_mean": statistics.fmean(m.get("train/staleness_mean", 0.0) for m in later),
+        "partial_rollout_frac": statistics.fmean(m.get("train/partial_rollout_frac", 0.0) for m in later),
+        "stale_dropped_frac": later[-1].get("train/stale_dropped_frac", 0.0),
+        "eval_accuracy": final["eval/accuracy"], "eval_accuracy_se": final["eval/accuracy_se"],
+    }
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, rows in runs.items():
+        acc = [r["eval_accuracy"] for r in rows]
+        out[name] = {k: round(statistics.fmean(r[k] for r in rows), 4) for k in rows[0]} | {
+            "eval_accuracy_se": round(statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1
+                                      else rows[0]["eval_accuracy_se"], 4)}
+    for ref in ("sync", "sync_disaggregated"):
+        for name in runs:
+            if name not in ("sync", ref) and ref in runs:
+                out[f"ratio_throughput_{name}_over_{ref}"] = round(
+                    out[name]["samples_per_s"] / out[ref]["samples_per_s"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.bench async", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS_ASYNC), default="count_tiny")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds; each runs every schedule once")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="order within a seed")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the sync side (split when async)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import ray
+
+    from miles.core.run import build_components
+    from miles.models.checkpoint import ensure_checkpoint
+
+    base = [*WORKLOADS_ASYNC[args.workload], f"trainer.num_steps={args.steps}", "trainer.eval_every=0",
+            "tracking=none"]
+    run, _ = compose(base)
+    parts = build_components(run)
+    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for schedule in args.schedules.split(","):
+            overrides = [*base, f"seed={seed}", f"model.path={checkpoint}",
+                         *schedule_overrides(schedule, args.threads)]
+            log.info("seed %d, %s: %s", seed, schedule, " ".join(overrides))
+            result = run_one(overrides)
+            runs.setdefault(schedule, []).append(result)
+            print("miles.bench async run: " + json.dumps({"seed": seed, "schedule": schedule, **result}), flush=True)
+    print(json.dumps(summarize(runs) | {"workload": args.workload, "steps": args.steps, "threads": args.threads,
+                                        "seeds": args.seeds}), flush=True)
+    return 0
