@@ -47,7 +47,7 @@ def test_three_turns_keep_every_id_and_mask(tok) -> None:
     assert all(snapshots[-1][:len(a)] == a for a in snapshots)
     assert s.loss_mask == [m for ids, m in turns for _ in ids]
     assert s.logprobs[:len(turns[0][0])] == [-0.1] * len(turns[0][0])
-    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if m == 0)
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m == 0)
     # An observation turn closes the assistant turn and opens the next one, as the template does.
     assert tok.decode(turns[1][0]) == "\n<|im_start|>user\n<tool_response>\n0\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert s.weight_version == 3 and s.status is Status.COMPLETED and s.policy_turns == 3

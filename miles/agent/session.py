@@ -115,7 +115,7 @@ class Session:
         self.messages += [dict(m) for m in messages]
         rendered = self._render(self.messages, generation_prompt=True)
         if not rendered.startswith(self._covered):
-            at = next((i for i, (a, b) in enumerate(zip(rendered, self._covered)) if a != b),
+            at = next((i for i, (a, b) in enumerate(zip(rendered, self._covered, strict=False)) if a != b),
                       min(len(rendered), len(self._covered)))
             raise TemplateDriftError(
                 f"the chat template rewrote an earlier turn: at character {at} the session holds "
@@ -142,7 +142,7 @@ class Session:
             expected = expected[:len(ours)] if expected[:len(ours)] == ours else expected
         if expected == ours:
             return None
-        pos = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
+        pos = next((i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b), min(len(ours), len(expected)))
         rel = pos - len(self.prompt_ids)
         turn = 0 if rel < 0 else sum(1 for s in self.turn_starts if s <= rel)
         return Drift(position=pos, turn=turn, session_ids=tuple(ours[pos:pos + 8]),
