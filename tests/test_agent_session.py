@@ -96,3 +96,14 @@ def test_truncated_turn_is_closed_by_the_next_delta(tok) -> None:
     delta = s.add_messages([{"role": "user", "content": "go on"}])
     assert tok.decode(delta).startswith("<|im_end|>\n<|im_start|>user\ngo on")
     assert s.drift() is None
+
+
+def test_drop_last_turn_restores_the_session(tok) -> None:
+    s = Session(tok, [{"role": "user", "content": "q"}])
+    s.add_policy(_result(tok, "1"))
+    before = (list(s.ids), list(s.loss_mask), list(s.messages))
+    first = s.add_messages([{"role": "user", "content": "<tool_response>\n2\n</tool_response>"}])
+    s.drop_last_turn()
+    assert (s.ids, s.loss_mask, s.messages) == before
+    assert s.add_messages([{"role": "user", "content": "<tool_response>\n2\n</tool_response>"}]) == first
+    assert s.drift() is None

@@ -18,15 +18,20 @@ sample whose prompt is exactly the session's ids so far. After each policy turn:
 - a turn without ``<tool_call>`` blocks is the final answer: the session ends (COMPLETED);
 - otherwise the calls run (at most ``max_calls_per_turn``; further ones and malformed ones get an
   error observation), concurrently, each under its tool's deadline, and their results are appended
-  as one ``<tool_response>`` user turn (loss mask 0), unless ``max_turns`` policy turns were taken
-  (the session then ends TRUNCATED) or the next turn would not fit in ``max_context_tokens``.
+  as one ``<tool_response>`` user turn (loss mask 0), unless ``max_turns`` policy turns were taken;
+  the session then ends TRUNCATED, as it does when the tool-response turn plus ``max_new_tokens``
+  would not fit in ``max_context_tokens`` (that turn is then taken back).
 
 The sample's response is everything after the prompt (policy turns with their log-probs and loss
 mask 1, observations with loss mask 0); its ``response_text``, which the reward sees, is the last
 policy turn's text. Per-sample counts go to ``Sample.metadata["counts"]`` and the rollout manager
-sums them into ``rollout/agent/*`` metrics (:func:`miles.agent.metrics.sample_counts`): turns,
-tool calls, calls that succeeded, malformed calls, unknown tools, tool errors and timeouts, template
-drift and refused template rewrites, and the tool-call success rate.
+sums them into ``rollout/agent/*`` metrics (:func:`miles.agent.metrics.sample_counts`): ``turns``
+(policy turns), ``tool_malformed`` (malformed ``<tool_call>`` blocks the policy wrote, in any turn),
+``tool_calls`` (calls whose response the policy got, malformed ones included), ``tool_calls_ok``
+(those that returned without error), ``tool_unknown_tool`` / ``tool_timeout`` / ``tool_raised`` /
+``tool_too_many``, ``template_drift``, ``template_rewrites`` and ``tool_success_rate``
+(``tool_calls_ok / tool_calls``). The calls of a turn at ``max_turns`` are not run; those of a
+turn whose response is taken back (no room) ran but are not counted in ``tool_calls``.
 
 Template drift (see :mod:`miles.agent.session`) is counted per sample; with ``strict_template``
 a drift or a template that rewrites a past turn raises, and the manager records the group as
@@ -89,13 +94,13 @@ class _Loop:
             if result.status is not Status.COMPLETED:
                 break
             calls, outcomes = parse_tool_calls(text)
+            counts["agent/tool_malformed"] += len(outcomes)
             if not calls and not outcomes:
                 break  # the final answer
             if session.policy_turns >= self.max_turns:
                 session.status = Status.TRUNCATED
                 break
             outcomes += await self._call(calls)
-            _count(counts, outcomes)
             try:
                 session.add_messages([tool_response_message(outcomes)])
             except TemplateDriftError:
@@ -104,8 +109,10 @@ class _Loop:
                 counts["agent/template_rewrites"] += 1
                 break
             if self.max_context is not None and len(session.ids) + self.sampling.max_new_tokens > self.max_context:
+                session.drop_last_turn()  # no room for the answer to it: the session ends on the policy's turn
                 session.status = Status.TRUNCATED
                 break
+            _count(counts, outcomes)
             index, turn = result.index, session.policy_turns + 1
             (result,) = await self.ctx.engine_generate(GenerateRequest(
                 request_id=f"{self.ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
@@ -126,10 +133,11 @@ class _Loop:
 
 
 def _count(counts: Counter[str], outcomes: list[ToolOutcome]) -> None:
+    """Calls whose responses the policy got (malformed ones are counted when parsed)."""
     for o in outcomes:
         counts["agent/tool_calls"] += 1
         counts["agent/tool_calls_ok"] += o.error is None
-        if o.error is not None:
+        if o.error not in (None, "malformed"):
             counts[f"agent/tool_{o.error}"] += 1
 
 

@@ -123,12 +123,24 @@ class Session:
                 "ids cannot be appended without re-tokenizing (use a template that keeps past turns as "
                 "they were generated)")
         delta = self._ids(rendered[len(self._covered):])
+        self._covered_before_messages = self._covered
         self.turn_starts.append(len(self.response_ids))
         self.response_ids += delta
         self.logprobs += [0.0] * len(delta)
         self.loss_mask += [0] * len(delta)
         self._covered = rendered
         return delta
+
+    def drop_last_turn(self) -> None:
+        """Remove the last appended turn if it was :meth:`add_messages`' (e.g. it left no room for
+        another policy turn); the session is then as it was before that call."""
+        assert self.turn_starts and self.loss_mask[self.turn_starts[-1]:] and not any(
+            self.loss_mask[self.turn_starts[-1]:]), "the last turn is not an environment turn"
+        start = self.turn_starts.pop()
+        del self.response_ids[start:], self.logprobs[start:], self.loss_mask[start:]
+        while self.messages[-1]["role"] != "assistant":
+            self.messages.pop()
+        self._covered = self._covered_before_messages
 
     # ---- drift -------------------------------------------------------------------------------
 
