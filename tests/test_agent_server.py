@@ -1,0 +1,130 @@
+"""The rollout HTTP server: a real uvicorn server on an ephemeral loopback port over a real engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.agent.server import assistant_message, check_bind, create_app
+from miles.config import ConfigError
+from miles.types import GenerateRequest, SamplingParams
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen3 with the project's BPE tokenizer saved next to it."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from miles.models.tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("server_ckpt")
+    tok = train_tokenizer([f"what is {a} plus {b}? {a + b}" for a in range(20) for b in range(9)], 300)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path):
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from miles.config.schema import PrecisionConfig
+    from miles.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, tok, token=TOKEN), host="127.0.0.1", port=0,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield type("S", (), {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok})
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _post(url: str, body: dict | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bind_needs_a_token_off_loopback() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        check_bind(host, None)
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
+        with pytest.raises(ConfigError, match="needs a token"):
+            check_bind(host, None)
+        check_bind(host, "tok")
+
+
+def test_every_endpoint_checks_the_token(server) -> None:
+    assert _post(f"{server.url}/health", token=None)[0] == 401
+    assert _post(f"{server.url}/health", token="wrong")[0] == 401
+    assert _post(f"{server.url}/generate", {"input_ids": [1, 2]}, token=None)[0] == 401
+    assert _post(f"{server.url}/health") == (200, {"status": "ok", "weight_version": 0})
+
+
+def test_generate_and_chat_completions(server) -> None:
+    prompt = server.tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4?"}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+    code, out = _post(f"{server.url}/generate", {"input_ids": list(prompt), "sampling_params":
+                                                 {"max_new_tokens": 6, "temperature": 1.0, "seed": 3}})
+    assert code == 200 and 1 <= len(out["output_ids"]) <= 6
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    (want,) = server.engine.generate([GenerateRequest(request_id="x", prompt_ids=tuple(prompt), seed=3)],
+                                     SamplingParams(max_new_tokens=6))
+    assert out["output_ids"] == list(want.response_ids)
+    code, chat = _post(f"{server.url}/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "what is 3 plus 4?"}], "max_tokens": 6, "seed": 3})
+    choice = chat["choices"][0]
+    assert code == 200 and choice["prompt_token_ids"] == list(prompt)
+    assert choice["output_token_ids"] == list(want.response_ids)
+    assert choice["message"]["content"] == server.tok.decode(list(want.response_ids), skip_special_tokens=True)
+    assert chat["usage"]["completion_tokens"] == len(want.response_ids)
+    assert _post(f"{server.url}/generate", {"input_ids": []})[0] == 422
+
+
+def test_tool_calls_become_openai_tool_calls() -> None:
+    msg = assistant_message('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>', "r")
+    assert msg["content"] == "ok" and msg["tool_calls"][0]["function"] == {
+        "name": "calculator", "arguments": '{"expression": "1+2"}'}
+    assert assistant_message("<tool_call>{bad}</tool_call>", "r") == {
+        "role": "assistant", "content": "<tool_call>{bad}</tool_call>"}
+
+
+def test_concurrent_requests_get_their_own_answers(server) -> None:
+    """32 concurrent seeded requests of different prompts: each answer equals that request run alone."""
+    prompts = [list(server.tok.encode(f"what is {i} plus {i % 7}?")) for i in range(32)]
+    want = [server.engine.generate([GenerateRequest(request_id=str(i), prompt_ids=tuple(p), seed=100 + i)],
+                                   SamplingParams(max_new_tokens=8))[0].response_ids for i, p in enumerate(prompts)]
+    body = [{"input_ids": p, "sampling_params": {"max_new_tokens": 8, "seed": 100 + i}} for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda b: _post(f"{server.url}/generate", b), body))
+    seconds = time.perf_counter() - t0
+    assert all(code == 200 for code, _ in got)
+    assert [out["output_ids"] for _, out in got] == [list(w) for w in want]
+    print(f"32 concurrent /generate requests in {seconds:.2f} s")
