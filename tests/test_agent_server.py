@@ -128,3 +128,43 @@ def test_concurrent_requests_get_their_own_answers(server) -> None:
     assert all(code == 200 for code, _ in got)
     assert [out["output_ids"] for _, out in got] == [list(w) for w in want]
     print(f"32 concurrent /generate requests in {seconds:.2f} s")
+
+
+def test_an_openai_client_session_is_token_exact(server) -> None:
+    """Three turns through the official openai client (a tool result and a user turn in between):
+    the session's ids are each turn's sampled ids plus the appended messages' ids, byte for byte."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN)
+    messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+    choices = []
+    for turn, follow_up in enumerate([{"role": "tool", "content": "7"}, {"role": "user", "content": "sure?"}, None]):
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=turn,
+                                               extra_body={"session_id": "s1"})
+        choice = reply.choices[0]
+        choices.append(choice.model_extra)
+        messages.append({"role": "assistant", "content": choice.message.content})
+        if follow_up:
+            messages.append(follow_up)
+    code, held = _post(f"{server.url}/sessions/s1")
+    assert code == 200 and held["turns"] == 3
+    full = held["prompt_ids"] + held["response_ids"]
+    assert choices[0]["prompt_token_ids"] == held["prompt_ids"]
+    pos = len(held["prompt_ids"])
+    for k, c in enumerate(choices):
+        assert full[:pos] == c["prompt_token_ids"]  # each turn was sampled from the session so far
+        out = c["output_token_ids"]
+        assert full[pos:pos + len(out)] == out and held["loss_mask"][pos - len(held["prompt_ids"]):][:len(out)] == [1] * len(out)
+        assert held["logprobs"][pos - len(held["prompt_ids"]):][:len(out)] == c["output_logprobs"]
+        pos += len(out)
+        if k + 1 < len(choices):
+            pos = len(choices[k + 1]["prompt_token_ids"])
+    assert pos == len(full) and sum(held["loss_mask"]) == sum(len(c["output_token_ids"]) for c in choices)
+    tool_turn = server.tok.decode(choices[1]["prompt_token_ids"][len(choices[0]["prompt_token_ids"]):])
+    assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in tool_turn
+    # a session only grows: an edited user turn is refused, not re-tokenized
+    messages[0] = {"role": "user", "content": "what is 5 plus 4?"}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages + [{"role": "user", "content": "x"}],
+                                       max_tokens=4, extra_body={"session_id": "s1"})
+    assert refused.value.status_code == 409 and "differs from the session" in refused.value.response.json()["detail"]
+    assert _post(f"{server.url}/sessions/s1")[1]["turns"] == 3

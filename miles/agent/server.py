@@ -11,6 +11,13 @@ Endpoints:
   rendered with the checkpoint's chat template, the reply's ``<tool_call>`` blocks come back as
   OpenAI ``tool_calls`` (``finish_reason`` ``"tool_calls"``), and the choice also carries the token
   ids it was sampled from and as (``prompt_token_ids``, ``output_token_ids``, ``output_logprobs``).
+  With a ``session_id`` in the body (the ``openai`` client: ``extra_body={"session_id": ...}``) the
+  conversation is a :class:`miles.agent.session.Session`: each request repeats the conversation, the
+  server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
+  user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
+  the assistant turns it holds are the sampled ids, whatever text the client sends back for them;
+- ``GET /sessions/{id}``: the session's ``prompt_ids``, ``response_ids``, ``logprobs``, ``loss_mask``
+  (1 on sampled tokens), turns, status and template drift; ``DELETE /sessions/{id}`` forgets it.
 
 Requests that arrive together are sent to the engine as one ``generate`` call (continuous
 batching inside the engine); each response is matched to its request by id.
@@ -32,6 +39,7 @@ import os
 import time
 from typing import Any
 
+from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import parse_tool_calls
 from miles.config.validate import ConfigError
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
@@ -111,6 +119,8 @@ def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
 
     app = FastAPI(title="miles rollout")
     batcher, ids = _Batcher(engine), itertools.count()
+    sessions: dict[str, Session] = {}
+    busy: set[str | None] = set()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
@@ -141,24 +151,90 @@ def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
         if int(body.get("n", 1)) != 1:
             raise HTTPException(422, "n: only 1 is supported")
         extra = {"tools": body["tools"]} if body.get("tools") else {}
+        session_id = body.get("session_id")
+        if session_id is not None and session_id in busy:
+            raise HTTPException(409, f"session {session_id!r} has a request in progress; send its turns one by one")
         try:
-            prompt = tokenizer.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=False, **extra)
-        except Exception as e:
-            raise HTTPException(422, f"messages: the chat template could not render them ({e})") from None
+            if session_id is None:
+                session = Session(tokenizer, chat_messages(body["messages"]), render_kwargs=extra)
+            else:
+                session = sessions.get(session_id) or Session(tokenizer, chat_messages(body["messages"]),
+                                                              render_kwargs=extra)
+                sessions[session_id] = _extend(session, body["messages"])
+        except (TemplateDriftError, ValueError, KeyError, TypeError) as e:
+            raise HTTPException(409 if session_id else 422, f"messages: {e}") from None
+        prompt = list(session.ids)
         rid = f"chatcmpl-{next(ids)}"
-        (r,) = await batcher.generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
-                                                      sampling=_sampling(body, max_key="max_tokens")))
-        message = assistant_message(tokenizer.decode(list(r.response_ids), skip_special_tokens=True), rid)
+        busy.add(session_id)
+        try:
+            (r,) = await batcher.generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
+                                                          sampling=_sampling(body, max_key="max_tokens")))
+        finally:
+            busy.discard(session_id)
+        message = assistant_message(session.add_policy(r), rid)
         finish = "tool_calls" if "tool_calls" in message else _FINISH[r.status]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.get("model", ""),
+                "session_id": session_id,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
                              "prompt_token_ids": list(prompt), "output_token_ids": list(r.response_ids),
                              "output_logprobs": list(r.logprobs)}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(r.response_ids),
                           "total_tokens": len(prompt) + len(r.response_ids)}}
 
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = sessions.get(session_id)
+        if session is None:
+            raise HTTPException(404, f"no session {session_id!r}")
+        drift = session.drift()
+        return {"prompt_ids": session.prompt_ids, "response_ids": session.response_ids,
+                "logprobs": session.logprobs, "loss_mask": session.loss_mask, "turns": session.policy_turns,
+                "status": session.status.value, "weight_version": session.weight_version,
+                "drift": None if drift is None else drift.describe(tokenizer)}
+
+    @app.delete("/sessions/{session_id}")
+    async def end_session(session_id: str) -> dict[str, Any]:
+        return {"ended": sessions.pop(session_id, None) is not None}
+
     return app
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
+    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tools"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tools": "1"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _extend(session: Session, messages: list[dict[str, Any]]) -> Session:
+    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
+
+    The request repeats the conversation: its first messages must be the session's, assistant turns
+    included by position; a non-assistant message that differs, or a conversation that is shorter,
+    is refused (ValueError) rather than silently re-tokenized.
+    """
+    held = session.messages
+    request = chat_messages(messages)
+    if len(request) < len(held):
+        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
+    for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
+        if ours["role"] != theirs["role"] or (ours["role"] != "assistant" and ours["content"] != theirs["content"]):
+            raise ValueError(f"message {k} ({theirs['role']}) differs from the session's; a session only grows")
+    new = request[len(held):]
+    if new:
+        session.add_messages(new)
+    elif held[-1]["role"] == "assistant":
+        raise ValueError("nothing new after the session's last assistant turn")
+    return session
 
 
 def main(argv: list[str] | None = None) -> None:
