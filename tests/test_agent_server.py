@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.agent.server import assistant_message, check_bind, create_app
+from miles.agent.server import assistant_message, check_bind, create_app, engine_backend
 from miles.config import ConfigError
 from miles.types import GenerateRequest, SamplingParams
 
@@ -48,8 +48,9 @@ def server(checkpoint: Path):
 
     engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1)
     tok = AutoTokenizer.from_pretrained(checkpoint)
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, tok, token=TOKEN), host="127.0.0.1", port=0,
-                                        log_level="warning"))
+    generate, version = engine_backend(engine)
+    app = create_app(generate, tok, weight_version=version, token=TOKEN)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -99,6 +100,7 @@ def test_generate_and_chat_completions(server) -> None:
     assert out["output_ids"] == list(want.response_ids)
     code, chat = _post(f"{server.url}/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "what is 3 plus 4?"}], "max_tokens": 6, "seed": 3})
+    assert code == 200, chat
     choice = chat["choices"][0]
     assert code == 200 and choice["prompt_token_ids"] == list(prompt)
     assert choice["output_token_ids"] == list(want.response_ids)

@@ -11,7 +11,8 @@ Endpoints:
   rendered with the checkpoint's chat template, the reply's ``<tool_call>`` blocks come back as
   OpenAI ``tool_calls`` (``finish_reason`` ``"tool_calls"``), and the choice also carries the token
   ids it was sampled from and as (``prompt_token_ids``, ``output_token_ids``, ``output_logprobs``).
-  With a ``session_id`` in the body (the ``openai`` client: ``extra_body={"session_id": ...}``) the
+  With a ``session_id`` in the body (the ``openai`` client: ``extra_body={"session_id": ...}``) or
+  the header ``X-Miles-Session`` (``default_headers`` of the client), the
   conversation is a :class:`miles.agent.session.Session`: each request repeats the conversation, the
   server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
   user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
@@ -37,7 +38,11 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import parse_tool_calls
@@ -45,6 +50,8 @@ from miles.config.validate import ConfigError
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 TOKEN_ENV = "MILES_ROLLOUT_TOKEN"
+SESSION_HEADER = "x-miles-session"
+Generate = Callable[[GenerateRequest, "str | None"], Awaitable[list[GenerateResult]]]
 _FINISH = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort", Status.FAILED: "error"}
 
 
@@ -112,14 +119,24 @@ def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
                            for i, c in enumerate(calls)]}
 
 
-def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
-    """The FastAPI app over ``engine`` (a :class:`miles.backends.RolloutEngine`, called in-process)."""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import JSONResponse
+def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
+    """``(generate, weight_version)`` of :func:`create_app` for an in-process engine (batched calls)."""
+    batcher = _Batcher(engine)
 
+    async def generate(request: GenerateRequest, session_id: str | None) -> list[GenerateResult]:
+        return await batcher.generate(request)
+
+    return generate, engine.weight_version
+
+
+def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[], int] = lambda: -1,
+               token: str | None = None) -> Any:
+    """The FastAPI app. ``generate(request, session_id)`` completes one request (``session_id`` is the
+    chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`)."""
     app = FastAPI(title="miles rollout")
-    batcher, ids = _Batcher(engine), itertools.count()
+    ids = itertools.count()
     sessions: dict[str, Session] = {}
+    app.state.sessions = sessions
     busy: set[str | None] = set()
 
     @app.middleware("http")
@@ -130,16 +147,16 @@ def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "weight_version": engine.weight_version()}
+        return {"status": "ok", "weight_version": weight_version()}
 
     @app.post("/generate")
-    async def generate(body: dict[str, Any]) -> dict[str, Any]:
+    async def generate_ids(body: dict[str, Any]) -> dict[str, Any]:
         input_ids = body.get("input_ids")
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise HTTPException(422, "input_ids: a non-empty list of token ids is required")
         sampling = _sampling(body.get("sampling_params", {}), max_key="max_new_tokens")
-        (r,) = await batcher.generate(GenerateRequest(request_id=f"gen-{next(ids)}", prompt_ids=tuple(input_ids),
-                                                      sampling=sampling))
+        (r,) = await generate(GenerateRequest(request_id=f"gen-{next(ids)}", prompt_ids=tuple(input_ids),
+                                              sampling=sampling), None)
         return {"output_ids": list(r.response_ids),
                 "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
                 "meta_info": {"output_token_logprobs": list(r.logprobs), "finish_reason": r.finish_reason or
@@ -147,11 +164,11 @@ def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
                               "prompt_tokens": len(input_ids), "completion_tokens": len(r.response_ids)}}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
         if int(body.get("n", 1)) != 1:
             raise HTTPException(422, "n: only 1 is supported")
         extra = {"tools": body["tools"]} if body.get("tools") else {}
-        session_id = body.get("session_id")
+        session_id = body.get("session_id") or request.headers.get(SESSION_HEADER)
         if session_id is not None and session_id in busy:
             raise HTTPException(409, f"session {session_id!r} has a request in progress; send its turns one by one")
         try:
@@ -167,8 +184,8 @@ def create_app(engine: Any, tokenizer: Any, *, token: str | None = None) -> Any:
         rid = f"chatcmpl-{next(ids)}"
         busy.add(session_id)
         try:
-            (r,) = await batcher.generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
-                                                          sampling=_sampling(body, max_key="max_tokens")))
+            (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
+                                                  sampling=_sampling(body, max_key="max_tokens")), session_id)
         finally:
             busy.discard(session_id)
         message = assistant_message(session.add_policy(r), rid)
@@ -252,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)
-    engine = TorchEngine(args.checkpoint, PrecisionConfig())
-    app = create_app(engine, AutoTokenizer.from_pretrained(args.checkpoint), token=token)
+    generate, version = engine_backend(TorchEngine(args.checkpoint, PrecisionConfig()))
+    app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
