@@ -146,3 +146,39 @@ def _calculator_text(arguments: dict) -> str:
         return Calculator()(arguments)
     except Exception as e:
         return f"error: {type(e).__name__}: {e}"
+
+
+def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_sampled(built) -> None:
+    """examples/openai_agent.py through the rollout server: every span the loss trains on is one
+    engine result, sampled from exactly the ids before it; the agent's tool results have mask 0."""
+    pytest.importorskip("openai")
+    from examples.openai_agent import solve
+
+    from miles.agent.openai_rollout import openai_agent
+
+    recorder = Recorder(built.engine)
+    problem = built.task.sample(1, random.Random(5))[0]
+    fn = functools.partial(openai_agent, agent=functools.partial(solve, max_turns=2))
+    samples = asyncio.run(fn(_ctx(built, recorder, n=3), problem, SamplingParams(temperature=1.0, max_new_tokens=48)))
+    check_group(samples, n=3, group_id=5, who="openai_agent")
+    calls = {(tuple(q.prompt_ids), tuple(r.response_ids)): r for q, (r,) in recorder.calls}
+    assert len({q.seed for q, _ in recorder.calls}) == len(recorder.calls)  # samples do not share seeds
+    spans = 0
+    for s in samples:
+        full, start = s.prompt_ids + s.response_ids, len(s.prompt_ids)
+        i = 0
+        while i < len(s.loss_mask):
+            j = i
+            while j < len(s.loss_mask) and s.loss_mask[j] == s.loss_mask[i]:
+                j += 1
+            if s.loss_mask[i] == 1:
+                # an engine call sampled these ids from exactly the session before them
+                result = calls[(tuple(full[:start + i]), tuple(s.response_ids[i:j]))]
+                assert s.rollout_logprobs[i:j] == list(result.logprobs)
+                spans += 1
+            else:
+                assert "<tool_response>" in built.tokenizer.decode(s.response_ids[i:j])
+            i = j
+        assert s.metadata["counts"]["agent/turns"] == sum(
+            1 for k in range(len(s.loss_mask)) if s.loss_mask[k] == 1 and (k == 0 or s.loss_mask[k - 1] == 0))
+    assert spans == len(recorder.calls) and spans > 3  # the warm-started model called the tool: 2 replies each

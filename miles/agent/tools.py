@@ -118,7 +118,7 @@ async def run_call(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
         return ToolOutcome(name=call.name, text=f"error: unknown tool {call.name!r} (tools: {known})",
                            error="unknown_tool")
     try:
-        text = await asyncio.wait_for(_in_daemon_thread(tool, dict(call.arguments)), timeout=tool.timeout_s)
+        text = await asyncio.wait_for(run_in_daemon_thread(tool, dict(call.arguments)), timeout=tool.timeout_s)
     except TimeoutError:
         return ToolOutcome(name=call.name, text=f"error: {call.name} did not answer within {tool.timeout_s:g} s",
                            error="timeout")
@@ -127,7 +127,7 @@ async def run_call(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
     return ToolOutcome(name=call.name, text=str(text))
 
 
-def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
+def run_in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
     """``fn(*args)`` in a new daemon thread: a call that never returns keeps only its thread, and
     neither the event loop's shutdown nor the interpreter's exit waits for it."""
     loop = asyncio.get_running_loop()
