@@ -83,10 +83,10 @@ def test_a_template_that_rewrites_past_turns_is_refused(tok) -> None:
     s.add_policy(_result(rewriting, "plain"))
     s.add_messages([{"role": "user", "content": "more"}])  # nothing to rewrite: fine
     s.add_policy(_result(rewriting, "<think>ab</think>1"))
-    before = list(s.ids)
+    before = (list(s.ids), list(s.messages))
     with pytest.raises(TemplateDriftError, match="rewrote an earlier turn"):
         s.add_messages([{"role": "user", "content": "again"}])
-    assert s.ids == before
+    assert (s.ids, s.messages) == before  # refused: nothing appended
 
 
 def test_truncated_turn_is_closed_by_the_next_delta(tok) -> None:

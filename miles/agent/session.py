@@ -112,8 +112,8 @@ class Session:
         does not start with the text the session already covers (the template rewrote an earlier
         turn), since no delta then exists.
         """
-        self.messages += [dict(m) for m in messages]
-        rendered = self._render(self.messages, generation_prompt=True)
+        extended = self.messages + [dict(m) for m in messages]
+        rendered = self._render(extended, generation_prompt=True)
         if not rendered.startswith(self._covered):
             at = next((i for i, (a, b) in enumerate(zip(rendered, self._covered, strict=False)) if a != b),
                       min(len(rendered), len(self._covered)))
@@ -122,6 +122,7 @@ class Session:
                 f"{self._covered[at:at + 40]!r} but the template renders {rendered[at:at + 40]!r}; "
                 "ids cannot be appended without re-tokenizing (use a template that keeps past turns as "
                 "they were generated)")
+        self.messages = extended
         delta = self._ids(rendered[len(self._covered):])
         self._covered_before_messages = self._covered
         self.turn_starts.append(len(self.response_ids))
