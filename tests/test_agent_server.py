@@ -170,3 +170,14 @@ def test_an_openai_client_session_is_token_exact(server) -> None:
                                        max_tokens=4, extra_body={"session_id": "s1"})
     assert refused.value.status_code == 409 and "differs from the session" in refused.value.response.json()["detail"]
     assert _post(f"{server.url}/sessions/s1")[1]["turns"] == 3
+
+
+def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MILES_ROLLOUT_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "miles", "rollout", str(checkpoint), "--host", "0.0.0.0"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "needs a token" in out.stderr

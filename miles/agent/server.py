@@ -1,4 +1,6 @@
-"""``python -m miles.agent.server CHECKPOINT``: a rollout engine over HTTP (FastAPI + uvicorn).
+"""``miles rollout CHECKPOINT [--host H] [--port P]``: a rollout engine over HTTP (FastAPI + uvicorn).
+
+(``python -m miles.agent.server`` is the same command.)
 
 Endpoints:
 
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     from miles.config.schema import PrecisionConfig
     from miles.rollout.torch_engine import TorchEngine
 
-    parser = argparse.ArgumentParser(prog="python -m miles.agent.server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="miles rollout", description="Serve a checkpoint's engine over HTTP.")
     parser.add_argument("checkpoint")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
