@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_three_turns_keep_every_id_and_mask(tok) -> None:
     assert s.prompt_ids == list(prompt)
     turns, snapshots = [], []
     for i, text in enumerate(['<tool_call>{"name": "calculator"}</tool_call>', "<tool_call>{}</tool_call>", "56088"]):
-        r = _result(tok, text, logprob=-0.1 * (i + 1))
+        r = replace(_result(tok, text, logprob=-0.1 * (i + 1)), weight_version=[4, 3, 5][i])
         assert s.add_policy(r) == text
         turns.append((list(r.response_ids), 1))
         if i < 2:
@@ -50,7 +51,7 @@ def test_three_turns_keep_every_id_and_mask(tok) -> None:
     assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m == 0)
     # An observation turn closes the assistant turn and opens the next one, as the template does.
     assert tok.decode(turns[1][0]) == "\n<|im_start|>user\n<tool_response>\n0\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert s.weight_version == 3 and s.status is Status.COMPLETED and s.policy_turns == 3
+    assert s.weight_version == 3 and s.status is Status.COMPLETED and s.policy_turns == 3  # the oldest turn's
     assert s.drift() is None and s.finish() is None
 
 

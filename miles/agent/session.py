@@ -91,13 +91,16 @@ class Session:
 
     def add_policy(self, result: GenerateResult) -> str:
         """Append one engine response (ids, log-probs, loss mask 1); returns its text (special
-        tokens skipped). The response's status becomes the session's status."""
+        tokens skipped). The response's status becomes the session's status; the session's
+        ``weight_version`` is the oldest of its turns' (what bounds its staleness)."""
         assert len(result.response_ids) == len(result.logprobs), "engine result with mismatched log-probs"
         self.turn_starts.append(len(self.response_ids))
         self.response_ids += result.response_ids
         self.logprobs += result.logprobs
         self.loss_mask += [1] * len(result.response_ids)
-        self.status, self.weight_version = result.status, result.weight_version
+        self.status = result.status
+        self.weight_version = (result.weight_version if self.policy_turns == 0
+                               else min(self.weight_version, result.weight_version))
         self.policy_turns += 1
         text = self.tokenizer.decode(list(result.response_ids), skip_special_tokens=True)
         raw = self.tokenizer.decode(list(result.response_ids), skip_special_tokens=False)
@@ -110,7 +113,7 @@ class Session:
 
         Returns the appended ids. Raises :class:`TemplateDriftError` when the rendered conversation
         does not start with the text the session already covers (the template rewrote an earlier
-        turn), since no delta then exists.
+        turn), since no delta then exists; nothing is appended then.
         """
         extended = self.messages + [dict(m) for m in messages]
         rendered = self._render(extended, generation_prompt=True)
