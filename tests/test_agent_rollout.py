@@ -27,7 +27,8 @@ WARM_START = {"steps": 100, "batch_size": 32}  # enough for the tiny model to wr
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """The tool task's checkpoint: its tokenizer and a tiny Qwen3 warm-started on tool calls."""
+    """The tool task's checkpoint: its tokenizer and a tiny Qwen3 warm-started on first turns only (the
+    tool call), so after a tool response it calls again: sessions reach 3 turns."""
     from transformers import AutoTokenizer
 
     from miles.config.schema import PrecisionConfig
@@ -35,7 +36,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rollout.torch_engine import TorchEngine
 
-    run = validate({"task": {"name": "arithmetic_tools", "source": {"_target_": TASK.target}},
+    run = validate({"task": {"name": "arithmetic_tools",
+                             "source": {"_target_": TASK.target, "second_turn_fraction": 0.0}},
                     "warm_start": WARM_START | {"cache_dir": str(tmp_path_factory.getbasetemp() / "agent_ckpt")}})
     parts = build_components(run)
     path = ensure_checkpoint(run, parts["spec"], parts["task"])

@@ -108,3 +108,21 @@ def test_drop_last_turn_restores_the_session(tok) -> None:
     assert (s.ids, s.loss_mask, s.messages) == before
     assert s.add_messages([{"role": "user", "content": "<tool_response>\n2\n</tool_response>"}]) == first
     assert s.drift() is None
+
+
+def test_second_turn_warm_start_prompts_render_as_the_session_does() -> None:
+    """The tool task's second-turn examples: their rendered prompt is the session's ids at that turn."""
+    import random
+
+    from miles.agent.tasks import CalculatorArithmeticTask
+    from miles.agent.tools import ToolOutcome, tool_response_message
+    from miles.models.tokenizer import encode_prompt
+
+    task = CalculatorArithmeticTask(second_turn_fraction=1.0)
+    tok = train_tokenizer(task.corpus(), 400)
+    (prompt, answer), = task.sft_examples(1, random.Random(0))
+    problem = next(p for p in task.sample(50, random.Random(0)) if prompt.startswith(p.prompt + "<|im_end|>"))
+    s = Session(tok, [{"role": "user", "content": problem.prompt}])
+    s.add_policy(_result(tok, task.reference_response(problem)))
+    s.add_messages([tool_response_message([ToolOutcome(name="calculator", text=problem.label)])])
+    assert encode_prompt(tok, prompt) == s.ids and answer == problem.label
