@@ -69,7 +69,11 @@ def _post(url: str, body: dict | None = None, token: str | None = TOKEN) -> tupl
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except json.JSONDecodeError:  # an unhandled server error is plain text
+            return e.code, {"text": text.decode()}
 
 
 def test_bind_needs_a_token_off_loopback() -> None:
@@ -181,3 +185,17 @@ def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -
     out = subprocess.run([sys.executable, "-m", "miles", "rollout", str(checkpoint), "--host", "0.0.0.0"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and "needs a token" in out.stderr
+
+
+def test_a_failed_turn_retried_does_not_duplicate_tokens(server) -> None:
+    """The engine refuses the first attempt (context past max_position_embeddings); the retry of the
+    same turn samples from the same ids, and the session holds the prompt and one reply."""
+    messages = [{"role": "user", "content": "what is 1 plus 2?"}]
+    headers_body = {"model": "tiny", "messages": messages, "session_id": "retry"}
+    code, _ = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 1000})
+    assert code == 500
+    code, out = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 5, "seed": 1})
+    assert code == 200
+    held = _post(f"{server.url}/sessions/retry")[1]
+    assert held["turns"] == 1 and held["prompt_ids"] == out["choices"][0]["prompt_token_ids"]
+    assert held["response_ids"] == out["choices"][0]["output_token_ids"] and all(held["loss_mask"])
