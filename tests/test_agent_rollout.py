@@ -155,7 +155,6 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
     engine result, sampled from exactly the ids before it; the agent's tool results have mask 0."""
     pytest.importorskip("openai")
     from examples.openai_agent import solve
-
     from miles.agent.openai_rollout import openai_agent
 
     recorder = Recorder(built.engine)
