@@ -68,6 +68,7 @@ class GenerateResult:
     finish_reason: str = ""  # "eos", "stop_token", "stop_string", "length" or "abort"
     top_logprobs: tuple | None = None  # per token: ((token_id, logprob), ...) most likely first
     routing: Any = field(default=None, compare=False)  # MoE: int16 tensor [T, moe_layers, top_k]
+    prompt_routing: Any = field(default=None, compare=False)  # MoE: int16 [P - 1, moe_layers, top_k]
 
 
 @dataclass(kw_only=True)
@@ -89,6 +90,10 @@ class Sample:
     failure: str | None = None  # why generation or reward failed (status FAILED)
     metadata: dict[str, Any] = field(default_factory=dict)
     filtered: str | None = None  # why a sample filter dropped this sample's group (kept only to fill the batch)
+    routing: Any = None
+    """MoE routes the engine chose: int16 tensor [P + T - 1, moe_layers, top_k], one row per input position
+    0 .. P + T - 2 of the forward over prompt + response (every position whose output is scored); None
+    when the engine did not capture routing."""
 
     @property
     def trainable(self) -> bool:
@@ -110,6 +115,8 @@ class TrainBatch:
     advantages: list[float]
     token_advantages: list[list[float]] | None = None
     """Per response token advantages (PPO/GAE); when set they replace ``advantages`` broadcast over tokens."""
+    routing: list[Any] | None = None
+    """Per sample :attr:`Sample.routing` (MoE routes of the rollout), when every sample has them."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -129,6 +136,7 @@ class TrainBatch:
             rollout_logprobs=[s.rollout_logprobs for s in samples],
             loss_mask=[s.loss_mask for s in samples],
             advantages=[s.advantage for s in samples],
+            routing=[s.routing for s in samples] if samples and all(s.routing is not None for s in samples) else None,
         )
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:

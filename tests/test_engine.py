@@ -13,7 +13,7 @@ import torch
 
 from miles.algos.logprobs import token_logprobs
 from miles.config.schema import PrecisionConfig
-from miles.precision.fp8 import apply_rollout_quant, is_quantized_weight
+from miles.precision.recipe import apply_rollout_quant, is_quantized_weight
 from miles.rollout.torch_engine import TorchEngine
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 

@@ -9,12 +9,11 @@ from miles.config.schema import PrecisionConfig
 from miles.precision.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
-    apply_rollout_quant,
     dequantize_fp8_blockwise,
     fake_quantize_fp8_blockwise,
-    is_quantized_weight,
     quantize_fp8_blockwise,
 )
+from miles.precision.recipe import apply_rollout_quant, is_quantized_weight
 
 FP32_SLACK = 1e-6  # fp32 rounding of w / s and q * s, relative
 
@@ -165,5 +164,5 @@ def test_apply_rollout_quant_module_matches_state_dict_and_none_is_noop(tiny_qwe
     expected = apply_rollout_quant(sd, fp8)
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k]), k
-    with pytest.raises(ValueError, match="rollout_quant"):
-        apply_rollout_quant(sd, PrecisionConfig(rollout_quant="int4"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weight format .fp4_bogus. is not supported"):
+        apply_rollout_quant(sd, PrecisionConfig(rollout_quant="fp4_bogus"))  # type: ignore[arg-type]

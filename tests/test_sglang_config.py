@@ -25,8 +25,8 @@ def _run(*overrides: str):
 
 
 def test_rollout_sglang_resolves_to_the_engine_with_every_shipped_knob() -> None:
-    b = backends(_run("placement.offload_engines=false"))
-    assert b.engine is SGLangEngine
+    b = backends(_run())  # placement.offload_engines=null: the CPU engine cannot release memory, so it keeps it
+    assert b.engine is SGLangEngine and not b.offload
     assert {"python", "max_total_tokens", "radix_cache", "health_timeout_s"} <= set(b.engine_kwargs)
 
 
@@ -34,7 +34,7 @@ def test_offloading_engines_on_sglang_fail_before_ray_with_what_to_set() -> None
     with pytest.raises(ConfigError, match=r"placement.offload_engines=true, but rollout.engine .*SGLangEngine has no "
                                           r"release_memory\(\) / resume_memory\(\). Set placement.offload_engines="
                                           r"false .*on a GPU, .*SGLangOffloadingEngine"):
-        backends(_run())
+        backends(_run("placement.offload_engines=true"))
     check_engine_class(SGLangOffloadingEngine, offload=True)  # the GPU class has them
 
 

@@ -76,10 +76,16 @@ def _check_init(cls: type, names: tuple[str, ...] | list[str], key: str, what: s
                           f"{what}; accept them (or **kwargs)")
 
 
+def can_offload(cls: Any) -> bool:
+    """Whether an engine class can release and resume its memory (``placement.offload_engines``)."""
+    return all(callable(getattr(cls, m, None)) for m in ("release_memory", "resume_memory"))
+
+
 def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: bool = False,
-                       key: str = "rollout.engine") -> None:
+                       key: str = "rollout.engine", run: Any = None) -> None:
     """An engine class the driver can use: the Protocol's methods, a constructor taking the driver's
-    arguments and the config's, and ``release_memory`` / ``resume_memory`` when ``offload``."""
+    arguments and the config's, ``release_memory`` / ``resume_memory`` when ``offload``, and, given
+    ``run``, the class's own ``check_config(run)`` when it has one."""
     _check_methods(cls, RolloutEngine, f"{key}._target_")
     shadow = sorted(set(kwargs) & set(ENGINE_INIT_ARGS))
     if shadow:
@@ -94,6 +100,9 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
             raise ConfigError(
                 f"placement.offload_engines=true, but {key} {_name(cls)} has no {' / '.join(m + '()' for m in lacking)}. "
                 f"Set placement.offload_engines=false or use an engine that can offload.{' ' + hint if hint else ''}")
+    check = getattr(cls, "check_config", None)
+    if run is not None and callable(check):
+        check(run)
 
 
 def check_trainer_class(cls: Any, run: Any, *, key: str = "trainer._target_") -> None:

@@ -25,7 +25,7 @@ request is exactly ``--max-new-tokens`` long on every side.
   ``max_batch_size = batch size`` slots, all requests in one ``generate`` call (not via Ray).
 - sglang (``--engine sglang``, needs ``scripts/setup_sglang.sh``): one in-process
   :class:`~miles.rollout.sglang_engine.SGLangEngine`, a real SGLang server started anew for each batch
-  size with ``max_running_requests = batch size`` (the start is not timed), all requests in one
+  size with ``max_batch_size = batch size`` (the start is not timed), all requests in one
   ``generate`` call (one HTTP request), same dtype (fp32) and thread count. Its sampling draws from the
   server's generator, not per request, so its lengths follow the same distribution but not the same
   draws.
@@ -118,7 +118,7 @@ def _engine(kind: str, path: Path, batch_size: int, threads: int) -> Any:
     if kind == "sglang":
         from miles.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(str(path), PrecisionConfig(), num_threads=threads, max_running_requests=batch_size,
+        return SGLangEngine(str(path), PrecisionConfig(), num_threads=threads, max_batch_size=batch_size,
                             max_total_tokens=max(8192, batch_size * 256))
     from miles.rollout.torch_engine import TorchEngine
 

@@ -123,6 +123,11 @@ class AlgoConfig:
     """DAPO dynamic sampling: groups whose rewards are all equal are dropped and replaced by fresh prompts
     (:func:`miles.rollout.filters.nonzero_reward_std` ahead of ``rollout.filters``; over-sampling up to
     ``rollout.max_oversample_rounds``)."""
+    routing_replay: Literal["rollout", "off"] = "off"
+    """MoE rollout routing replay (R3): ``rollout`` makes the trainer's forward send every token to the
+    experts the engine chose (gate weights still from the trainer's router; :mod:`miles.train.routing_replay`)
+    and has the engines record them (``capture_routing``); torch engine and FSDP trainer, MoE models
+    only; turns off ``trainer.shared_prompt_forward``. ``off``: the trainer routes by itself."""
 
 
 @dataclass(**_frozen)
@@ -156,12 +161,27 @@ class PrecisionConfig:
     """Compute dtype of the trainer (master weights and optimizer stay fp32)."""
     rollout_dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the rollout engine."""
-    rollout_quant: Literal["none", "fp8_block"] = "none"
-    """Quantization applied to weights each time they reach the engine."""
+    rollout_quant: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
+    """Format the engine's weights are fake-quantized to each time weights reach it
+    (:mod:`miles.precision.recipe`); only the torch engine supports formats other than ``none``."""
+    train_quant: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
+    """Format the trainer's forward computes with, gradients straight through to the fp32 master
+    weights (quantization-aware training); ``none`` or the same as ``rollout_quant``; FSDP trainer only."""
     quant_block_size: int = 128
-    """Block edge of block-wise weight quantization (128 x 128 blocks)."""
+    """Block of the weight format: tile edge of ``fp8_block`` (128 x 128 tiles), group size of ``int4``;
+    must be 32 for ``mxfp8`` and 16 for ``nvfp4`` (fixed by those formats)."""
     tis_clip: float | None = None
-    """Mismatch correction threshold C on exp(train_logp - rollout_logp), for both modes; None disables."""
+    """Mismatch correction threshold C on exp(train_logp - rollout_logp), for both modes; null: 2.0
+    when correction is on (see ``mismatch_correction``)."""
+    mismatch_correction: Literal["auto", "on", "off"] = "auto"
+    """``auto``: correct (TIS / MIS with ``tis_clip``) when rollout and training dtypes or weight formats
+    differ, and whenever ``tis_clip`` is set; ``on``: always; ``off``: never (``tis_clip`` is ignored, and a run
+    whose numerics differ logs a warning)."""
+    true_on_policy: bool = False
+    """Engine and trainer compute every sequence with one forward at a fixed padded length (prompt +
+    ``rollout.max_new_tokens``), so rollout and recomputed log-probs are bitwise equal
+    (:mod:`miles.precision.on_policy`); torch engine (no KV cache: one forward per generated token) and
+    FSDP trainer (one forward per sequence) only, same dtype and weight format on both sides, dense models."""
     mismatch_mode: Literal["tis", "mis"] = "tis"
     """Ratios above tis_clip are truncated to it (tis) or their tokens / sequences dropped (mis)."""
     mismatch_level: Literal["token", "sequence"] = "token"
@@ -193,8 +213,10 @@ class PlacementConfig:
     """Custom Ray resources per engine bundle, e.g. ``{node2: 1}`` (colocate: added to each shared bundle)."""
     trainer_resources: Mapping[str, float] | None = None
     """Custom Ray resources per trainer-rank bundle (colocate: added to each shared bundle)."""
-    offload_engines: bool = True
-    """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated."""
+    offload_engines: bool | None = None
+    """colocate: engines release memory (KV cache, weights) while the trainer trains; ignored by disaggregated.
+    ``None``: when the engine class can (``release_memory`` / ``resume_memory``; the torch engine can, SGLang's
+    CPU engine cannot); ``true`` with an engine that cannot is a config error."""
     torch_threads_per_actor: int = 0
     """torch threads in each actor; 0: colocate splits the CPUs among actors busy at once, disaggregated uses the actor's own bundle."""
     huge_pages: bool = True

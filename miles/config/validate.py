@@ -105,6 +105,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):  # YAML 1.1 reads a bare on / off as a bool
+            value = "on" if value else "off"
         if value not in args:
             shown = [str(a) for a in args]
             raise ConfigError(
@@ -203,9 +205,40 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+    _check_precision(run)
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)
     _check_hooks(run)
+
+
+FIXED_QUANT_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+"""Weight formats whose block size the format fixes (:mod:`miles.precision.mx`, :mod:`miles.precision.nvfp4`)."""
+
+
+def _check_precision(run: MilesConfig) -> None:
+    """Weight formats that fit together: the trainer trains through the rollout's format or none, and
+    formats with a fixed block get that block."""
+    p = run.precision
+    if p.train_quant not in ("none", p.rollout_quant):
+        raise ConfigError(
+            f"precision.train_quant={p.train_quant} with precision.rollout_quant={p.rollout_quant}: the trainer "
+            "trains through the format the engine serves (quantization-aware training) or none; set "
+            f"precision.train_quant to {p.rollout_quant} or none")
+    if p.true_on_policy:
+        if p.rollout_dtype != p.train_dtype or p.rollout_quant != p.train_quant:
+            raise ConfigError(
+                f"precision.true_on_policy=true needs the same numerics on both sides; found rollout "
+                f"{p.rollout_dtype} / {p.rollout_quant} and training {p.train_dtype} / {p.train_quant} (precision=fp32 "
+                "or bf16 have them)")
+        if run.rollout.top_p < 1.0 or run.rollout.top_k > 0:
+            raise ConfigError(
+                f"precision.true_on_policy=true samples from the full distribution; found rollout.top_p="
+                f"{run.rollout.top_p}, rollout.top_k={run.rollout.top_k} (set 1.0 and 0)")
+    fixed, fmt = FIXED_QUANT_BLOCK, p.rollout_quant
+    if fmt in fixed and p.quant_block_size != fixed[fmt]:
+        raise ConfigError(
+            f"precision.quant_block_size={p.quant_block_size} with precision.rollout_quant={fmt}: {fmt} blocks are "
+            f"{fixed[fmt]} elements by definition; set precision.quant_block_size={fixed[fmt]} (precision={fmt} does)")
 
 
 def _check_checkpointing(run: MilesConfig) -> None:

@@ -115,6 +115,8 @@ class Backends:
     engine_kwargs: Mapping[str, Any]
     trainer: type
     critic: type | None
+    offload: bool = False
+    """colocate: whether the engines release their memory while the trainer trains."""
 
 
 def backends(run: MilesConfig) -> Backends:
@@ -124,22 +126,40 @@ def backends(run: MilesConfig) -> Backends:
     its Protocol (:mod:`miles.backends.contract`): a class that cannot serve raises :class:`ConfigError`
     before any actor starts.
     """
-    from miles.backends.contract import check_critic_class, check_engine_class, check_trainer_class
+    from miles.backends.contract import (
+        can_offload,
+        check_critic_class,
+        check_engine_class,
+        check_trainer_class,
+    )
 
     node, allow = run.rollout.engine, run.plugins.allow
     for key, target in (("rollout.engine._target_", node.target), ("trainer._target_", run.trainer.target),
                         ("algo.critic._target_", run.algo.critic.target)):
         check_allowed(target, allow, key=key)
     engine = locate(node.target)
-    check_engine_class(engine, kwargs=node.kwargs,
-                       offload=run.placement.name == "colocate" and run.placement.offload_engines)
+    p = run.placement
+    offload = p.name == "colocate" and (can_offload(engine) if p.offload_engines is None else p.offload_engines)
+    if p.name == "colocate" and p.offload_engines is None and not offload:
+        log.info("placement.offload_engines=null: %s cannot release memory, so engines keep it while the "
+                 "trainer trains", node.target)
+    check_engine_class(engine, kwargs=engine_kwargs(run), offload=offload, run=run)
     trainer = locate(run.trainer.target)
     check_trainer_class(trainer, run)
     critic = None
     if run.algo.estimator == "gae":
         critic = locate(run.algo.critic.target)
         check_critic_class(critic)
-    return Backends(engine=engine, engine_kwargs=dict(node.kwargs), trainer=trainer, critic=critic)
+    return Backends(engine=engine, engine_kwargs=engine_kwargs(run), trainer=trainer, critic=critic, offload=offload)
+
+
+def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
+    """The ``rollout.engine`` node's keyword arguments, with ``capture_routing=True`` when
+    ``algo.routing_replay=rollout`` (the trainer replays what the engines record; this wins over the node)."""
+    kwargs = dict(run.rollout.engine.kwargs)
+    if run.algo.routing_replay == "rollout":
+        kwargs["capture_routing"] = True
+    return kwargs
 
 
 def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
@@ -199,7 +219,7 @@ def create_actors(run: MilesConfig, checkpoint_dir: str) -> Actors:
         critics = [critic_cls.options(**on_bundle(trainer_pg, r, 0, trainer_threads, critic_gpus)).remote(**kw)
                    for r, kw in enumerate(args.critics)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, engine_threads=engine_threads,
-                    trainer_threads=trainer_threads, offload=p.name == "colocate" and p.offload_engines,
+                    trainer_threads=trainer_threads, offload=classes.offload,
                     critics=critics)
     try:
         # surface construction errors now, with the actor's traceback
@@ -224,7 +244,7 @@ def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: Placeme
     """What each actor is constructed with, for new actors and reused ones alike."""
     p, dev = run.placement, device(run)
     engines = [((checkpoint_dir, run.precision),
-                dict(run.rollout.engine.kwargs, seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
+                dict(engine_kwargs(run), seed=run.seed + 1000 * i, num_threads=engine_threads, engine_id=i,
                      device=dev))
                for i in range(p.num_engines)]
 

@@ -63,11 +63,22 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
             "default) holds the tiny model's settings (trainer.lr=5e-4, rollout.max_new_tokens=8). Add "
             "experiment=none and set trainer.lr, rollout.max_new_tokens and the batch sizes for it, or use a "
             "preset made for it (e.g. experiment=smollm2_grpo).")
+    if run.precision.true_on_policy and spec.is_moe:
+        raise ConfigError(f"precision.true_on_policy=true: {spec.name} is an MoE model, whose per-expert GEMMs change "
+                          "shape with the tokens routed to them, so engine and trainer cannot match bit for bit "
+                          "(tests/test_true_on_policy.py); use a dense model, or algo.routing_replay=rollout")
+    if run.algo.routing_replay != "off" and not spec.is_moe:
+        raise ConfigError(f"algo.routing_replay={run.algo.routing_replay}: {spec.name} is a dense model (no MoE "
+                          "routers to replay); use model=qwen3_moe or algo.routing_replay=off")
     parts["backends"] = backends(run)
     from miles.hooks import build_hooks
 
     parts["hooks"] = build_hooks(run, parts["task"])
     check_rollout_config(run.rollout)
+    from miles.precision.recipe import mismatch_warning
+
+    if (warning := mismatch_warning(run.precision)) is not None:
+        log.warning(warning)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
     # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts
     from miles.algos.protocols import check_advantage_fn, check_policy_loss_fn

@@ -27,19 +27,14 @@ scale reproduces zeros; 1 avoids dividing by zero).
 
 The rollout engine computes with :func:`fake_quantize_fp8_blockwise` weights
 (quantize then dequantize into the engine dtype): the numbers an FP8 GEMM
-would see, without needing FP8 kernels on CPU. :func:`apply_rollout_quant`
-decides which weights are quantized; see its docstring.
+would see, without needing FP8 kernels on CPU. Which weights are quantized is
+decided in :mod:`miles.precision.recipe` (``is_quantized_weight``).
 """
 
 from __future__ import annotations
 
-import re
-from typing import TypeVar
-
 import torch
 from torch import Tensor, nn
-
-from miles.config.schema import PrecisionConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -107,54 +102,3 @@ def fake_quantize_fp8_blockwise(w: Tensor, block: int = 128, dtype: torch.dtype 
     """
     q, scales = quantize_fp8_blockwise(w, block)
     return dequantize_fp8_blockwise(q, scales, block, dtype or w.dtype)
-
-
-# Which weights the rollout recipe quantizes. Following DeepSeek-V3 (section 3.3.1:
-# embedding, output head, MoE gating, normalization and attention operators stay in
-# higher precision), only the GEMM weights of linear layers are FP8:
-#   * 2-D ``*.weight`` of linear layers (attention q/k/v/o, dense MLP projections);
-#   * fused MoE expert tensors of transformers 5 (``*.experts.gate_up_proj`` /
-#     ``*.experts.down_proj``, 3-D [E, out, in]), quantized per expert;
-# and never the token embedding, the LM head, norms (1-D anyway), or the MoE
-# router ``*.mlp.gate.weight`` (tiny, and its top-k decision is brittle to noise).
-_EXCLUDED = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|\.router\.)")
-_FUSED_EXPERTS = re.compile(r"\.experts\.[^.]+$")
-
-
-def is_quantized_weight(name: str, tensor: Tensor) -> bool:
-    """Whether the rollout FP8 recipe quantizes the parameter ``name`` (an HF state-dict key)."""
-    if _EXCLUDED.search(name) or not tensor.is_floating_point():
-        return False
-    if name.endswith(".weight") and tensor.ndim == 2:
-        return True
-    return bool(_FUSED_EXPERTS.search(name)) and tensor.ndim == 3
-
-
-_Target = TypeVar("_Target", dict[str, Tensor], nn.Module)
-
-
-@torch.no_grad()
-def apply_rollout_quant(target: _Target, precision: PrecisionConfig) -> _Target:
-    """Fake-quantize the weights that ``precision.rollout_quant`` names.
-
-    ``"none"``: returns ``target`` unchanged. ``"fp8_block"``: every weight for
-    which :func:`is_quantized_weight` holds is replaced by
-    ``fake_quantize_fp8_blockwise(w, precision.quant_block_size)`` in its own dtype.
-    A state dict is not modified: a new dict is returned (untouched tensors are
-    shared). A module is updated in place and returned.
-    """
-    if precision.rollout_quant == "none":
-        return target
-    if precision.rollout_quant != "fp8_block":
-        raise ValueError(
-            f"precision.rollout_quant={precision.rollout_quant!r} is not supported; "
-            "valid: 'none', 'fp8_block'"
-        )
-    block = precision.quant_block_size
-    if isinstance(target, nn.Module):
-        for name, p in target.named_parameters():
-            if is_quantized_weight(name, p):
-                p.copy_(fake_quantize_fp8_blockwise(p, block))
-        return target
-    quantize = is_quantized_weight
-    return {k: fake_quantize_fp8_blockwise(v, block) if quantize(k, v) else v for k, v in target.items()}

@@ -62,9 +62,19 @@ def samples_from_results(
             group_id=ctx.group_id, index=r.index, prompt_ids=list(prompt_ids), response_ids=list(r.response_ids),
             rollout_logprobs=list(r.logprobs), loss_mask=[1] * len(r.response_ids), status=r.status,
             weight_version=r.weight_version, label=problem.label, response_text=text,
+            routing=routes_of(r),
         )
         for r, text in zip(results, texts, strict=True)
     ]
+
+
+def routes_of(r: GenerateResult) -> Any:
+    """Prompt and response routes of one result as one [P + T - 1, layers, k] tensor, or None."""
+    if r.routing is None or r.prompt_routing is None:
+        return None
+    import torch
+
+    return torch.cat([r.prompt_routing, r.routing])
 
 
 async def single_turn(ctx: GenerateContext, problem: Problem, sampling: SamplingParams) -> list[Sample]:

@@ -50,8 +50,8 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
 
 Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
-CPU, so :class:`SGLangEngine` offers no ``release_memory`` and ``placement.offload_engines=true``
-is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
+CPU, so :class:`SGLangEngine` offers no ``release_memory``: with ``placement.offload_engines=null``
+(the default) its engines keep their memory while the trainer trains, and ``true`` is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
 
 Several engines: one server per engine actor, spread by miles' own dispatcher
 (:mod:`miles.rollout.dispatch`), not by ``sglang-router``. The router works on CPU (0.3.2 installs
@@ -110,14 +110,31 @@ class SGLangEngine(Reusable):
     """Generates through an SGLang server process it owns; see the module docstring.
 
     Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
-    ``max_running_requests``, ``context_length`` (default: the model's), ``mem_fraction_static``
-    (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
+    ``max_batch_size`` (rows decoded together, as the torch engine's; ``--max-running-requests``),
+    ``context_length`` (default: the model's), ``mem_fraction_static`` (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
     ``deterministic`` (per-request seeds; GPU attention backends only), ``radix_cache`` (prefix
     caching; default off on CPU, see the module docstring), ``capture_routing``,
     ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Liveness: ``start_timeout_s``,
     ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
     ``max_health_failures``.
     """
+
+    @staticmethod
+    def check_config(run: Any) -> None:
+        """Refuse, before any actor starts, what this engine cannot serve: quantized weight formats, and
+        routing replay (which needs the routes of prompt positions too)."""
+        from miles.config.validate import ConfigError
+
+        if run.precision.rollout_quant != "none":
+            raise ConfigError(f"precision.rollout_quant={run.precision.rollout_quant}: the SGLang engine serves "
+                              "unquantized weights only here; use rollout=torch for it, or a recipe with "
+                              "rollout_quant: none (precision=fp32 or bf16)")
+        if run.precision.true_on_policy:
+            raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
+                              "use rollout=torch for it")
+        if run.algo.routing_replay != "off":
+            raise ConfigError("algo.routing_replay=rollout: the SGLang engine returns no routes of the prompt "
+                              "tokens, which replay needs; use rollout=torch, or algo.routing_replay=off")
 
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
@@ -133,7 +150,7 @@ class SGLangEngine(Reusable):
         device: str = "cpu",
         python: str | None = None,
         max_total_tokens: int | None = 32768,
-        max_running_requests: int | None = None,
+        max_batch_size: int | None = None,
         context_length: int | None = None,
         mem_fraction_static: float | None = None,
         attention_backend: str | None = None,
@@ -190,7 +207,7 @@ class SGLangEngine(Reusable):
                 "--skip-tokenizer-init", "--random-seed", str(seed), "--sleep-on-idle", "--weight-version", "0"]
         backend = attention_backend or ("torch_native" if device == "cpu" else None)
         for flag, value in (("--attention-backend", backend), ("--max-total-tokens", max_total_tokens),
-                            ("--max-running-requests", max_running_requests),
+                            ("--max-running-requests", max_batch_size),
                             ("--context-length", context_length), ("--mem-fraction-static", mem_fraction_static)):
             if value is not None:
                 args += [flag, str(value)]

@@ -75,7 +75,10 @@ experts chosen in every MoE layer at the forward step that produced that
 token's distribution, i.e. at input position ``P - 1 + t`` for response token
 ``t`` of a prompt of length ``P``: exactly the positions whose logits the
 trainer's forward over prompt + response scores. ``GenerateResult.routing`` is
-an int16 tensor ``[T, moe_layers, top_k]``.
+an int16 tensor ``[T, moe_layers, top_k]``; ``GenerateResult.prompt_routing``
+(``[P - 1, moe_layers, top_k]``) holds the prefill's routes of positions
+``0 .. P - 2``, so the two together cover every position ``0 .. P + T - 2`` of
+that forward (routing replay, :mod:`miles.train.routing_replay`).
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ from torch import Tensor
 
 from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
-from miles.precision.fp8 import apply_rollout_quant
+from miles.precision.on_policy import generate_exact
+from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
@@ -144,6 +148,7 @@ class _Row:
     greedy: bool
     generator: torch.Generator | None  # None for greedy rows (no noise)
     features: tuple[str, ...]  # per-row options the batched step must handle (see _emit)
+    prompt_route: Tensor | None = None  # capture_routing: [P - 1, moe_layers, top_k] int16, set at prefill
 
 
 class TorchEngine(Reusable):
@@ -178,6 +183,9 @@ class TorchEngine(Reusable):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if precision.true_on_policy and capture_routing:
+            raise ValueError("precision.true_on_policy=true generates without the batched path that records "
+                             "routing; set capture_routing=false")
         if admit_batch is not None and not 1 <= admit_batch <= max_batch_size:
             raise ValueError(f"admit_batch must be in [1, max_batch_size={max_batch_size}], got {admit_batch}")
         # While rows are running, admit only once this many slots are free (or every waiting row fits):
@@ -261,6 +269,8 @@ class TorchEngine(Reusable):
                 for row in self._rows_for(job, i, r, sp)]
         if not rows:
             return []
+        if self.precision.true_on_policy:  # between two scheduler steps, one row after the other
+            return self._run_op(lambda: [self._exact_result(row) for row in rows])
         with self._cv:
             self._check_usable("generate")
             self._waiting.extend(rows)
@@ -269,6 +279,23 @@ class TorchEngine(Reusable):
         if job.error is not None:
             raise RuntimeError(f"engine {self.engine_id}: generation failed: {job.error!r}") from job.error
         return [r for per_request in job.results for r in per_request]  # type: ignore[misc]
+
+    def _exact_result(self, row: _Row) -> GenerateResult:
+        """One completion through :func:`miles.precision.on_policy.generate_exact` (``true_on_policy``)."""
+        sp = row.sampling
+        if sp.top_p < 1.0 or sp.top_k > 0 or sp.stop or sp.logprobs_top_k:
+            raise ValueError("precision.true_on_policy=true samples from the full temperature-scaled distribution "
+                             f"and stops on token ids only; got top_p={sp.top_p}, top_k={sp.top_k}, "
+                             f"stop={sp.stop!r}, logprobs_top_k={sp.logprobs_top_k}")
+        tokens, logps, reason = generate_exact(
+            self.model, list(row.request.prompt_ids), max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature, greedy=row.greedy, generator=row.generator,
+            stop_ids=set(self.eos_ids) | set(sp.stop_token_ids), pad_id=self.pad_id)
+        if reason == "eos" and tokens[-1] not in self.eos_ids:
+            reason = "stop_token"
+        return GenerateResult(request_id=row.request.request_id, index=row.index, response_ids=tuple(tokens),
+                              logprobs=tuple(logps), status=Status.TRUNCATED if reason == "length" else Status.COMPLETED,
+                              weight_version=self._version, finish_reason=reason)
 
     def abort(self, request_ids: list[str]) -> int:
         """Stop every row of these requests (running or queued); returns how many requests were hit."""
@@ -568,9 +595,13 @@ class TorchEngine(Reusable):
         last = lens_t - 1
         logits = self._lm_head(hidden[torch.arange(u, device=self.device), last]).float()[src]
         routing = None
-        if self._routers:  # per layer [u * t, k] -> [u, layers, k] at each prompt's last position
-            per_layer = [r.view(u, t, -1)[torch.arange(u, device=self.device), last] for r in self._step_routing]
-            routing = torch.stack(per_layer, 1)[src]
+        if self._routers:  # per layer [u * t, k] -> [u, t, layers, k]
+            routes = torch.stack([r.view(u, t, -1) for r in self._step_routing], 2)
+            routing = routes[torch.arange(u, device=self.device), last][src]  # each prompt's last position
+            for i, g in enumerate(groups):  # positions 0 .. P-2: the prompt tokens before the last
+                prompt_route = routes[i, : lens[i] - 1].to(torch.int16).cpu()
+                for r in g:
+                    r.prompt_route = prompt_route
         self._finish_rows(self._emit(lo, hi, logits, routing))
 
     def _set_rows(self, lo: int, rows: list[_Row], prompt_lens: Tensor) -> None:
@@ -730,6 +761,7 @@ class TorchEngine(Reusable):
             logprobs=tuple(st["out_lp"][slot, :n].tolist()), status=status, weight_version=self._version,
             finish_reason=reason, top_logprobs=top,
             routing=st["route"][slot, :n].cpu().clone() if self._routers else None,
+            prompt_routing=row.prompt_route if self._routers else None,
         )
 
     @staticmethod

@@ -16,6 +16,9 @@ mask (0 for environment/tool tokens), and is what losses and metrics average ove
 is ``[B]`` (one per sample), or ``[B, Tr]`` when the batch carries per-token advantages (PPO/GAE),
 0 on padding.
 
+``routes`` (when the batch carries the rollout's MoE routing) is ``[B, L, moe_layers, top_k]``: the
+experts the engine chose at each input position, -1 where it recorded none.
+
 Micro-batches: a rank's share of a mini-batch may be too large for one forward pass. Its samples are
 sorted by length (longest first) and cut into contiguous groups whose *padded* size (rows x longest
 row) stays within a token budget (:func:`count_microbatches`, :func:`split_microbatches`); each group
@@ -54,6 +57,7 @@ class PaddedBatch:
     prompt_lengths: torch.Tensor  # [B] int64: P_i
     prompt_index: torch.Tensor  # [B] int64: which distinct prompt row i has (0 .. U-1, first-seen order)
     prompt_rows: torch.Tensor  # [U] int64: the first row with each distinct prompt
+    routes: torch.Tensor | None = None  # [B, L, moe_layers, top_k] int64 rollout MoE routes, -1 where none
 
     @property
     def num_prompts(self) -> int:
@@ -130,7 +134,18 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
         prompt_lengths=prompt_lens,
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
         prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
+        routes=None if batch.routing is None else _pad_routes(batch.routing, seq_len),
     )
+
+
+def _pad_routes(routing: list, seq_len: int) -> torch.Tensor:
+    """Per-sample routes [P + R - 1, layers, k] -> [B, seq_len, layers, k] int64, -1 on positions without
+    one (each sequence's last token, whose output nothing scores, and the padding)."""
+    _, layers, k = routing[0].shape
+    out = torch.full((len(routing), seq_len, layers, k), -1, dtype=torch.long)
+    for i, r in enumerate(routing):
+        out[i, : r.shape[0]] = r.long()
+    return out
 
 
 def response_logits(logits: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,15 @@ Reference model (``algo.kl_coef > 0``): a second copy of the initial checkpoint,
 FSDP-sharded like the policy, so it costs 1/W of a model per rank instead of a whole one; its
 forward all-gathers per layer inside ``train_step``, which every rank calls anyway.
 
+Precision and MoE options: ``precision.train_quant`` makes every forward compute with fake-quantized
+weights, gradients straight through (:func:`miles.precision.recipe.quantize_train_forward`); the
+mismatch-correction threshold is :func:`miles.precision.recipe.effective_tis_clip`. On MoE models the
+routers carry :class:`miles.train.routing_replay.RouteReplay` hooks: a batch with rollout routes
+reports ``moe/route_agreement``, and ``algo.routing_replay=rollout`` replays the routes (policy and
+reference model). ``precision.true_on_policy`` runs each sequence alone at the engine's fixed length
+(:mod:`miles.precision.on_policy`). Replay, true on-policy and batches with routes run without the
+shared-prompt forward.
+
 Dropout is off (``model.eval()``): the trainer must compute the same log-probs as the engine and
 as its own no-grad passes. Every method that runs the model is collective: all ranks must call it.
 """
@@ -58,6 +67,8 @@ import torch.distributed as dist
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
+from miles.precision.on_policy import sequence_logits
+from miles.precision.recipe import effective_tis_clip, quantize_train_forward
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -69,6 +80,7 @@ from miles.train.batching import (
 from miles.train.objective import policy_objective
 from miles.train.optim import lr_multiplier
 from miles.train.rank import FSDPRank, pad_token_id
+from miles.train.routing_replay import RouteReplay, find_routers
 from miles.train.shared_prompt import (
     PromptPass,
     cache_keyword,
@@ -150,6 +162,7 @@ class FSDPTrainer(FSDPRank):
         def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
+            quantize_train_forward(model, run.precision)  # precision.train_quant: QAT through an STE
             checkpointed = checkpoint_activations if trainable and t.activation_checkpointing else None
             return self._shard(model, set(getattr(model, "_no_split_modules", None) or []),
                                sharded=self.sharded, per_layer=checkpointed)
@@ -160,9 +173,16 @@ class FSDPTrainer(FSDPRank):
         if run.algo.kl_coef > 0:
             self.ref_model = load_sharded(trainable=False)
             self.ref_model.requires_grad_(False)
+        # MoE: measure route agreement with the rollout's routes when a batch carries them; replay them
+        # with algo.routing_replay=rollout (the reference model replays too: same experts, same tokens)
+        replay = run.algo.routing_replay == "rollout"
+        self.replays = {id(m): RouteReplay(m, replay=replay) for m in (self.model, self.ref_model)
+                        if m is not None and find_routers(m)}
         self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache)
-        share = t.shared_prompt_forward and self.keeps_logits and not t.activation_checkpointing
+        # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache);
+        # replayed routes are per position of the whole sequence, so replay runs unshared passes
+        share = (t.shared_prompt_forward and self.keeps_logits and not t.activation_checkpointing
+                 and not replay and not run.precision.true_on_policy)
         self.cache_kw = cache_keyword(self.model) if share else None
         # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
         # faster on a sharded tiny model); plain tensors on CPU keep torch's default
@@ -185,9 +205,17 @@ class FSDPTrainer(FSDPRank):
         prompt positions need no logits. With ``prompts`` (the mini-batch's prompt pass) the rows'
         prompts are read from it (``prompt_of``: [B] index into it) and only the responses run.
         """
+        replay = self.replays.get(id(model))
+        if replay is not None:  # stays set through this pass's backward (recomputed layers replay the same)
+            replay.set_routes(p.routes if prompts is None else None)
         if prompts is not None:
             assert self.cache_kw is not None and prompt_of is not None
             return response_logits_after(model, prompts, p, prompt_of, self.cache_kw)
+        if self.run.precision.true_on_policy:  # each sequence alone at the engine's fixed length
+            width, max_new = p.targets.shape[1], self.run.rollout.max_new_tokens
+            return torch.stack([
+                sequence_logits(model, p.input_ids[i, : n_p + n_r], n_p, max_new, self.pad_id, width)
+                for i, (n_p, n_r) in enumerate(zip(p.prompt_lengths.tolist(), p.response_lengths, strict=True))])
         first = int(p.logit_index[:, 0].min()) if self.keeps_logits else 0
         kwargs = {"logits_to_keep": p.input_ids.shape[1] - first} if first > 0 else {}
         out = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
@@ -232,8 +260,9 @@ class FSDPTrainer(FSDPRank):
         """Each shard's sample indices per micro-batch and its :class:`_Plan`; all ranks get the same
         micro-batch counts and the same sharing decision (the passes are collective). Collective."""
         budget = self.run.trainer.max_tokens_per_microbatch
+        # a batch carrying rollout routes runs whole sequences (routes are per position of prompt + response)
         share = self.cache_kw is not None and all(
-            worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
+            s.routing is None and worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
         share = bool(self._all_reduce(torch.tensor([int(share)], device=self.device), op=dist.ReduceOp.MIN))
         # the tokens each row puts through its pass: the response alone when the prompts are shared
         lengths = [[len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]
@@ -300,7 +329,7 @@ class FSDPTrainer(FSDPRank):
                 logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
                 rollout_logp=p.rollout_logp, advantages=p.advantages,
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                tis_clip=self.run.precision.tis_clip, mismatch_mode=self.run.precision.mismatch_mode,
+                tis_clip=effective_tis_clip(self.run.precision), mismatch_mode=self.run.precision.mismatch_mode,
                 mismatch_level=self.run.precision.mismatch_level, ref_logp=ref_logps[j],
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
             )
@@ -321,6 +350,9 @@ class FSDPTrainer(FSDPRank):
         """
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
+        policy_replay = self.replays.get(id(self.model))
+        if policy_replay is not None:
+            policy_replay.take_agreement()  # count this step's passes only
         plans, counts, old_logps, ref_logps = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
@@ -347,6 +379,10 @@ class FSDPTrainer(FSDPRank):
         out["train/lr"] = lr_used
         out["train/num_tokens"] = float(counts[:, 0].sum())
         out["train/num_microbatches"] = float(sum(len(plan.micro) for plan in plans))
+        if policy_replay is not None:
+            agree, total = self._all_reduce(torch.stack(policy_replay.take_agreement()).to(self.device)).tolist()
+            if total > 0:  # share of recorded (token, layer, slot) routes the trainer's own top-k also chose
+                out["moe/route_agreement"] = agree / total
         # padded token positions every rank's passes computed, against train/num_tokens (the loss tokens)
         out["perf/train_forward_tokens"] = float(self._all_reduce(
             torch.tensor([float(sum(plan.forward_tokens() for plan in plans))], device=self.device)))

@@ -46,6 +46,7 @@ from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
+from miles.precision.recipe import effective_tis_clip
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -95,6 +96,15 @@ class MegatronTrainer(Reusable):
         if t.activation_checkpointing:
             raise ConfigError("trainer.activation_checkpointing=true: not wired into the megatron trainer yet; set "
                               "it to false or use trainer=fsdp")
+        if run.precision.true_on_policy:
+            raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
+                              "(transformers) forward; use trainer=fsdp")
+        if run.algo.routing_replay != "off":
+            raise ConfigError("algo.routing_replay=rollout: not wired into the megatron trainer's router yet; use "
+                              "trainer=fsdp, or algo.routing_replay=off")
+        if run.precision.train_quant != "none":
+            raise ConfigError(f"precision.train_quant={run.precision.train_quant}: the megatron trainer has no "
+                              "quantization-aware forward; use trainer=fsdp, or a recipe with train_quant: none")
         # placement.device=auto is the CPU unless the driver sees CUDA (a joined GPU cluster is checked by the ranks)
         on_cpu = run.placement.device == "cpu" or (run.placement.device == "auto" and not torch.cuda.is_available())
         if run.precision.train_dtype != "float32" and on_cpu:
@@ -180,7 +190,8 @@ class MegatronTrainer(Reusable):
         run = self.run
         return policy_objective(
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
-            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, tis_clip=run.precision.tis_clip,
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo,
+            tis_clip=effective_tis_clip(run.precision),
             mismatch_mode=run.precision.mismatch_mode, mismatch_level=run.precision.mismatch_level,
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
 
