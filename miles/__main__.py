@@ -64,12 +64,22 @@ def _jobs_follow_here() -> bool:
 def main() -> None:
     """Console-script entry point (``miles``) and ``python -m miles``.
 
-    ``miles reproduce RUN_ID ...`` runs :mod:`miles.reproduce`; anything else is a Hydra command line.
+    ``miles reproduce RUN_ID ...`` runs :mod:`miles.reproduce`; ``miles rollout CHECKPOINT ...`` serves a
+    checkpoint over HTTP (:mod:`miles.agent.server`); anything else is a Hydra command line.
     """
     if sys.argv[1:2] == ["reproduce"]:
         from miles.reproduce import main as reproduce
 
         raise SystemExit(reproduce(sys.argv[2:]))
+    if sys.argv[1:2] == ["rollout"]:
+        from miles.agent.server import main as serve
+
+        try:
+            serve(sys.argv[2:])
+        except ConfigError as e:  # e.g. a non-loopback bind without a token
+            log.error("config error: %s", e)
+            raise SystemExit(2) from None
+        return
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:

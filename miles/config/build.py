@@ -70,11 +70,13 @@ def build(node: TargetConfig, *, allow: Sequence[str] = (), key: str = "_target_
 
 
 def _build_nested(value: Any, allow: Sequence[str], key: str) -> Any:
-    """Nested ``_target_`` mappings inside kwargs are built too (allowlist applies)."""
+    """Nested ``_target_`` mappings inside kwargs, also as items of a list, are built too (allowlist applies)."""
     if isinstance(value, dict) and "_target_" in value:
         from miles.config.validate import to_target
 
         return build(to_target(value, key), allow=allow, key=key)
+    if isinstance(value, list | tuple) and any(isinstance(v, dict) and "_target_" in v for v in value):
+        return [_build_nested(v, allow, f"{key}[{i}]") for i, v in enumerate(value)]
     return value
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from miles.agent.metrics import sample_counts
 from miles.config.schema import RolloutConfig
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardItem
@@ -312,6 +313,7 @@ class RolloutManager:
             "perf/generate_s": seconds,
             "perf/reward_s": counts["reward_ms"] / 1000,
             "perf/rollout_tokens_per_s": num_tokens / max(seconds, 1e-9),
+            **sample_counts(flat),  # a generate function's per-sample counts (metadata["counts"])
         }
 
     def _totals(self) -> Counter[str]:

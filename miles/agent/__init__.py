@@ -1,0 +1,1 @@
+"""Agentic rollouts: token-exact multi-turn sessions, tool calling and tools."""

@@ -1,0 +1,124 @@
+"""Agent code written against the official ``openai`` client as ``rollout.generate_fn``.
+
+::
+
+    rollout:
+      generate_fn:
+        _target_: miles.agent.openai_rollout.openai_agent
+        _partial_: true
+        agent: {_target_: my_agents.solve, _partial_: true}   # solve(client, prompt) -> None
+
+The first call starts one rollout server (:mod:`miles.agent.server`) for the process, on
+127.0.0.1 and an ephemeral port, in a daemon thread, with a random bearer token. For each of the
+``ctx.n`` samples the agent runs in a worker thread with an ``openai.OpenAI`` client whose
+``base_url`` is that server and whose every request carries the sample's session id (header
+``X-Miles-Session``); the agent just calls ``client.chat.completions.create(messages=...)`` as
+often as it likes. The server keeps each conversation as a :class:`miles.agent.session.Session`
+and sends each turn to this rollout's engines through ``ctx.engine_generate`` (load-balanced,
+deadline-bounded and retried by the manager), with the run's sampling parameters (the request's
+``temperature`` and ``max_tokens`` are ignored: the log-probs must be the policy's). When the agent
+returns, the session becomes the sample: the sampled ids with loss mask 1 and log-probs, the
+messages the agent added between turns with loss mask 0, ``response_text`` the last reply.
+
+An agent that raises, or returns without a single call, fails the group (the manager records it as
+FAILED with the reason). The agent's own deadline is ``timeout_s`` (default 600 s); past it the
+group fails too (its thread cannot be stopped; it is left to finish on its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from miles.agent.server import SESSION_HEADER, create_app
+from miles.agent.tools import run_in_daemon_thread
+from miles.rollout.generate import GenerateContext
+from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
+
+
+@dataclass
+class _Route:
+    ctx: GenerateContext
+    index: int
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+
+
+class _Server:
+    """The process's rollout server and the routes from session ids to the rollouts that own them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        import uvicorn
+
+        self.routes: dict[str, _Route] = {}
+        self.token = secrets.token_urlsafe(16)
+        self.app = create_app(self._generate, tokenizer, token=self.token)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        threading.Thread(target=self.server.run, name="miles-agent-server", daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("openai_agent: the rollout server did not start within 30 s")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    async def _generate(self, request: GenerateRequest, session_id: str | None) -> list[GenerateResult]:
+        route = self.routes.get(session_id or "")
+        if route is None:
+            raise RuntimeError(f"no rollout owns session {session_id!r} (send the {SESSION_HEADER} header)")
+        # a seed per sample and turn: the group's seed, the sample's index, the context length
+        seed = route.ctx.seed + 1_000_003 * route.index + len(request.prompt_ids)
+        request = replace(request, sampling=None, seed=seed)
+        future = asyncio.run_coroutine_threadsafe(route.ctx.engine_generate(request, route.sampling), route.loop)
+        return await asyncio.wrap_future(future)
+
+
+_servers: dict[int, _Server] = {}
+_lock = threading.Lock()
+
+
+def _server_for(tokenizer: Any) -> _Server:
+    with _lock:
+        if id(tokenizer) not in _servers:
+            _servers[id(tokenizer)] = _Server(tokenizer)
+        return _servers[id(tokenizer)]
+
+
+async def openai_agent(
+    ctx: GenerateContext, problem: Problem, sampling: SamplingParams, *, agent: Callable[[Any, str], Any],
+    timeout_s: float = 600.0,
+) -> list[Sample]:
+    """The ``ctx.n`` samples of one prompt, each one run of ``agent(client, prompt)`` (see the module docstring)."""
+    import openai
+
+    server = _server_for(ctx.tokenizer)
+    loop = asyncio.get_running_loop()
+
+    async def one(index: int) -> Sample:
+        session_id = f"{ctx.group_id}-{index}-{secrets.token_hex(4)}"
+        server.routes[session_id] = _Route(ctx, index, sampling, loop)
+        client = openai.OpenAI(base_url=server.base_url, api_key=server.token, max_retries=0,
+                               default_headers={SESSION_HEADER: session_id})
+        try:
+            await asyncio.wait_for(run_in_daemon_thread(agent, client, problem.prompt), timeout=timeout_s)
+        finally:
+            server.routes.pop(session_id, None)
+            session = server.app.state.sessions.pop(session_id, None)
+        if session is None or session.policy_turns == 0:
+            raise RuntimeError(f"agent {getattr(agent, '__name__', agent)!r} returned without calling "
+                               "client.chat.completions.create")
+        last = session.messages[-1]["content"] if session.messages[-1]["role"] == "assistant" else ""
+        return Sample(group_id=ctx.group_id, index=index, prompt_ids=list(session.prompt_ids),
+                      response_ids=list(session.response_ids), rollout_logprobs=list(session.logprobs),
+                      loss_mask=list(session.loss_mask), status=session.status,
+                      weight_version=session.weight_version, label=problem.label, response_text=last,
+                      metadata={"counts": {"agent/turns": session.policy_turns,
+                                           "agent/template_drift": int(session.drift() is not None)}})
+
+    return list(await asyncio.gather(*(one(i) for i in range(ctx.n))))

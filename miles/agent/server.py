@@ -1,0 +1,280 @@
+"""``miles rollout CHECKPOINT [--host H] [--port P]``: a rollout engine over HTTP (FastAPI + uvicorn).
+
+(``python -m miles.agent.server`` is the same command.)
+
+Endpoints:
+
+- ``GET /health``: ``{"status": "ok", "weight_version": N}``;
+- ``POST /generate`` (SGLang-style, token ids in and out): ``{"input_ids": [...], "sampling_params":
+  {"max_new_tokens", "temperature", "top_p", "top_k", "seed"}}`` returns ``{"output_ids": [...],
+  "text": ..., "meta_info": {"output_token_logprobs": [...], "finish_reason", "weight_version",
+  "prompt_tokens", "completion_tokens"}}``;
+- ``POST /v1/chat/completions`` (OpenAI-compatible, ``n`` = 1): the messages (and ``tools``) are
+  rendered with the checkpoint's chat template, the reply's ``<tool_call>`` blocks come back as
+  OpenAI ``tool_calls`` (``finish_reason`` ``"tool_calls"``), and the choice also carries the token
+  ids it was sampled from and as (``prompt_token_ids``, ``output_token_ids``, ``output_logprobs``).
+  With a ``session_id`` in the body (the ``openai`` client: ``extra_body={"session_id": ...}``) or
+  the header ``X-Miles-Session`` (``default_headers`` of the client), the
+  conversation is a :class:`miles.agent.session.Session`: each request repeats the conversation, the
+  server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
+  user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
+  the assistant turns it holds are the sampled ids, whatever text the client sends back for them;
+- ``GET /sessions/{id}``: the session's ``prompt_ids``, ``response_ids``, ``logprobs``, ``loss_mask``
+  (1 on sampled tokens), turns, status and template drift; ``DELETE /sessions/{id}`` forgets it.
+
+Requests that arrive together are sent to the engine as one ``generate`` call (continuous
+batching inside the engine); each response is matched to its request by id.
+
+Binding: 127.0.0.1 by default. Any address that is not loopback needs a token (environment
+variable ``MILES_ROLLOUT_TOKEN``), checked on every endpoint as ``Authorization: Bearer <token>``;
+without one the server refuses to start. With a token on loopback, it is checked too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import itertools
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from miles.agent.session import Session, TemplateDriftError
+from miles.agent.tools import parse_tool_calls
+from miles.config.validate import ConfigError
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+
+TOKEN_ENV = "MILES_ROLLOUT_TOKEN"
+SESSION_HEADER = "x-miles-session"
+Generate = Callable[[GenerateRequest, "str | None"], Awaitable[list[GenerateResult]]]
+_FINISH = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort", Status.FAILED: "error"}
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse a non-loopback ``host`` without a token (ConfigError says how to set one)."""
+    if token:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(f"rollout server: binding to {host!r} (not loopback) needs a token; set the environment "
+                          f"variable {TOKEN_ENV} (clients send 'Authorization: Bearer <token>') or bind 127.0.0.1")
+
+
+class _Batcher:
+    """Sends the requests queued while the engine was busy as one ``engine.generate`` call."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.queue: list[tuple[GenerateRequest, asyncio.Future]] = []
+        self.running = False
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateResult]:
+        future = asyncio.get_running_loop().create_future()
+        self.queue.append((request, future))
+        if not self.running:
+            self.running = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue:
+                batch, self.queue = self.queue, []
+                try:
+                    results = await asyncio.to_thread(self.engine.generate, [r for r, _ in batch])
+                except Exception as e:
+                    for _, f in batch:
+                        f.set_exception(e)
+                    continue
+                for request, future in batch:
+                    future.set_result([r for r in results if r.request_id == request.request_id])
+        finally:
+            self.running = False
+
+
+def _sampling(body: dict[str, Any], *, max_key: str) -> SamplingParams:
+    max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
+    return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                          top_k=int(body.get("top_k", 0)), max_new_tokens=int(max_new),
+                          greedy=float(body.get("temperature", 1.0)) == 0.0, seed=body.get("seed"))
+
+
+def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
+    """An OpenAI assistant message: ``content`` is the text before the first ``<tool_call>`` when the
+    text has well-formed calls (then listed in ``tool_calls``, arguments JSON-encoded), else the text."""
+    calls, _ = parse_tool_calls(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text.split("<tool_call>")[0].strip() or None,
+            "tool_calls": [{"id": f"call_{call_id_prefix}_{i}", "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                           for i, c in enumerate(calls)]}
+
+
+def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
+    """``(generate, weight_version)`` of :func:`create_app` for an in-process engine (batched calls)."""
+    batcher = _Batcher(engine)
+
+    async def generate(request: GenerateRequest, session_id: str | None) -> list[GenerateResult]:
+        return await batcher.generate(request)
+
+    return generate, engine.weight_version
+
+
+def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[], int] = lambda: -1,
+               token: str | None = None) -> Any:
+    """The FastAPI app. ``generate(request, session_id)`` completes one request (``session_id`` is the
+    chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`)."""
+    app = FastAPI(title="miles rollout")
+    ids = itertools.count()
+    sessions: dict[str, Session] = {}
+    app.state.sessions = sessions
+    busy: set[str | None] = set()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        if token and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "weight_version": weight_version()}
+
+    @app.post("/generate")
+    async def generate_ids(body: dict[str, Any]) -> dict[str, Any]:
+        input_ids = body.get("input_ids")
+        if not input_ids or not all(isinstance(t, int) for t in input_ids):
+            raise HTTPException(422, "input_ids: a non-empty list of token ids is required")
+        sampling = _sampling(body.get("sampling_params", {}), max_key="max_new_tokens")
+        (r,) = await generate(GenerateRequest(request_id=f"gen-{next(ids)}", prompt_ids=tuple(input_ids),
+                                              sampling=sampling), None)
+        return {"output_ids": list(r.response_ids),
+                "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
+                "meta_info": {"output_token_logprobs": list(r.logprobs), "finish_reason": r.finish_reason or
+                              _FINISH[r.status], "weight_version": r.weight_version,
+                              "prompt_tokens": len(input_ids), "completion_tokens": len(r.response_ids)}}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
+        if int(body.get("n", 1)) != 1:
+            raise HTTPException(422, "n: only 1 is supported")
+        extra = {"tools": body["tools"]} if body.get("tools") else {}
+        session_id = body.get("session_id") or request.headers.get(SESSION_HEADER)
+        if session_id is not None and session_id in busy:
+            raise HTTPException(409, f"session {session_id!r} has a request in progress; send its turns one by one")
+        try:
+            if session_id is None:
+                session = Session(tokenizer, chat_messages(body["messages"]), render_kwargs=extra)
+            else:
+                session = sessions.get(session_id) or Session(tokenizer, chat_messages(body["messages"]),
+                                                              render_kwargs=extra)
+                sessions[session_id] = _extend(session, body["messages"])
+        except (TemplateDriftError, ValueError, KeyError, TypeError) as e:
+            raise HTTPException(409 if session_id else 422, f"messages: {e}") from None
+        prompt = list(session.ids)
+        rid = f"chatcmpl-{next(ids)}"
+        busy.add(session_id)
+        try:
+            (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
+                                                  sampling=_sampling(body, max_key="max_tokens")), session_id)
+        finally:
+            busy.discard(session_id)
+        message = assistant_message(session.add_policy(r), rid)
+        finish = "tool_calls" if "tool_calls" in message else _FINISH[r.status]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.get("model", ""),
+                "session_id": session_id,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "prompt_token_ids": list(prompt), "output_token_ids": list(r.response_ids),
+                             "output_logprobs": list(r.logprobs)}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(r.response_ids),
+                          "total_tokens": len(prompt) + len(r.response_ids)}}
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = sessions.get(session_id)
+        if session is None:
+            raise HTTPException(404, f"no session {session_id!r}")
+        drift = session.drift()
+        return {"prompt_ids": session.prompt_ids, "response_ids": session.response_ids,
+                "logprobs": session.logprobs, "loss_mask": session.loss_mask, "turns": session.policy_turns,
+                "status": session.status.value, "weight_version": session.weight_version,
+                "drift": None if drift is None else drift.describe(tokenizer)}
+
+    @app.delete("/sessions/{session_id}")
+    async def end_session(session_id: str) -> dict[str, Any]:
+        return {"ended": sessions.pop(session_id, None) is not None}
+
+    return app
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
+    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tools"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tools": "1"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _extend(session: Session, messages: list[dict[str, Any]]) -> Session:
+    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
+
+    The request repeats the conversation: its first messages must be the session's, assistant turns
+    included by position; a non-assistant message that differs, or a conversation that is shorter,
+    is refused (ValueError) rather than silently re-tokenized.
+    """
+    held = session.messages
+    request = chat_messages(messages)
+    if len(request) < len(held):
+        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
+    for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
+        if ours["role"] != theirs["role"] or (ours["role"] != "assistant" and ours["content"] != theirs["content"]):
+            raise ValueError(f"message {k} ({theirs['role']}) differs from the session's; a session only grows")
+    new = request[len(held):]
+    if new:
+        session.add_messages(new)
+    elif held[-1]["role"] == "assistant":
+        raise ValueError("nothing new after the session's last assistant turn")
+    return session
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Load a checkpoint into an in-process TorchEngine and serve it (see the module docstring)."""
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from miles.config.schema import PrecisionConfig
+    from miles.rollout.torch_engine import TorchEngine
+
+    parser = argparse.ArgumentParser(prog="miles rollout", description="Serve a checkpoint's engine over HTTP.")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)
+    generate, version = engine_backend(TorchEngine(args.checkpoint, PrecisionConfig()))
+    app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

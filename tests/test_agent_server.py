@@ -1,0 +1,201 @@
+"""The rollout HTTP server: a real uvicorn server on an ephemeral loopback port over a real engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.agent.server import assistant_message, check_bind, create_app, engine_backend
+from miles.config import ConfigError
+from miles.types import GenerateRequest, SamplingParams
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen3 with the project's BPE tokenizer saved next to it."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from miles.models.tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("server_ckpt")
+    tok = train_tokenizer([f"what is {a} plus {b}? {a + b}" for a in range(20) for b in range(9)], 300)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path):
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from miles.config.schema import PrecisionConfig
+    from miles.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    generate, version = engine_backend(engine)
+    app = create_app(generate, tok, weight_version=version, token=TOKEN)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield type("S", (), {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok})
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _post(url: str, body: dict | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except json.JSONDecodeError:  # an unhandled server error is plain text
+            return e.code, {"text": text.decode()}
+
+
+def test_bind_needs_a_token_off_loopback() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        check_bind(host, None)
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
+        with pytest.raises(ConfigError, match="needs a token"):
+            check_bind(host, None)
+        check_bind(host, "tok")
+
+
+def test_every_endpoint_checks_the_token(server) -> None:
+    assert _post(f"{server.url}/health", token=None)[0] == 401
+    assert _post(f"{server.url}/health", token="wrong")[0] == 401
+    assert _post(f"{server.url}/generate", {"input_ids": [1, 2]}, token=None)[0] == 401
+    assert _post(f"{server.url}/health") == (200, {"status": "ok", "weight_version": 0})
+
+
+def test_generate_and_chat_completions(server) -> None:
+    prompt = server.tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4?"}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+    code, out = _post(f"{server.url}/generate", {"input_ids": list(prompt), "sampling_params":
+                                                 {"max_new_tokens": 6, "temperature": 1.0, "seed": 3}})
+    assert code == 200 and 1 <= len(out["output_ids"]) <= 6
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    (want,) = server.engine.generate([GenerateRequest(request_id="x", prompt_ids=tuple(prompt), seed=3)],
+                                     SamplingParams(max_new_tokens=6))
+    assert out["output_ids"] == list(want.response_ids)
+    code, chat = _post(f"{server.url}/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "what is 3 plus 4?"}], "max_tokens": 6, "seed": 3})
+    assert code == 200, chat
+    choice = chat["choices"][0]
+    assert code == 200 and choice["prompt_token_ids"] == list(prompt)
+    assert choice["output_token_ids"] == list(want.response_ids)
+    assert choice["message"]["content"] == server.tok.decode(list(want.response_ids), skip_special_tokens=True)
+    assert chat["usage"]["completion_tokens"] == len(want.response_ids)
+    assert _post(f"{server.url}/generate", {"input_ids": []})[0] == 422
+
+
+def test_tool_calls_become_openai_tool_calls() -> None:
+    msg = assistant_message('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>', "r")
+    assert msg["content"] == "ok" and msg["tool_calls"][0]["function"] == {
+        "name": "calculator", "arguments": '{"expression": "1+2"}'}
+    assert assistant_message("<tool_call>{bad}</tool_call>", "r") == {
+        "role": "assistant", "content": "<tool_call>{bad}</tool_call>"}
+
+
+def test_concurrent_requests_get_their_own_answers(server) -> None:
+    """32 concurrent seeded requests of different prompts: each answer equals that request run alone."""
+    prompts = [list(server.tok.encode(f"what is {i} plus {i % 7}?")) for i in range(32)]
+    want = [server.engine.generate([GenerateRequest(request_id=str(i), prompt_ids=tuple(p), seed=100 + i)],
+                                   SamplingParams(max_new_tokens=8))[0].response_ids for i, p in enumerate(prompts)]
+    body = [{"input_ids": p, "sampling_params": {"max_new_tokens": 8, "seed": 100 + i}} for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda b: _post(f"{server.url}/generate", b), body))
+    seconds = time.perf_counter() - t0
+    assert all(code == 200 for code, _ in got)
+    assert [out["output_ids"] for _, out in got] == [list(w) for w in want]
+    print(f"32 concurrent /generate requests in {seconds:.2f} s")
+
+
+def test_an_openai_client_session_is_token_exact(server) -> None:
+    """Three turns through the official openai client (a tool result and a user turn in between):
+    the session's ids are each turn's sampled ids plus the appended messages' ids, byte for byte."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN)
+    messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+    choices = []
+    for turn, follow_up in enumerate([{"role": "tool", "content": "7"}, {"role": "user", "content": "sure?"}, None]):
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=turn,
+                                               extra_body={"session_id": "s1"})
+        choice = reply.choices[0]
+        choices.append(choice.model_extra)
+        messages.append({"role": "assistant", "content": choice.message.content})
+        if follow_up:
+            messages.append(follow_up)
+    code, held = _post(f"{server.url}/sessions/s1")
+    assert code == 200 and held["turns"] == 3
+    full = held["prompt_ids"] + held["response_ids"]
+    assert choices[0]["prompt_token_ids"] == held["prompt_ids"]
+    pos = len(held["prompt_ids"])
+    for k, c in enumerate(choices):
+        assert full[:pos] == c["prompt_token_ids"]  # each turn was sampled from the session so far
+        out = c["output_token_ids"]
+        assert full[pos:pos + len(out)] == out and held["loss_mask"][pos - len(held["prompt_ids"]):][:len(out)] == [1] * len(out)
+        assert held["logprobs"][pos - len(held["prompt_ids"]):][:len(out)] == c["output_logprobs"]
+        pos += len(out)
+        if k + 1 < len(choices):
+            pos = len(choices[k + 1]["prompt_token_ids"])
+    assert pos == len(full) and sum(held["loss_mask"]) == sum(len(c["output_token_ids"]) for c in choices)
+    tool_turn = server.tok.decode(choices[1]["prompt_token_ids"][len(choices[0]["prompt_token_ids"]):])
+    assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in tool_turn
+    # a session only grows: an edited user turn is refused, not re-tokenized
+    messages[0] = {"role": "user", "content": "what is 5 plus 4?"}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages + [{"role": "user", "content": "x"}],
+                                       max_tokens=4, extra_body={"session_id": "s1"})
+    assert refused.value.status_code == 409 and "differs from the session" in refused.value.response.json()["detail"]
+    assert _post(f"{server.url}/sessions/s1")[1]["turns"] == 3
+
+
+def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MILES_ROLLOUT_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "miles", "rollout", str(checkpoint), "--host", "0.0.0.0"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "needs a token" in out.stderr
+
+
+def test_a_failed_turn_retried_does_not_duplicate_tokens(server) -> None:
+    """The engine refuses the first attempt (context past max_position_embeddings); the retry of the
+    same turn samples from the same ids, and the session holds the prompt and one reply."""
+    messages = [{"role": "user", "content": "what is 1 plus 2?"}]
+    headers_body = {"model": "tiny", "messages": messages, "session_id": "retry"}
+    code, _ = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 1000})
+    assert code == 500
+    code, out = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 5, "seed": 1})
+    assert code == 200
+    held = _post(f"{server.url}/sessions/retry")[1]
+    assert held["turns"] == 1 and held["prompt_ids"] == out["choices"][0]["prompt_token_ids"]
+    assert held["response_ids"] == out["choices"][0]["output_token_ids"] and all(held["loss_mask"])
