@@ -159,7 +159,7 @@ class SGLangEngine(Reusable):
         capture_routing: bool = False,
         server_args: dict[str, Any] | None = None,
         log_dir: str | None = None,
-        start_timeout_s: float = 300.0,
+        start_timeout_s: float = 900.0,
         request_timeout_s: float = 600.0,
         health_interval_s: float = 5.0,
         health_timeout_s: float = 10.0,
