@@ -78,7 +78,7 @@ from miles.train.batching import (
     unpad_response,
 )
 from miles.train.objective import mismatch_settings, policy_objective
-from miles.train.optim import lr_multiplier
+from miles.train.optim import lr_scheduler
 from miles.train.rank import FSDPRank, pad_token_id
 from miles.train.routing_replay import RouteReplay, find_routers
 from miles.train.shared_prompt import (
@@ -190,10 +190,7 @@ class FSDPTrainer(FSDPRank):
                                            weight_decay=t.weight_decay, foreach=True if self.sharded else None)
         # linear warmup over the first optimizer steps: Adam's first updates are ~lr * sign(g) in every
         # coordinate, which on a noisy policy gradient undoes part of what the warm start taught
-        total = t.num_steps * run.algo.num_minibatches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(
-            s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
-            min_lr_ratio=t.min_lr_ratio))
+        self.scheduler = lr_scheduler(self.optimizer, run)
 
     # --- forward helpers -------------------------------------------------------------------------
 

@@ -49,6 +49,17 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: s
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, run: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    """The policy trainers' schedule: :func:`lr_multiplier` over ``trainer.num_steps`` x
+    ``algo.num_minibatches`` optimizer steps, with ``trainer.lr_warmup_steps``, ``lr_schedule`` and
+    ``min_lr_ratio``."""
+    t = run.trainer
+    total = t.num_steps * run.algo.num_minibatches
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
+        min_lr_ratio=t.min_lr_ratio))
+
 def flatten_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """Split a full optimizer state dict (parameter names as keys) into tensors and JSON-able groups.
 

@@ -55,7 +55,7 @@ from miles.train.batching import (
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
 from miles.train.objective import mismatch_settings, policy_objective
-from miles.train.optim import lr_multiplier
+from miles.train.optim import lr_scheduler
 from miles.train.rank import init_device_and_group, pad_token_id
 from miles.types import TrainBatch
 
@@ -164,10 +164,7 @@ class MegatronTrainer(Reusable):
         self.params = dict(self.engine.named_parameters(self.model))
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
-        total = t.num_steps * run.algo.num_minibatches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(
-            s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
-            min_lr_ratio=t.min_lr_ratio))
+        self.scheduler = lr_scheduler(self.optimizer, run)
         self.metric_names = self._metric_names()
         if rank == 0:
             log.info("megatron trainer: %s over %d rank(s), %s", self.dims.describe(), world_size,
