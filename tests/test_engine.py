@@ -105,9 +105,9 @@ def _spy_forward(eng: TorchEngine) -> list[torch.Tensor]:
     calls: list[torch.Tensor] = []
     forward = eng._forward
 
-    def spy(ids, mask, position_ids):
+    def spy(ids, mask, position_ids, rows):
         calls.append(position_ids.clone())
-        return forward(ids, mask, position_ids)
+        return forward(ids, mask, position_ids, rows)
 
     eng._forward = spy
     return calls

@@ -166,9 +166,9 @@ class FastQwen3:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
-            q = self._norm(attn.q_norm, F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(b, t, h_, d_))
-            k = self._norm(attn.k_norm, F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(b, t, kv_, d_))
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(b, t, kv_, d_).transpose(1, 2)
+            q = self._norm(attn.q_norm, _linear(attn.q_proj, h).view(b, t, h_, d_))
+            k = self._norm(attn.k_norm, _linear(attn.k_proj, h).view(b, t, kv_, d_))
+            v = _linear(attn.v_proj, h).view(b, t, kv_, d_).transpose(1, 2)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q = (q * cos) + (torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin)
             k = (k * cos) + (torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin)
@@ -185,9 +185,17 @@ class FastQwen3:
                 values = values[:, :, None].expand(b, kv_, self.rep, *values.shape[2:]).reshape(b, h_, -1, d_)
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
             out = out.transpose(1, 2).contiguous().reshape(b, t, -1).contiguous()
-            x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            x = x + _linear(attn.o_proj, out)
             x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return self._norm(self.model.norm, x)
+
+
+def _linear(module: torch.nn.Module, x: Tensor) -> Tensor:
+    """A projection: ``F.linear`` on a plain ``nn.Linear``'s weights, else the module itself (a LoRA layer
+    adds its adapters' updates, :mod:`miles.adapters.lora`)."""
+    if type(module) is torch.nn.Linear:
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 DECODE_ATOL = 1e-5

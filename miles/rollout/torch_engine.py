@@ -101,8 +101,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.adapters import lora
 from miles.backends.reuse import Reusable
-from miles.config.schema import PrecisionConfig
+from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.precision.on_policy import generate_exact
 from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.sampling import check_sampling, filter_logits_rows
@@ -158,7 +159,9 @@ class TorchEngine(Reusable):
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
     padded prompt tokens; ``admit_batch``: free slots that trigger an admission while rows run
-    (default ``max_batch_size // 4``); ``capture_routing``: record MoE routing per generated token.
+    (default ``max_batch_size // 4``); ``capture_routing``: record MoE routing per generated token;
+    ``adapter`` (``kind: lora``): hold one LoRA adapter per name of ``adapter_names`` on the base
+    weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``).
     """
 
     def __init__(
@@ -174,6 +177,8 @@ class TorchEngine(Reusable):
         capture_routing: bool = False,
         max_prefill_tokens: int = 8192,
         admit_batch: int | None = None,
+        adapter: AdapterConfig | None = None,
+        adapter_names: tuple[str, ...] = ("default",),
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -231,6 +236,14 @@ class TorchEngine(Reusable):
             first_name.setdefault(id(v), k)
         self._required = list(first_name.values())
         self._shapes = {k: tuple(v.shape) for k, v in self._weights.items()}  # fixed; checked while released
+        # LoRA: the base weights (quantized above, once: they never change) carry unmerged adapters in
+        # higher precision; a sync then sends adapter tensors only (update_weights)
+        self._peft: Any = None
+        self._adapters: dict[str, dict[str, Tensor]] = {}
+        if adapter is not None and adapter.kind == "lora":
+            self._peft = lora.add_adapters(self.model, adapter, adapter_names, trainable=False)
+            self._adapters = {n: lora.adapter_parameters(self._peft, n) for n in adapter_names}
+        self.default_adapter = adapter_names[0] if self._peft is not None else None
         self._tokenizer: Any = None
         self._offload: str | dict[str, Tensor] | None = None  # weights while released
         self.capture_routing = capture_routing
@@ -314,7 +327,7 @@ class TorchEngine(Reusable):
         """Liveness and load, answered without waiting for the scheduler."""
         return {"ok": self._thread.is_alive() and not self._closed, "version": self._version,
                 "engine_id": self.engine_id, "running": self._n, "waiting": len(self._waiting),
-                "paused": self._paused, "released": self._released}
+                "paused": self._paused, "released": self._released, "adapters": sorted(self._adapters)}
 
     def weight_version(self) -> int:
         return self._version
@@ -329,6 +342,8 @@ class TorchEngine(Reusable):
         """
         t0 = time.perf_counter()
         self._check_open("update_weights")
+        if self._peft is not None:
+            return self._update_adapters(state_dict, version, t0)
         missing = [k for k in self._required if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._weights]
         if missing or unexpected:
@@ -358,6 +373,48 @@ class TorchEngine(Reusable):
         nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
         return {"update_s": time.perf_counter() - t0, "quant_s": quant_s, "bytes": nbytes,
                 "bytes_per_s": nbytes / max(copy_s, 1e-9)}
+
+    def _update_adapters(self, state_dict: dict[str, Tensor], version: int, t0: float) -> dict[str, float]:
+        """:meth:`update_weights` of an engine with adapters: the state dict holds adapter tensors only
+        (:func:`miles.adapters.lora.sync_state`); the base weights are frozen and stay as loaded."""
+        if not lora.is_adapter_state(state_dict):
+            raise ValueError(f"update_weights(version={version}): this engine serves LoRA adapters on frozen base "
+                             f"weights and takes adapter tensors only (names '{lora.SYNC_PREFIX}<adapter>:<PEFT key>'); "
+                             f"got {_listing(sorted(state_dict))}")
+        sent = lora.split_sync_state(state_dict)
+        errors = [f"unknown adapter {n!r} (held: {sorted(self._adapters)})" for n in sent if n not in self._adapters]
+        for n, sd in sent.items():
+            if n not in self._adapters:
+                continue
+            held = self._adapters[n]
+            missing, unexpected = sorted(set(held) - set(sd)), sorted(set(sd) - set(held))
+            if missing or unexpected:
+                errors.append(f"adapter {n!r}: missing {_listing(missing)}, unexpected {_listing(unexpected)}")
+            errors += [f"{n}:{k}: sent {tuple(v.shape)}, expected {tuple(held[k].shape)}"
+                       for k, v in sd.items() if k in held and tuple(v.shape) != tuple(held[k].shape)]
+        if errors:
+            raise ValueError(f"update_weights(version={version}): {'; '.join(errors)}")
+
+        def apply() -> float:
+            self._check_open("update_weights")
+            self._restore()  # a released engine gets its base weights back (adapters are never offloaded)
+            t_copy = time.perf_counter()
+            for n, sd in sent.items():
+                for k, v in sd.items():
+                    self._adapters[n][k].copy_(v)
+            self._version = int(version)
+            return time.perf_counter() - t_copy
+
+        copy_s = self._run_op(apply)
+        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
+        return {"update_s": time.perf_counter() - t0, "quant_s": 0.0, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
+
+    def adapter_state(self, name: str) -> dict[str, Tensor]:
+        """CPU copies of adapter ``name``'s tensors as the engine holds them: ``{PEFT key: tensor}``."""
+        if name not in self._adapters:
+            raise ValueError(f"engine {self.engine_id}: no adapter {name!r} (held: {sorted(self._adapters)})")
+        return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._adapters[name].items()})
 
     def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
         """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
@@ -430,6 +487,9 @@ class TorchEngine(Reusable):
             self._get_tokenizer()
         if r.n < 1:
             raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
+        if r.adapter is not None and r.adapter != lora.BASE and r.adapter not in self._adapters:
+            raise ValueError(f"request {rid!r}: adapter {r.adapter!r} is not one this engine holds "
+                             f"({sorted(self._adapters) or 'none: it was built without adapters'})")
         if not r.prompt_ids:
             raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
         if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
@@ -594,7 +654,7 @@ class TorchEngine(Reusable):
         positions = self._positions[:t]
         mask = (positions[None, :] <= positions[:, None])[None] & (positions[None, None, :] < lens_t[:, None, None])
         self._cache.prefill(self._arange[lo:hi], src)
-        hidden = self._forward(ids.to(self.device), mask[:, None], positions.expand(u, t))
+        hidden = self._forward(ids.to(self.device), mask[:, None], positions.expand(u, t), [g[0] for g in groups])
         last = lens_t - 1
         logits = self._lm_head(hidden[torch.arange(u, device=self.device), last]).float()[src]
         routing = None
@@ -639,9 +699,15 @@ class TorchEngine(Reusable):
         else:
             buf.copy_(torch.empty(buf.shape).exponential_(generator=generator))
 
-    def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor) -> Tensor:
-        """Base model forward through the slot cache: final-normed hidden states [B, T, D]."""
-        return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
+    def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row]) -> Tensor:
+        """Base model forward through the slot cache: final-normed hidden states [B, T, D]; batch row
+        ``i`` uses ``rows[i]``'s adapter when the engine holds adapters."""
+        if self._peft is None:
+            return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
+        names = [self.default_adapter if r.request.adapter is None
+                 else None if r.request.adapter == lora.BASE else r.request.adapter for r in rows]
+        with lora.rows_use(self._peft, names):
+            return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
 
     def _run_model(self, fast: bool, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: SlotCache) -> Tensor:
         if fast:
@@ -659,7 +725,7 @@ class TorchEngine(Reusable):
         arange = self._arange[:b]
         self._cache.decode(arange, pos, kv_len)
         mask = (self._positions[:kv_len][None, :] <= pos[:, None])[:, None, None, :]
-        hidden = self._forward(st["tok"][:b, None], mask, pos[:, None])
+        hidden = self._forward(st["tok"][:b, None], mask, pos[:, None], self._rows[:b])  # type: ignore[arg-type]
         logits = self._lm_head(hidden[:, -1]).float()
         routing = torch.stack(self._step_routing, 1) if self._routers else None  # [b, layers, k]
         pos += 1
