@@ -54,6 +54,9 @@ class GenerateRequest:
     n: int = 1
     seed: int | None = None
     sampling: SamplingParams | None = None  # overrides the generate() call's default sampling
+    adapter: str | None = None
+    """LoRA adapter to generate with (an engine built with adapters); None: the engine's default adapter
+    (its first), ``"__base__"``: the base model alone."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +103,8 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)
     """Weight version that sampled each response token (partial rollouts mix versions); empty: all
     ``weight_version`` (a generate function that does not set them)."""
+    adapter: str | None = None
+    """The LoRA adapter that generated it and that it trains (a tenant's); None: the policy's only one."""
 
     @property
     def oldest_version(self) -> int:
@@ -128,6 +133,8 @@ class TrainBatch:
     """Per response token advantages (PPO/GAE); when set they replace ``advantages`` broadcast over tokens."""
     routing: list[Any] | None = None
     """Per sample :attr:`Sample.routing` (MoE routes of the rollout), when every sample has them."""
+    adapters: list[str] | None = None
+    """Per sample :attr:`Sample.adapter` (multi-LoRA tenants: the adapter each sample trains), when set."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -148,6 +155,7 @@ class TrainBatch:
             loss_mask=[s.loss_mask for s in samples],
             advantages=[s.advantage for s in samples],
             routing=[s.routing for s in samples] if samples and all(s.routing is not None for s in samples) else None,
+            adapters=[s.adapter for s in samples] if samples and all(s.adapter is not None for s in samples) else None,
         )
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:

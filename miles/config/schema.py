@@ -432,6 +432,47 @@ class ScheduleConfig:
 
 
 @dataclass(**_frozen)
+class AdapterConfig:
+    """Parameter-efficient training (``adapter=``): ``none`` trains every weight, ``lora`` trains LoRA
+    adapters with ``peft`` while the base weights stay frozen (:mod:`miles.adapters.lora`)."""
+
+    kind: Literal["none", "lora"] = "none"
+    """``none``: full fine-tuning; ``lora``: low-rank adapters on ``target_modules``."""
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: float = 16.0
+    """LoRA alpha: the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """LoRA dropout; must be 0 (the trainer's passes run without dropout, like the engine's)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names of the linear layers that get an adapter."""
+    lr: float | None = None
+    """Learning rate of the adapter parameters; null: ``trainer.lr``."""
+    export_dir: str | None = None
+    """Where the adapters are written in PEFT format at every run checkpoint and at the end; null: the
+    run's output directory (``<hydra output dir>/adapters``)."""
+
+
+@dataclass(**_frozen)
+class TenantConfig:
+    """One tenant of a multi-LoRA run (``tenants:``): its own adapter, task, reward, prompt template and
+    sampling, trained on the shared base model (:mod:`miles.core.tenants`)."""
+
+    name: str
+    """The tenant's name: its adapter's name, its metrics' prefix (``tenant/<name>/``), its export directory."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Its task and reward, as under ``task:``; a task group option's name (``task: count``) reads
+    ``conf/task/<name>.yaml``."""
+    prompt_template: str = "{prompt}"
+    """Text around each of its prompts before the chat template; must contain ``{prompt}``."""
+    temperature: float | None = None
+    """Sampling of its rollouts; null: ``rollout.temperature`` (and likewise below)."""
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(**_frozen)
 class MilesConfig:
     """The whole run."""
 
@@ -466,6 +507,11 @@ class MilesConfig:
     """Weight-sync transport axis (``weight_sync=``)."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Schedule axis (``schedule=``): synchronous, one step off-policy or fully asynchronous."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """Adapter axis (``adapter=``): full fine-tuning or LoRA."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """Multi-LoRA tenants (needs ``adapter=lora``): each trains its own adapter on its own task every
+    step; empty: one policy on ``task``."""
     hooks: tuple[TargetConfig, ...] = ()
     """Hook chain (:mod:`miles.hooks`): objects called in list order at named points of the loop
     (``on_run_start``, ``after_rollout``, ``after_reward``, ``before_train``, ``after_train``,
@@ -487,6 +533,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "tracking": TrackingConfig,
     "weight_sync": WeightSyncConfig,
     "schedule": ScheduleConfig,
+    "adapter": AdapterConfig,
 }
 
 

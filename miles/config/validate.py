@@ -157,9 +157,26 @@ def validate(cfg: Any) -> MilesConfig:
             cfg = OmegaConf.to_container(cfg, resolve=True)
     except ImportError:  # pragma: no cover - omegaconf is a core dependency
         pass
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("tenants"), Sequence):
+        cfg = {**cfg, "tenants": [_tenant_task(t, i) for i, t in enumerate(cfg["tenants"])]}
     run = to_schema(MilesConfig, cfg)
     check_semantics(run)
     return run
+
+
+def _tenant_task(tenant: Any, i: int) -> Any:
+    """A tenant whose ``task`` names a task group option gets that option's YAML as its task."""
+    if not isinstance(tenant, Mapping) or not isinstance(tenant.get("task"), str):
+        return tenant
+    name = tenant["task"]
+    path = _conf_dir() / "task" / f"{name}.yaml"
+    if not path.is_file():
+        options = group_options("task")
+        raise ConfigError(f"tenants[{i}].task: no task option '{name}'{suggest(name, options)}; "
+                          f"options: {_options(options)}, or write the task as a mapping")
+    import yaml
+
+    return {**tenant, "task": yaml.safe_load(path.read_text())}
 
 
 def check_semantics(run: MilesConfig) -> None:
@@ -210,6 +227,8 @@ def check_semantics(run: MilesConfig) -> None:
     _check_algo_trainer_sync(run)
     _check_hooks(run)
     _check_schedule(run)
+    _check_adapter(run)
+    _check_tenants(run)
 
 
 FIXED_QUANT_BLOCK = {"mxfp8": 32, "nvfp4": 16}
@@ -304,6 +323,69 @@ def _check_hooks(run: MilesConfig) -> None:
         if h.partial:
             raise ConfigError(f"hooks[{i}]._partial_: a hook is an object whose methods are called at the loop's "
                               f"points, not a function to bind; remove _partial_ from '{h.target}'")
+
+
+def _check_adapter(run: MilesConfig) -> None:
+    """LoRA needs the backends that hold adapters (FSDP trainer, torch engine) and knobs in range."""
+    a = run.adapter
+    if a.kind == "none":
+        return
+    from miles.adapters.lora import check_adapter_config
+
+    try:
+        check_adapter_config(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not run.trainer.target.endswith("fsdp.FSDPTrainer"):
+        raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
+                          "with adapter=lora, or adapter=none")
+    if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
+        raise ConfigError(f"adapter=lora: the rollout engine {run.rollout.engine.target} does not take adapter-only "
+                          "weight updates; use rollout=torch with adapter=lora, or adapter=none")
+    if run.precision.true_on_policy:
+        raise ConfigError("adapter=lora with precision.true_on_policy=true: the exact single-sequence path runs the "
+                          "model without per-row adapters; use one of the two")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("adapter=lora needs peft: pip install 'miles-rl[lora]'") from None
+
+
+def _check_tenants(run: MilesConfig) -> None:
+    """Tenants are LoRA adapters on one base, trained by the synchronous loop; names fit metric keys."""
+    import re
+
+    if not run.tenants:
+        return
+    if run.adapter.kind != "lora":
+        raise ConfigError("tenants: each tenant trains its own LoRA adapter on the shared base; add adapter=lora")
+    names = [t.name for t in run.tenants]
+    for i, t in enumerate(run.tenants):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", t.name) or t.name == "default":
+            raise ConfigError(f"tenants[{i}].name: {t.name!r} must be letters, digits, '_' or '-' (it names a "
+                              "metric prefix and a directory), and not 'default'")
+        if names.count(t.name) > 1:
+            raise ConfigError(f"tenants[{i}].name: {t.name!r} is used by more than one tenant")
+        if "{prompt}" not in t.prompt_template:
+            raise ConfigError(f"tenants[{i}].prompt_template: must contain '{{prompt}}', found {t.prompt_template!r}")
+        if t.temperature is not None and t.temperature <= 0:
+            raise ConfigError(f"tenants[{i}].temperature: must be > 0, found {t.temperature}")
+        if t.top_p is not None and not 0.0 < t.top_p <= 1.0:
+            raise ConfigError(f"tenants[{i}].top_p: must be in (0, 1], found {t.top_p}")
+        if t.top_k is not None and t.top_k < 0:
+            raise ConfigError(f"tenants[{i}].top_k: must be >= 0, found {t.top_k}")
+        if t.max_new_tokens is not None and t.max_new_tokens < 1:
+            raise ConfigError(f"tenants[{i}].max_new_tokens: must be at least 1, found {t.max_new_tokens}")
+    if run.schedule.name != "sync":
+        raise ConfigError(f"tenants with schedule={run.schedule.name}: tenants are trained by the synchronous loop; "
+                          "use schedule=sync")
+    if run.algo.estimator == "gae":
+        raise ConfigError("tenants with algo.estimator=gae: one critic cannot serve several tenants' tasks; use a "
+                          "group estimator (e.g. algo=grpo)")
+    if run.trainer.save_every or run.trainer.resume_from is not None:
+        raise ConfigError("tenants with trainer.save_every / trainer.resume_from: run checkpoints do not hold the "
+                          "tenants' prompt streams yet; the adapters are exported at the end of the run "
+                          "(adapter.export_dir)")
 
 
 def _check_schedule(run: MilesConfig) -> None:

@@ -159,6 +159,10 @@ def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
     kwargs = dict(run.rollout.engine.kwargs)
     if run.algo.routing_replay == "rollout":
         kwargs["capture_routing"] = True
+    if run.adapter.kind != "none":  # the engines hold the trainer's adapters on the frozen base
+        kwargs["adapter"] = run.adapter
+        if run.tenants:  # one adapter per tenant, named after it
+            kwargs["adapter_names"] = tuple(t.name for t in run.tenants)
     return kwargs
 
 
@@ -254,7 +258,10 @@ def _constructor_args(run: MilesConfig, checkpoint_dir: str, trainer_pg: Placeme
                      checkpoint_dir=checkpoint_dir, run=run, num_threads=trainer_threads, device=dev)
                 for r in range(p.trainer_world_size)]
 
-    return _Args(engines=engines, trainers=ranks(), critics=ranks() if run.algo.estimator == "gae" else [])
+    trainers = ranks()
+    if run.tenants:  # one adapter per tenant, named after it (as in the engines)
+        trainers = [dict(r, adapter_names=tuple(t.name for t in run.tenants)) for r in trainers]
+    return _Args(engines=engines, trainers=trainers, critics=ranks() if run.algo.estimator == "gae" else [])
 
 
 def _ready(run: MilesConfig, actors: Actors, *, reused: bool) -> Actors:

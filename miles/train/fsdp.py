@@ -54,6 +54,7 @@ as its own no-grad passes. Every method that runs the model is collective: all r
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -64,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.adapters import lora
 from miles.algos.logprobs import token_logprobs
 from miles.config.build import build
 from miles.config.schema import MilesConfig
@@ -144,6 +146,7 @@ class FSDPTrainer(FSDPRank):
         run: MilesConfig,
         num_threads: int = 0,
         device: str = "cpu",
+        adapter_names: tuple[str, ...] = ("default",),
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -159,10 +162,17 @@ class FSDPTrainer(FSDPRank):
         if not self.sharded and rank == 0:
             log.info("trainer: one fp32 rank, so fully_shard is skipped (sharding over one rank is the identity)")
 
+        # adapter=lora: the policy is the frozen checkpoint plus peft LoRA adapters (one per name), and only
+        # the adapters train; the reference model is the checkpoint alone, which is what the policy starts as
+        self.adapter_names: tuple[str, ...] = adapter_names if run.adapter.kind == "lora" else ()
+
         def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
             quantize_train_forward(model, run.precision)  # precision.train_quant: QAT through an STE
+            if trainable and self.adapter_names:  # after the QAT wrap: the base layers serve quantized, adapters not
+                torch.manual_seed(run.seed)  # the same adapter init on every rank
+                model = lora.add_adapters(model, run.adapter, self.adapter_names, trainable=True)
             checkpointed = checkpoint_activations if trainable and t.activation_checkpointing else None
             return self._shard(model, set(getattr(model, "_no_split_modules", None) or []),
                                sharded=self.sharded, per_layer=checkpointed)
@@ -178,16 +188,27 @@ class FSDPTrainer(FSDPRank):
         replay = run.algo.routing_replay == "rollout"
         self.replays = {id(m): RouteReplay(m, replay=replay) for m in (self.model, self.ref_model)
                         if m is not None and find_routers(m)}
-        self.keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        hf_model = self.model.get_base_model() if self.adapter_names else self.model  # peft passes kwargs through
+        self.keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
         # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache);
         # replayed routes are per position of the whole sequence, so replay runs unshared passes
         share = (t.shared_prompt_forward and self.keeps_logits and not t.activation_checkpointing
                  and not replay and not run.precision.true_on_policy)
-        self.cache_kw = cache_keyword(self.model) if share else None
+        self.cache_kw = cache_keyword(hf_model) if share else None
         # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
         # faster on a sharded tiny model); plain tensors on CPU keep torch's default
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
+        # (adapter=lora: the adapters' parameters only, at adapter.lr; the frozen base has no optimizer state)
+        self.tenant_params = {n: list(lora.adapter_parameters(self.model, n).values()) for n in self.adapter_names}
+        params: Any = ([{"params": ps} for ps in self.tenant_params.values()] if self.adapter_names
+                       else self.model.parameters())
+        lr = run.adapter.lr if self.adapter_names and run.adapter.lr is not None else t.lr
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas,
                                            weight_decay=t.weight_decay, foreach=True if self.sharded else None)
+        trainable, total = lora.trainable_share(self.model)
+        self.trainable_frac = trainable / total
+        if self.adapter_names and rank == 0:
+            log.info("trainer: LoRA adapters %s train %d of %d parameters (%.2f%%)", list(self.adapter_names),
+                     trainable, total, 100 * trainable / total)
         # linear warmup over the first optimizer steps: Adam's first updates are ~lr * sign(g) in every
         # coordinate, which on a noisy policy gradient undoes part of what the warm start taught
         self.scheduler = lr_scheduler(self.optimizer, run)
@@ -339,49 +360,96 @@ class FSDPTrainer(FSDPRank):
 
     # --- public API --------------------------------------------------------------------------------
 
+    def _tenants(self, batch: TrainBatch) -> list[tuple[str | None, TrainBatch]]:
+        """The batch per adapter it trains: ``[(None, batch)]`` unless its samples name adapters
+        (multi-LoRA tenants), then ``[(name, its samples)]`` in the trainer's adapter order."""
+        if batch.adapters is None:
+            return [(None, batch)]
+        unknown = sorted(set(batch.adapters) - set(self.adapter_names))
+        if unknown:
+            raise ValueError(f"train_step: samples name adapters {unknown} this trainer does not hold "
+                             f"({list(self.adapter_names)})")
+        return [(name, batch.select([i for i, a in enumerate(batch.adapters) if a == name]))
+                for name in self.adapter_names if name in batch.adapters]
+
+    def _use(self, adapter: str | None) -> Any:
+        """Forwards (and the backwards that recompute them) through adapter ``adapter`` for every row."""
+        return lora.rows_use(self.model, adapter) if adapter is not None else contextlib.nullcontext()
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on ``batch`` (the full batch; every rank gets the same). Collective.
 
         Returns the same metrics dict on every rank (all-reduced; mini-batch values averaged).
+
+        Multi-LoRA tenants (``batch.adapters`` set): each adapter's samples are a batch of their own,
+        through their own adapter (round robin within the step): their own loss normalization,
+        gradient clipping and non-finite check; the one optimizer step per mini-batch then moves every
+        adapter that has gradients, and an adapter without samples or gradients is left as it was (its
+        Adam state included). Metrics come per adapter as ``tenant/<name>/train/...``.
         """
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
         policy_replay = self.replays.get(id(self.model))
         if policy_replay is not None:
             policy_replay.take_agreement()  # count this step's passes only
-        plans, counts, old_logps, ref_logps = self._prepare(batch, num_mb)
+        tenants = self._tenants(batch)
+        prepared = []
+        for name, sub in tenants:  # every proximal log-prob comes before the first update
+            with self._use(name):
+                prepared.append(self._prepare(sub, num_mb))
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
-        sums: dict[str, torch.Tensor] = {}
-        skipped, grad_norms = 0, []
+        sums: list[dict[str, torch.Tensor]] = [{} for _ in tenants]
+        skipped, grad_norms = [0] * len(tenants), [[] for _ in tenants]
         max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
-        for m, plan in enumerate(plans):
-            loss_sum = self._backward(plan, counts[m], old_logps[m], ref_logps[m], sums, 1.0 / num_mb)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            global_loss = self._all_reduce(loss_sum)
-            if torch.isfinite(global_loss) and torch.isfinite(grad_norm):
+        for m in range(num_mb):
+            stepped = False
+            for t, (name, _) in enumerate(tenants):
+                plans, counts, old_logps, ref_logps = prepared[t]
+                if name is not None and float(counts[m, 0]) == 0:  # no loss token (e.g. its reward failed)
+                    skipped[t] += 1
+                    continue
+                with self._use(name):
+                    loss_sum = self._backward(plans[m], counts[m], old_logps[m], ref_logps[m], sums[t], 1.0 / num_mb)
+                params = self.model.parameters() if name is None else self.tenant_params[name]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                global_loss = self._all_reduce(loss_sum)
+                if torch.isfinite(global_loss) and torch.isfinite(grad_norm):
+                    stepped = True
+                else:
+                    skipped[t] += 1
+                    if name is not None:  # this adapter sits the update out; the others take it
+                        for p in self.tenant_params[name]:
+                            p.grad = None
+                grad_norms[t].append(grad_norm.detach().float())
+            if stepped:
                 self.optimizer.step()
                 self.scheduler.step()
-            else:
-                skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm.detach().float())
 
-        names = sorted(sums)
-        reduced = self._all_reduce(torch.stack([sums[k] for k in names]))
-        out = {k: float(v) for k, v in zip(names, reduced.tolist(), strict=True)}
-        out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
-        out["train/nonfinite_skipped"] = float(skipped)
+        out: dict[str, float] = {}
+        for t, (name, _) in enumerate(tenants):
+            plans, counts = prepared[t][0], prepared[t][1]
+            names = sorted(sums[t])
+            reduced = self._all_reduce(torch.stack([sums[t][k] for k in names])) if names else torch.zeros(0)
+            mine = {k: float(v) for k, v in zip(names, reduced.tolist(), strict=True)}
+            mine["train/grad_norm"] = float(torch.stack(grad_norms[t]).mean()) if grad_norms[t] else 0.0
+            mine["train/nonfinite_skipped"] = float(skipped[t])
+            mine["train/num_tokens"] = float(counts[:, 0].sum())
+            mine["train/num_microbatches"] = float(sum(len(plan.micro) for plan in plans))
+            out |= mine if name is None else {f"tenant/{name}/{k}": v for k, v in mine.items()}
+        if tenants[0][0] is not None:  # totals over the adapters
+            out["train/num_tokens"] = sum(out[f"tenant/{n}/train/num_tokens"] for n, _ in tenants)
+            out["train/num_microbatches"] = sum(out[f"tenant/{n}/train/num_microbatches"] for n, _ in tenants)
         out["train/lr"] = lr_used
-        out["train/num_tokens"] = float(counts[:, 0].sum())
-        out["train/num_microbatches"] = float(sum(len(plan.micro) for plan in plans))
+        out["train/trainable_param_frac"] = self.trainable_frac  # of the policy's parameters (LoRA: the adapters')
         if policy_replay is not None:
             agree, total = self._all_reduce(torch.stack(policy_replay.take_agreement()).to(self.device)).tolist()
             if total > 0:  # share of recorded (token, layer, slot) routes the trainer's own top-k also chose
                 out["moe/route_agreement"] = agree / total
         # padded token positions every rank's passes computed, against train/num_tokens (the loss tokens)
-        out["perf/train_forward_tokens"] = float(self._all_reduce(
-            torch.tensor([float(sum(plan.forward_tokens() for plan in plans))], device=self.device)))
+        out["perf/train_forward_tokens"] = float(self._all_reduce(torch.tensor(
+            [float(sum(plan.forward_tokens() for p in prepared for plan in p[0]))], device=self.device)))
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
         out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
@@ -410,11 +478,39 @@ class FSDPTrainer(FSDPRank):
 
     def send_weights(self, sender: Any, version: int) -> Any:
         """Collective. Rank 0 hands the full state dict to ``sender.send(state_dict, version)`` and returns
-        what it returns (:mod:`miles.weights.sync`); other ranks return None."""
+        what it returns (:mod:`miles.weights.sync`); other ranks return None. With LoRA adapters it sends
+        their tensors only (:func:`miles.adapters.lora.sync_state`)."""
+        if self.adapter_names:  # LoRA: the adapters' tensors only; the engines hold the same frozen base
+            sd = lora.sync_state(self.model, self.adapter_names)
+            return sender.send(sd, version) if self.rank == 0 else None
         if not self.sharded:  # one unsharded rank: its live tensors, which ``send`` copies before returning
             return sender.send({k: v.detach() for k, v in self.model.state_dict().items()}, version)
         sd = self.full_state_dict()
         return None if sd is None else sender.send(sd, version)
+
+    def trainable_parameters(self) -> dict[str, int]:
+        """``{"trainable": ..., "total": ...}`` parameter counts of the policy (full sizes)."""
+        trainable, total = lora.trainable_share(self.model)
+        return {"trainable": trainable, "total": total}
+
+    def export_adapters(self, directory: str) -> list[str]:
+        """Collective. Write every LoRA adapter in PEFT format to ``directory/<name>``; rank 0 returns the
+        paths, other ranks an empty list (:func:`miles.adapters.lora.export_adapter`)."""
+        if not self.adapter_names:
+            raise ValueError("export_adapters: this trainer trains no adapters (adapter=none)")
+        paths = []
+        for name in self.adapter_names:
+            state = lora.adapter_state(self.model, name)  # collective when sharded
+            if self.rank == 0:
+                paths.append(str(lora.export_adapter(f"{directory}/{name}", state, self.run.adapter,
+                                                     base_model=self.run.model.path)))
+        return paths
+
+    def save_state(self, directory: str) -> None:
+        """Collective. :meth:`FSDPRank.save_state`, plus the adapters in PEFT format under ``directory/adapters``."""
+        super().save_state(directory)
+        if self.adapter_names:
+            self.export_adapters(f"{directory}/adapters")
 
     def compute_gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
         """Collective. The gradient of the objective on ``batch`` as one mini-batch, without an update.
