@@ -150,9 +150,16 @@ def run_job(
     torch.manual_seed(run.seed)
     check_fits_locally(run)
     parts = build_components(run)
-    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
+    tenant_tasks = _tenant_tasks(run)
+    base_task = parts["task"]
+    if tenant_tasks:  # the tiny model is built for every tenant's task (tokenizer corpus, warm start)
+        from miles.core.tenants import MixedTask
+
+        base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
+    checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tracker = hooks = actors = rollout = reward = transport = None
+    tenant_parts: list[Any] = []  # (manager, reward runner) of each tenant, closed at the end
     started_ray = False
     status = "FAILED"
     try:  # from here on a failure ends the tracking run as FAILED, never leaves it RUNNING
@@ -181,7 +188,28 @@ def run_job(
             save_dir=save_dir, hooks=hooks,
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
         )
-        final = train(ctx)
+        if run.tenants:
+            from miles.core.tenants import Tenant, tenant_run, train_tenants
+
+            tenants = []
+            for t, task in zip(run.tenants, tenant_tasks, strict=True):
+                trun = tenant_run(run, t)
+                t_reward = RewardRunner(trun.task.reward, allow=run.plugins.allow, timeout_s=trun.task.reward_timeout_s,
+                                        num_workers=trun.task.reward_num_workers, kind=trun.task.reward_kind)
+                manager = RolloutManager(actors.engines, tokenizer, t_reward, config=trun.rollout,
+                                         generate_fn=parts["generate_fn"], filters=parts["filters"], adapter=t.name,
+                                         prompt_template=t.prompt_template)
+                tenant_parts.append((manager, t_reward))
+                tenants.append(Tenant(name=t.name, run=trun, task=task, rollout=manager))
+            ctx.rollout = tenants[0].rollout
+            final = train_tenants(ctx, tenants)
+        else:
+            final = train(ctx)
+        if run.adapter.kind != "none":  # the trained adapters, loadable by peft and SGLang (--lora-paths)
+            export = run.adapter.export_dir or (str(Path(output_dir) / "adapters") if output_dir else None)
+            if export is not None:
+                paths = [p for r in ray.get([t.export_adapters.remote(export) for t in actors.trainers]) for p in r]
+                log.info("LoRA adapters (PEFT format): %s", ", ".join(paths))
         final["perf/wall_time_s"] = time.perf_counter() - t_start
         hooks.on_run_end(final, "FINISHED")
         # at the run's last step: num_steps, or the step a hook stopped it at
@@ -202,6 +230,9 @@ def run_job(
                                      args=(status,), name="miles-tracking-finish")
         finishing.start()
         try:
+            for manager, t_reward in tenant_parts:
+                manager.close()
+                t_reward.close()
             if rollout is not None:
                 rollout.close()
             if transport is not None:
@@ -219,6 +250,18 @@ def run_job(
                 ray.shutdown()
         finally:
             finishing.join()
+
+
+def _tenant_tasks(run: MilesConfig) -> list[Any]:
+    """Each tenant's task object (``tenants[i].task.source``), its data read now (errors name the tenant)."""
+    allow, out = run.plugins.allow, []
+    for i, t in enumerate(run.tenants):
+        key = f"tenants[{i}].task.source"
+        task = _user_input(key, lambda t=t, key=key: build(t.task.source, allow=allow, key=f"{key}._target_"), DataError)
+        build(t.task.reward, allow=allow, key=f"tenants[{i}].task.reward._target_")  # the allowlist, before Ray
+        _user_input(f"tenants[{i}].task", lambda t=t, task=task: task.eval_problems(t.task.num_eval_prompts), DataError)
+        out.append(task)
+    return out
 
 
 def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, float], int], None]:

@@ -56,7 +56,9 @@ def checkpoint_key(run: MilesConfig, spec: ModelSpec) -> str:
         "transformers": transformers.__version__,
         "spec": {"name": spec.name, "flavor": spec.flavor, "hf_config": spec.hf_config.to_dict()},
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs),
-                 "files": _file_digests(run.task.source.kwargs)},
+                 "files": _file_digests(run.task.source.kwargs)} if not run.tenants else [
+            {"target": t.task.source.target, "kwargs": dict(t.task.source.kwargs),
+             "files": _file_digests(t.task.source.kwargs), "template": t.prompt_template} for t in run.tenants],
         "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
         "warm_start": {"steps": ws.steps, "batch_size": ws.batch_size, "lr": ws.lr,
                        "max_tokens_per_microbatch": ws.max_tokens_per_microbatch},

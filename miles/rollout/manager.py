@@ -19,6 +19,7 @@ generation) by a :class:`miles.rewards.RewardRunner` (worker processes with a de
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -36,7 +37,7 @@ from miles.rollout.dispatch import AllEnginesDeadError, EnginePool, EngineReques
 from miles.rollout.filters import first_rejection
 from miles.rollout.generate import GenerateContext, single_turn
 from miles.rollout.protocols import check_group
-from miles.types import Problem, Sample, SamplingParams, Status
+from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class RolloutManager:
         config: RolloutConfig | None = None,
         generate_fn: Callable[..., Any] = single_turn,
         filters: Sequence[Callable[[Sequence[Sample]], tuple[bool, str]]] = (),
+        adapter: str | None = None,
+        prompt_template: str = "{prompt}",
     ) -> None:
         if getattr(reward, "kind", None) not in ("sample", "group"):
             raise TypeError(
@@ -123,6 +126,11 @@ class RolloutManager:
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
         self.reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward")
         self.left_out: dict[int, str] = {}  # groups the last collect() generated but left out of its batch
+        # multi-LoRA tenants: every request names this adapter and every sample records it; the template
+        # wraps each prompt's text before the chat template (rewards still see the task's prompt)
+        self.adapter, self.prompt_template = adapter, prompt_template
+        if "{prompt}" not in prompt_template:
+            raise ValueError(f"prompt_template must contain '{{prompt}}', found {prompt_template!r}")
 
     @property
     def live_engines(self) -> list[Any]:
@@ -135,7 +143,7 @@ class RolloutManager:
         """Chat-templated prompt ids (cached: the same prompt text always gives the same ids)."""
         ids = self._prompt_cache.get(prompt)
         if ids is None:
-            ids = tuple(encode_prompt(self.tokenizer, prompt))
+            ids = tuple(encode_prompt(self.tokenizer, self.prompt_template.replace("{prompt}", prompt)))
             self._prompt_cache[prompt] = ids
         return ids
 
@@ -145,9 +153,23 @@ class RolloutManager:
     ) -> list[Sample]:
         """Run generate function ``fn`` for one prompt (raw: its exceptions propagate)."""
         dispatch = dispatch or self.pool.session()
+        generate = dispatch.generate
+        if self.adapter is not None:
+            adapter = self.adapter
+
+            async def generate(request: GenerateRequest, sampling: SamplingParams | None) -> list[GenerateResult]:
+                if request.adapter is None:
+                    request = dataclasses.replace(request, adapter=adapter)
+                return await dispatch.generate(request, sampling)
+
         ctx = GenerateContext(group_id=group_id, n=n, seed=seed, tokenizer=self.tokenizer,
-                              _generate=dispatch.generate, _encode=self.encode)
-        return await fn(ctx, problem, sampling)
+                              _generate=generate, _encode=self.encode)
+        samples = await fn(ctx, problem, sampling)
+        if self.adapter is not None and isinstance(samples, list):
+            for s in samples:
+                if isinstance(s, Sample):
+                    s.adapter = self.adapter
+        return samples
 
     async def _group(
         self, dispatch: Session, scorer: _Scorer, problem: Problem, n: int, sampling: SamplingParams,
@@ -193,7 +215,8 @@ class RolloutManager:
     def _failed_group(self, problem: Problem, n: int, group_id: int, reason: str) -> list[Sample]:
         prompt_ids = list(self.encode(problem.prompt))
         return [Sample(group_id=group_id, index=i, prompt_ids=prompt_ids, response_ids=[], rollout_logprobs=[],
-                       loss_mask=[], status=Status.FAILED, weight_version=-1, label=problem.label, failure=reason)
+                       loss_mask=[], status=Status.FAILED, weight_version=-1, label=problem.label, failure=reason,
+                       adapter=self.adapter)
                 for i in range(n)]
 
     def _score(self, batch: list[tuple[list[Sample], Problem]]) -> None:
