@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_ranks import Group, hf_logprobs, hf_model_from, local_trainer, rl_batch
+from fsdp_ranks import Group, free_port, hf_logprobs, hf_model_from, local_trainer, rl_batch
 
 from miles.adapters import lora
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.config.validate import ConfigError, validate
 from miles.rollout.torch_engine import TorchEngine
+from miles.train.fsdp import FSDPTrainer
 from miles.types import GenerateRequest, SamplingParams
 
 pytest.importorskip("peft")
@@ -172,3 +173,73 @@ def test_config_errors(overrides: dict, match: str) -> None:
         cfg[k] = cfg.get(k, {}) | v
     with pytest.raises(ConfigError, match=match):
         validate(cfg)
+
+
+def test_an_adapters_samples_never_move_another_adapter(tiny_qwen3_dir, hf_model):
+    run = validate(LORA)
+    batch = rl_batch(hf_model)
+    trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                          checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1, adapter_names=("a", "b"))
+    try:
+        start = {n: lora.adapter_state(trainer.model, n) for n in ("a", "b")}
+        # a batch of a's samples only: b keeps its weights and gets no optimizer state
+        metrics = trainer.train_step(dataclasses.replace(batch, adapters=["a"] * len(batch)))
+        assert metrics["tenant/a/train/num_tokens"] == sum(map(sum, batch.loss_mask))
+        assert not any(k.startswith("tenant/b/") for k in metrics)
+        a1, b1 = (lora.adapter_state(trainer.model, n) for n in ("a", "b"))
+        assert max((a1[k] - start["a"][k]).abs().max().item() for k in a1) > 1e-4
+        assert all(torch.equal(b1[k], start["b"][k]) for k in b1)
+        assert not any(trainer.optimizer.state.get(p) for p in trainer.tenant_params["b"])
+        # both in one batch, b's samples with no loss token (as when its reward failed): b sits it out
+        half = len(batch) // 2
+        mixed = dataclasses.replace(batch, adapters=["a"] * half + ["b"] * half,
+                                    loss_mask=batch.loss_mask[:half] + [[0] * len(m) for m in batch.loss_mask[half:]])
+        metrics = trainer.train_step(mixed)
+        assert metrics["tenant/b/train/num_tokens"] == 0 and metrics["tenant/a/train/num_tokens"] > 0
+        a2, b2 = (lora.adapter_state(trainer.model, n) for n in ("a", "b"))
+        assert max((a2[k] - a1[k]).abs().max().item() for k in a2) > 1e-4
+        assert all(torch.equal(b2[k], start["b"][k]) for k in b2)
+        # a's samples through b: the same samples move b, and a no more
+        trainer.train_step(dataclasses.replace(batch, adapters=["b"] * len(batch)))
+        a3, b3 = (lora.adapter_state(trainer.model, n) for n in ("a", "b"))
+        assert all(torch.equal(a3[k], a2[k]) for k in a3)
+        assert max((b3[k] - b2[k]).abs().max().item() for k in b3) > 1e-4
+        with pytest.raises(ValueError, match=r"adapters \['c'\]"):
+            trainer.train_step(dataclasses.replace(batch, adapters=["c"] * len(batch)))
+    finally:
+        trainer.shutdown()
+
+
+def test_tenants_train_their_own_adapters_and_a_broken_reward_stops_only_its_tenant(ray_cluster, tmp_path):
+    """Two tenants end to end: 'ok' (reward varies within every group) trains, 'broken' (its reward raises
+    on every call) sits every update out; the run finishes and exports both adapters."""
+    from miles.core.run import run_job
+
+    parity = {"_target_": "plugin_rewards.length_parity", "_partial_": True}
+    raises = {"_target_": "plugin_rewards.always_raises", "_partial_": True}
+    cfg = {
+        "seed": 1, "tracking": {"backend": "none"}, "plugins": {"allow": ["plugin_rewards."]},
+        "warm_start": {"steps": 20}, "trainer": {"num_steps": 3, "eval_every": 0},
+        "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
+        "adapter": {"kind": "lora", "rank": 4, "alpha": 8.0, "export_dir": str(tmp_path / "adapters")},
+        "tenants": [
+            {"name": "ok", "task": {"reward": parity, "reward_timeout_s": 0, "num_eval_prompts": 8}},
+            {"name": "broken", "prompt_template": "Count: {prompt}", "max_new_tokens": 6,
+             "task": {"name": "count", "source": {"_target_": "miles.tasks.count.CountTask", "max_span": 4},
+                      "reward": raises, "reward_timeout_s": 0, "num_eval_prompts": 8}},
+        ],
+    }
+    seen: dict[int, dict] = {}
+    final = run_job(validate(cfg), resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, m))
+    assert sorted(seen) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        m = seen[step]
+        assert m["tenant/ok/train/num_tokens"] > 0 and m["tenant/broken/train/num_tokens"] == 0
+        assert m["tenant/broken/rollout/failed"] == 16 and m["tenant/ok/rollout/failed"] == 0
+        assert m["weight_sync/bytes"] > 0
+    assert {"tenant/ok/eval/accuracy", "tenant/broken/eval/accuracy", "eval/accuracy"} <= set(final)
+    ok = lora.load_adapter_file(tmp_path / "adapters" / "ok")
+    broken = lora.load_adapter_file(tmp_path / "adapters" / "broken")
+    lora_b = [k for k in ok if ".lora_B." in k]
+    assert lora_b and max(ok[k].abs().max().item() for k in lora_b) > 0  # B starts at zero: ok trained
+    assert all(broken[k].abs().max().item() == 0 for k in lora_b)  # broken never moved

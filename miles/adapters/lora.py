@@ -182,10 +182,12 @@ def export_adapter(directory: str | Path, state: dict[str, torch.Tensor], cfg: A
 
     ``state``: ``{PEFT key: tensor}`` (:func:`adapter_state`). The directory is written under a
     temporary name and renamed, so a reader never sees half an adapter. ``peft.PeftModel.from_pretrained``
-    loads it, and so does SGLang's ``--lora-paths``: its loader (``sglang/srt/lora/lora_config.py``
-    and ``lora.py``) reads ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``) and
-    the ``adapter_model.safetensors`` weights named ``...<module>.lora_A.weight`` /
-    ``...<module>.lora_B.weight``, which is this layout.
+    loads it (``tests/test_lora.py`` checks the logits). SGLang's ``--lora-paths`` expects the same
+    layout: ``sglang/srt/lora/lora_config.py`` reads ``adapter_config.json`` (``r``, ``lora_alpha``,
+    ``target_modules``, ``rank_pattern``, ``alpha_pattern``, ``use_dora``) and ``sglang/srt/lora/lora.py``
+    the safetensors weights of the directory, named ``...<module>.lora_A.weight`` /
+    ``...<module>.lora_B.weight``. Loading into an SGLang server has not been run (its LoRA kernels
+    need a GPU).
     """
     from safetensors.torch import save_file
 
