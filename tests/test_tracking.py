@@ -343,3 +343,16 @@ def test_a_run_that_fails_to_start_ends_failed_not_running(tmp_path: Path, store
     client = MlflowClient(store)
     (found,) = client.search_runs([client.get_experiment_by_name("start-fails").experiment_id])
     assert found.info.status == "FAILED"
+
+
+def test_tenant_curves_are_drawn_per_tenant(tmp_path) -> None:
+    from miles.tracking.plots import History, write_plots
+
+    history = History()
+    for step in range(4):
+        history.add({"tenant/a/train/reward_mean": 0.1 * step, "tenant/b/train/reward_mean": 0.2}, step)
+        if step % 2 == 0:
+            history.add({"tenant/a/eval/accuracy": 0.5, "tenant/b/eval/accuracy": 0.3 + 0.1 * step}, step)
+    written = {p.name for p in write_plots(history, tmp_path)}
+    assert "tenants.png" in written and (tmp_path / "tenants.png").stat().st_size > 0
+    assert "tenants.png" not in {p.name for p in write_plots(History(), tmp_path / "none")}

@@ -137,8 +137,10 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
             groups += got
             metrics |= {f"tenant/{t.name}/{k}": v for k, v in m.items()}
             samples = [s for g in got for s in g]
-            failed = sum(s.failure is not None for s in samples)
-            if failed == len(samples):
+            scored = [s.reward for s in samples if s.failure is None]
+            if scored:
+                metrics[f"tenant/{t.name}/train/reward_mean"] = sum(scored) / len(scored)
+            if not scored:
                 log.warning("step %d: every sample of tenant %s failed (%s); it sits this update out", step,
                             t.name, samples[0].failure if samples else "no samples")
         hooks.after_rollout(step, groups)

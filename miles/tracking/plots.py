@@ -7,6 +7,8 @@ Plots (matplotlib, Agg backend, written to ``plots/`` in the run's artifacts):
   next to it ``eval/accuracy`` (and ``eval/greedy_accuracy``) per evaluation step.
 - ``response_length.png``: the distribution of response lengths per step (quantile bands and median)
   when per-sample lengths were given, else ``rollout/response_len_mean`` per step.
+- ``tenants.png`` (multi-LoRA tenants): each tenant's ``tenant/<name>/train/reward_mean`` per step and
+  ``tenant/<name>/eval/accuracy`` per evaluation.
 - ``phase_times.png``: seconds per phase per step, stacked (``perf/rollout_s``, ``perf/train_s``,
   ``perf/sync_s`` and ``perf/eval_s`` where logged).
 
@@ -138,6 +140,23 @@ def write_plots(history: History, dest: Path) -> list[Path]:
         ax.set(title="response length (tokens)", xlabel="step")
         ax.legend(fontsize=7)
         save(fig, "response_length.png")
+
+    tenants = sorted({k.split("/")[1] for k in history.scalars
+                      if k.startswith("tenant/") and k.endswith("/eval/accuracy")})
+    if tenants:  # multi-LoRA tenants (miles.core.tenants): one curve per tenant
+        fig = Figure(figsize=(11, 4))
+        ax1, ax2 = fig.subplots(1, 2)
+        for i, name in enumerate(tenants):
+            r_steps, r_mean = history.series(f"tenant/{name}/train/reward_mean")
+            if r_steps:
+                ax1.plot(r_steps, r_mean, color=f"C{i}", label=name)
+            e_steps, e_acc = history.series(f"tenant/{name}/eval/accuracy")
+            ax2.plot(e_steps, e_acc, marker="o", color=f"C{i}", label=name)
+        ax1.set(title="reward per tenant", xlabel="step")
+        ax2.set(title="eval accuracy per tenant", xlabel="step", ylim=(-0.02, 1.02))
+        ax1.legend(fontsize=7)
+        ax2.legend(fontsize=7)
+        save(fig, "tenants.png")
 
     phases = [k for k in PHASES if k in history.scalars]
     if phases:
