@@ -49,7 +49,7 @@ def server(checkpoint: Path):
     engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     generate, version = engine_backend(engine)
-    app = create_app(generate, tok, weight_version=version, token=TOKEN)
+    app = create_app(generate, tok, weight_version=version, token=TOKEN, control=engine)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -199,3 +199,60 @@ def test_a_failed_turn_retried_does_not_duplicate_tokens(server) -> None:
     held = _post(f"{server.url}/sessions/retry")[1]
     assert held["turns"] == 1 and held["prompt_ids"] == out["choices"][0]["prompt_token_ids"]
     assert held["response_ids"] == out["choices"][0]["output_token_ids"] and all(held["loss_mask"])
+
+
+def test_openai_completions_take_text_or_token_ids(server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN)
+    prompt = list(server.tok.encode("what is 3 plus 4?", add_special_tokens=False))
+    (want,) = server.engine.generate([GenerateRequest(request_id="c", prompt_ids=tuple(prompt), seed=5)],
+                                     SamplingParams(max_new_tokens=5))
+    for sent in ("what is 3 plus 4?", prompt):  # text is encoded as it is (no chat template); ids are used as sent
+        out = client.completions.create(model="tiny", prompt=sent, max_tokens=5, seed=5, temperature=1.0)
+        choice = out.choices[0].model_dump()
+        assert choice["prompt_token_ids"] == prompt
+        assert choice["output_token_ids"] == list(want.response_ids)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(list(want.logprobs), abs=1e-6)
+        assert choice["text"] == server.tok.decode(list(want.response_ids), skip_special_tokens=True)
+        assert out.usage.completion_tokens == len(want.response_ids)
+    assert _post(f"{server.url}/v1/completions", {"prompt": []})[0] == 422
+    assert _post(f"{server.url}/v1/completions", {"prompt": "x", "n": 2})[0] == 422
+
+
+def test_control_endpoints_pause_resume_and_update_weights(server, checkpoint: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    prompt = list(server.tok.encode("what is 2 plus 2?", add_special_tokens=False))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    before = _post(f"{server.url}/generate", body)[1]["meta_info"]["output_token_logprobs"]
+    # paused: a request waits; resumed: it completes
+    assert _post(f"{server.url}/pause", {}) == (200, {"paused": True})
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_post, f"{server.url}/generate", body)
+        time.sleep(1.0)
+        assert not pending.done(), "a paused engine must not decode"
+        assert _post(f"{server.url}/resume", {}) == (200, {"paused": False})
+        assert pending.result(timeout=60)[0] == 200
+    # new weights from a directory of safetensors, as a new version
+    state = {k: v * 1.01 if v.is_floating_point() else v for k, v in server.engine.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    try:
+        code, out = _post(f"{server.url}/update_weights", {"path": str(tmp_path), "version": 7})
+        assert code == 200 and out["weight_version"] == 7 and out["bytes"] > 0
+        assert _post(f"{server.url}/weight_version") == (200, {"weight_version": 7})
+        after = _post(f"{server.url}/generate", body)[1]["meta_info"]
+        assert after["weight_version"] == 7 and after["output_token_logprobs"] != before
+        # refused with nothing applied: a directory without safetensors, a bad body
+        assert _post(f"{server.url}/update_weights", {"path": str(tmp_path / "none"), "version": 8})[0] == 422
+        assert _post(f"{server.url}/update_weights", {"path": str(tmp_path)})[0] == 422
+        assert _post(f"{server.url}/weight_version") == (200, {"weight_version": 7})
+    finally:  # the module's other tests expect the checkpoint's weights
+        server.engine.update_weights(
+            {k: v for k, v in server.engine.state_dict().items()} | _checkpoint_state(checkpoint), 0)
+
+
+def _checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))

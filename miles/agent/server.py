@@ -19,6 +19,15 @@ Endpoints:
   server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
   user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
   the assistant turns it holds are the sampled ids, whatever text the client sends back for them;
+- ``POST /v1/completions`` (OpenAI-compatible, ``n`` = 1): ``prompt`` is a string (encoded as it is,
+  no chat template) or a list of token ids (used as they are: token in, token out); the choice carries
+  ``text``, ``logprobs`` (``tokens``, ``token_logprobs``) and the ids (``prompt_token_ids``,
+  ``output_token_ids``, ``output_logprobs``);
+- control, for a trainer driving the server (served when :func:`create_app` gets a ``control``, the
+  engine): ``POST /pause`` (no further decode steps; requests in flight keep their place),
+  ``POST /resume``, ``POST /update_weights`` with ``{"path": DIR, "version": N}`` (the ``*.safetensors``
+  of ``DIR``, read without unpickling, applied between two decode steps; ``"adapter": NAME`` for a
+  PEFT adapter directory on an engine serving adapters), ``GET /weight_version``;
 - ``GET /sessions/{id}``: the session's ``prompt_ids``, ``response_ids``, ``logprobs``, ``loss_mask``
   (1 on sampled tokens), turns, status and template drift; ``DELETE /sessions/{id}`` forgets it.
 
@@ -121,6 +130,26 @@ def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
                            for i, c in enumerate(calls)]}
 
 
+def load_weights_dir(path: str, adapter: str | None = None) -> dict[str, Any]:
+    """The tensors of every ``*.safetensors`` file in ``path`` (safetensors only: nothing is unpickled);
+    with ``adapter``, named as an adapter-only update of that adapter (:mod:`miles.adapters.lora`)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"path: no *.safetensors file in {path!r}")
+    state: dict[str, Any] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if adapter is not None:
+        from miles.adapters.lora import SYNC_PREFIX
+
+        state = {f"{SYNC_PREFIX}{adapter}:{k}": v for k, v in state.items()}
+    return state
+
+
 def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
     """``(generate, weight_version)`` of :func:`create_app` for an in-process engine (batched calls)."""
     batcher = _Batcher(engine)
@@ -132,9 +161,11 @@ def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
 
 
 def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[], int] = lambda: -1,
-               token: str | None = None) -> Any:
+               token: str | None = None, control: Any = None) -> Any:
     """The FastAPI app. ``generate(request, session_id)`` completes one request (``session_id`` is the
-    chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`)."""
+    chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`).
+    ``control``: an engine with ``pause``, ``resume`` and ``update_weights`` for the control endpoints
+    (None: they answer 501)."""
     app = FastAPI(title="miles rollout")
     ids = itertools.count()
     sessions: dict[str, Session] = {}
@@ -199,6 +230,65 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
                              "output_logprobs": list(r.logprobs)}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(r.response_ids),
                           "total_tokens": len(prompt) + len(r.response_ids)}}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+        if int(body.get("n", 1)) != 1:
+            raise HTTPException(422, "n: only 1 is supported")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]  # the openai client sends one prompt of ids as [[...]]
+        if isinstance(prompt, str) and prompt:
+            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = prompt
+        else:
+            raise HTTPException(422, "prompt: a non-empty string or list of token ids is required (one prompt)")
+        rid = f"cmpl-{next(ids)}"
+        (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt_ids),
+                                              sampling=_sampling(body, max_key="max_tokens")), None)
+        tokens = [tokenizer.decode([t]) for t in r.response_ids]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.get("model", ""),
+                "choices": [{"index": 0, "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
+                             "finish_reason": _FINISH[r.status],
+                             "logprobs": {"tokens": tokens, "token_logprobs": list(r.logprobs)},
+                             "prompt_token_ids": list(prompt_ids), "output_token_ids": list(r.response_ids),
+                             "output_logprobs": list(r.logprobs)}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(r.response_ids),
+                          "total_tokens": len(prompt_ids) + len(r.response_ids)}}
+
+
+    def _control() -> Any:
+        if control is None:
+            raise HTTPException(501, "this server has no engine control (started without one)")
+        return control
+
+    @app.post("/pause")
+    async def pause() -> dict[str, Any]:
+        await asyncio.to_thread(_control().pause)
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        await asyncio.to_thread(_control().resume)
+        return {"paused": False}
+
+    @app.get("/weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": weight_version()}
+
+    @app.post("/update_weights")
+    async def update_weights(body: dict[str, Any]) -> dict[str, Any]:
+        engine = _control()
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(path, str) or not isinstance(version, int):
+            raise HTTPException(422, "update_weights: {'path': a directory of safetensors, 'version': int} required")
+        try:
+            state = await asyncio.to_thread(load_weights_dir, path, body.get("adapter"))
+            metrics = await asyncio.to_thread(engine.update_weights, state, version)
+        except (ValueError, OSError) as e:
+            raise HTTPException(422, f"update_weights: {e}") from None
+        return {"weight_version": weight_version(), **metrics}
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
@@ -271,8 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)
-    generate, version = engine_backend(TorchEngine(args.checkpoint, PrecisionConfig()))
-    app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token)
+    engine = TorchEngine(args.checkpoint, PrecisionConfig())
+    generate, version = engine_backend(engine)
+    app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token,
+                     control=engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
