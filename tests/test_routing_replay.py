@@ -101,12 +101,16 @@ def test_replay_uses_exactly_the_recorded_experts(tiny_qwen3_moe_dir: Path, repl
     rr.set_routes(p.routes)
     with torch.no_grad():
         model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids)
-    agree, total = rr.take_agreement()
+    agree, total, same_set, routes = rr.take_counts().tolist()
     recorded = p.routes.reshape(-1, 2, 2)
     have = recorded[:, 0, 0] >= 0
-    assert total == have.sum() * 2 * 2 and 0 < agree < total  # some routes differ without replay
+    assert total == have.sum() * 2 * 2 and 0 < agree < total  # the router's own choice differs on some routes
     used = torch.stack(seen, 1)  # [B * L, layers, k]
     assert torch.equal(used[have], recorded[have]) == replay
+    # the experts actually called: all recorded token-layers under replay, only the agreeing ones without
+    same = (used.sort(-1).values == recorded.sort(-1).values).all(-1)[have]
+    assert routes == have.sum() * 2 and same_set == same.sum()
+    assert (same_set == routes) == replay  # without replay some token-layers use other experts
     rr.set_routes(None)
     seen.clear()
     with torch.no_grad():
@@ -115,7 +119,7 @@ def test_replay_uses_exactly_the_recorded_experts(tiny_qwen3_moe_dir: Path, repl
     assert not torch.equal(own[have], recorded[have])
     if not replay:
         assert torch.equal(own, used)  # measuring only: the trainer's own routes
-    assert rr.take_agreement()[1] == 0  # no routes set: nothing measured
+    assert not rr.take_counts().any()  # no routes set: nothing measured
 
 
 def test_replay_of_the_trainers_own_routes_changes_nothing(tiny_qwen3_moe_dir: Path) -> None:
@@ -128,8 +132,8 @@ def test_replay_of_the_trainers_own_routes_changes_nothing(tiny_qwen3_moe_dir: P
     rr.set_routes(p.routes)
     with torch.no_grad():
         replayed = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids).logits
-    agree, total = rr.take_agreement()
-    assert agree == total  # fp32 engine and trainer with the same weights choose the same experts here
+    agree, total, same_set, routes = rr.take_counts().tolist()
+    assert agree == total and same_set == routes > 0  # fp32, same weights: the same experts here
     assert torch.equal(plain, replayed)
 
 
@@ -154,6 +158,9 @@ def test_fsdp_trainer_replays_and_its_router_still_learns(tiny_qwen3_moe_dir: Pa
             assert all(not torch.equal(after[k], v) for k, v in before.items())  # routers get gradients
     # measured both ways (they differ a little: from the second MoE layer on, replay changes the router's input)
     assert 0 < metrics["rollout"]["moe/route_agreement"] < 1 and 0 < metrics["off"]["moe/route_agreement"] < 1
+    # the routes the experts were called with: every one recorded under replay, fewer without
+    assert metrics["rollout"]["moe/replayed_route_share"] == 1.0
+    assert 0 < metrics["off"]["moe/replayed_route_share"] < 1
 
 
 def test_replay_configs_that_cannot_work_are_refused() -> None:
