@@ -19,8 +19,11 @@ def test_precision_bench_quick(capsys: pytest.CaptureFixture) -> None:
     rows = {r["recipe"]: r for r in result["rows"]}
     assert set(rows) == {"fp32", "int4", "int4_qat", "fp32 true_on_policy"}
     assert rows["fp32"]["step_ratio"] == 1.0
-    assert rows["fp32 true_on_policy"]["bitwise"] and rows["int4_qat"]["bitwise"]  # same numbers on both sides
+    assert rows["fp32 true_on_policy"]["bitwise"] and rows["fp32 true_on_policy"]["mismatch"] == 0
     assert rows["int4"]["mismatch"] > 1e-3 and rows["int4"]["tis_clip_frac"] is not None  # PTQ: TIS on
+    # QAT: both sides compute with the same int4 weights; what is left is the bf16 difference the bf16
+    # recipe has too (not bitwise: 9.5e-5 mean here on 2026-12-02)
+    assert rows["int4_qat"]["mismatch"] < 1e-3 and rows["int4_qat"]["tis_clip_frac"] is None
     assert rows["fp32"]["mismatch"] < 1e-5
     assert all(r["generate_s"] > 0 and r["train_s"] > 0 for r in rows.values())
 
