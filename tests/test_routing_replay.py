@@ -4,6 +4,8 @@ route agreement is measured; configs that cannot replay are refused before Ray s
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,12 +103,16 @@ def test_replay_uses_exactly_the_recorded_experts(tiny_qwen3_moe_dir: Path, repl
     rr.set_routes(p.routes)
     with torch.no_grad():
         model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids)
-    agree, total = rr.take_agreement()
+    agree, total, same_set, routes = rr.take_counts().tolist()
     recorded = p.routes.reshape(-1, 2, 2)
     have = recorded[:, 0, 0] >= 0
-    assert total == have.sum() * 2 * 2 and 0 < agree < total  # some routes differ without replay
+    assert total == have.sum() * 2 * 2 and 0 < agree < total  # the router's own choice differs on some routes
     used = torch.stack(seen, 1)  # [B * L, layers, k]
     assert torch.equal(used[have], recorded[have]) == replay
+    # the experts actually called: all recorded token-layers under replay, only the agreeing ones without
+    same = (used.sort(-1).values == recorded.sort(-1).values).all(-1)[have]
+    assert routes == have.sum() * 2 and same_set == same.sum()
+    assert (same_set == routes) == replay  # without replay some token-layers use other experts
     rr.set_routes(None)
     seen.clear()
     with torch.no_grad():
@@ -115,7 +121,7 @@ def test_replay_uses_exactly_the_recorded_experts(tiny_qwen3_moe_dir: Path, repl
     assert not torch.equal(own[have], recorded[have])
     if not replay:
         assert torch.equal(own, used)  # measuring only: the trainer's own routes
-    assert rr.take_agreement()[1] == 0  # no routes set: nothing measured
+    assert not rr.take_counts().any()  # no routes set: nothing measured
 
 
 def test_replay_of_the_trainers_own_routes_changes_nothing(tiny_qwen3_moe_dir: Path) -> None:
@@ -128,8 +134,8 @@ def test_replay_of_the_trainers_own_routes_changes_nothing(tiny_qwen3_moe_dir: P
     rr.set_routes(p.routes)
     with torch.no_grad():
         replayed = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids).logits
-    agree, total = rr.take_agreement()
-    assert agree == total  # fp32 engine and trainer with the same weights choose the same experts here
+    agree, total, same_set, routes = rr.take_counts().tolist()
+    assert agree == total and same_set == routes > 0  # fp32, same weights: the same experts here
     assert torch.equal(plain, replayed)
 
 
@@ -154,6 +160,9 @@ def test_fsdp_trainer_replays_and_its_router_still_learns(tiny_qwen3_moe_dir: Pa
             assert all(not torch.equal(after[k], v) for k, v in before.items())  # routers get gradients
     # measured both ways (they differ a little: from the second MoE layer on, replay changes the router's input)
     assert 0 < metrics["rollout"]["moe/route_agreement"] < 1 and 0 < metrics["off"]["moe/route_agreement"] < 1
+    # the routes the experts were called with: every one recorded under replay, fewer without
+    assert metrics["rollout"]["moe/replayed_route_share"] == 1.0
+    assert 0 < metrics["off"]["moe/replayed_route_share"] < 1
 
 
 def test_replay_configs_that_cannot_work_are_refused() -> None:
@@ -172,9 +181,22 @@ def test_replay_configs_that_cannot_work_are_refused() -> None:
     assert engine_kwargs(replay_wins)["capture_routing"] is True
     with pytest.raises(ConfigError, match="dense model"):
         build_components(run(["model=qwen3", "algo.routing_replay=rollout"]))
-    with pytest.raises(ConfigError, match="SGLang engine returns no routes"):
+    with pytest.raises(ConfigError, match="SGLang engine returns no routes.*use rollout=torch trainer=fsdp"):
         build_components(run(["model=qwen3_moe", "rollout=sglang", "placement.offload_engines=false",
                               "algo.routing_replay=rollout"]))
-    pytest.importorskip("megatron.core")
-    with pytest.raises(ConfigError, match="megatron trainer's router"):
+    # the megatron trainer's check imports no megatron: refused the same with or without megatron-core
+    with pytest.raises(ConfigError, match="megatron trainer's router does not replay.*use trainer=fsdp rollout=torch"):
         build_components(run(["model=qwen3_moe", "trainer=megatron", "algo.routing_replay=rollout"]))
+
+
+@pytest.mark.parametrize(("backend", "expect"), [
+    ("trainer=megatron", "use trainer=fsdp rollout=torch"),
+    ("rollout=sglang", "use rollout=torch trainer=fsdp"),
+])
+def test_cli_refuses_replay_on_backends_without_it_before_ray(backend: str, expect: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "miles", "model=qwen3_moe", "algo.routing_replay=rollout", backend,
+                        "tracking=none"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "config error: algo.routing_replay=rollout" in out and expect in out
+    assert "ray" not in out.lower().replace("array", "")  # refused before Ray starts

@@ -1,7 +1,9 @@
-"""Precision recipes side by side: rollout-vs-train log-prob mismatch, MoE route agreement, TIS, step time.
+"""Precision recipes side by side: rollout-vs-train log-prob mismatch, MoE routes, TIS, step time, and
+eval accuracy before and after a short GRPO run of the tiny MoE.
 
     python -m miles.bench precision [--steps 3] [--prompts 8] [--samples 4] [--max-new-tokens 16]
                                     [--recipes fp32,bf16,...] [--models dense,moe] [--quick]
+                                    [--train-steps 10] [--seed 0] [--train-overrides "key=value ..."]
 
 For each model (a random-init tiny Qwen3 and Qwen3-MoE, 4 experts top-2, built in this process) and
 each recipe (``conf/precision/*.yaml``; MoE rows with ``algo.routing_replay`` off and on; dense rows
@@ -12,11 +14,26 @@ also with ``precision.true_on_policy=true``) it runs, in this process, ``--steps
 
 on the same prompts and seeds, and reports per row: ``mismatch`` (mean |trainer logp - rollout logp|
 over the response tokens, from ``compute_logprobs`` before the update), ``max_mismatch``,
-``bitwise`` (whether every token's log-probs are equal), ``route_agreement`` and ``tis_clip_frac``
-(the train step's metrics; ``-`` where the row has none), and the medians of the generate and train
-seconds per step; ``step_ratio`` divides the row's generate + train time by the fp32 row of the same
-model (replay off), measured in the same run. The MoE engine records routing in every MoE row, so
-agreement is measured with replay off too. The last line printed is JSON with every row.
+``bitwise`` (whether every token's log-probs are equal), ``route_agreement`` (``moe/route_agreement``:
+the trainer's own top-k against the engine's), ``replayed_share`` (``moe/replayed_route_share``: the
+experts the trainer's MoE layers were called with against the engine's, per token and layer) and
+``tis_clip_frac`` (the train step's metrics, mean over steps; ``-`` where the row has none), and the
+medians of the generate and train seconds per step; ``step_ratio`` divides the row's generate + train
+time by the fp32 row of the same model (replay off), measured in the same run. The MoE engine records
+routing in every MoE row, so both route metrics are measured with replay off too.
+
+Learning. Every MoE row (recipe x replay off/on) then also runs the real job,
+
+    python -m miles model=qwen3_moe algo=grpo precision=<recipe> algo.routing_replay=<off|rollout>
+                    trainer.num_steps=<--train-steps> trainer.eval_every=0 seed=<--seed> tracking=none
+
+through :func:`miles.core.run.run_job` (Ray, the torch engine, one FSDP rank, weight sync; one Ray
+cluster for all rows, actors reused between them), all rows from the same warm-started checkpoint
+(built once, or taken from the checkpoint cache), and reports ``eval_before`` (``eval/accuracy`` at step
+0, under the recipe's rollout numerics), ``eval_after`` (after the last step) and ``eval_se`` (the
+latter's standard error over the eval prompts). ``--train-overrides`` adds Hydra overrides to those
+jobs (a cheaper workload, another task); ``--train-steps 0`` skips them (``--quick`` does unless
+``--train-steps`` is given). The last line printed is JSON with every row.
 
 Random-init models have flat output distributions, so absolute mismatches are small; the comparison
 between rows is the point.
@@ -26,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import socket
 import statistics
 import tempfile
@@ -46,10 +64,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated conf/precision options")
     ap.add_argument("--models", default="dense,moe", help="dense, moe or both")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="1 step, 2 prompts x 2 samples, 4 tokens (a smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 step, 2 prompts x 2 samples, 4 tokens (a smoke run); no GRPO runs unless --train-steps")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="GRPO steps of each MoE row's run for eval_before/eval_after (default 10; 0: none)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of those runs (the same for every row)")
+    ap.add_argument("--train-overrides", default="", help="extra Hydra overrides for those runs, space-separated")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.samples, args.max_new_tokens = 1, 2, 2, 4
+    if args.train_steps is None:
+        args.train_steps = 0 if args.quick else 10
     return args
 
 
@@ -98,7 +123,7 @@ def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, 
                           checkpoint_dir=ckpt, run=run, num_threads=args.threads)
     sampling = SamplingParams(temperature=run.rollout.temperature, max_new_tokens=args.max_new_tokens)
     diffs: list[torch.Tensor] = []
-    gen_s, train_s, agree, clip, bitwise = [], [], [], [], True
+    gen_s, train_s, agree, replayed, clip, bitwise = [], [], [], [], [], True
     try:
         engine.update_weights(trainer.full_state_dict(), version=0)
         for step in range(args.steps):
@@ -124,6 +149,7 @@ def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, 
             metrics = trainer.train_step(batch)
             train_s.append(time.perf_counter() - t0)
             agree += [metrics["moe/route_agreement"]] if "moe/route_agreement" in metrics else []
+            replayed += [metrics["moe/replayed_route_share"]] if "moe/replayed_route_share" in metrics else []
             clip += [metrics["train/tis_clip_frac"]] if "train/tis_clip_frac" in metrics else []
             engine.update_weights(trainer.full_state_dict(), version=step + 1)
     finally:
@@ -132,8 +158,40 @@ def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, 
     d = torch.cat(diffs)
     return {"mismatch": float(d.mean()), "max_mismatch": float(d.max()), "bitwise": bitwise,
             "route_agreement": statistics.mean(agree) if agree else None,
+            "replayed_share": statistics.mean(replayed) if replayed else None,
             "tis_clip_frac": statistics.mean(clip) if clip else None,
             "generate_s": statistics.median(gen_s), "train_s": statistics.median(train_s)}
+
+
+def _learning(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Adds ``eval_before``, ``eval_after`` and ``eval_se`` to every MoE row: one real GRPO job each."""
+    from miles.bench.e2e import compose
+    from miles.core.cluster import stop_ray
+    from miles.core.run import build_components, run_job
+    from miles.models.checkpoint import ensure_checkpoint
+
+    base = ["model=qwen3_moe", "algo=grpo", f"trainer.num_steps={args.train_steps}", "trainer.eval_every=0",
+            "tracking=none", f"seed={args.seed}", f"placement.torch_threads_per_actor={args.threads}",
+            *shlex.split(args.train_overrides)]
+    run, _ = compose(base)
+    parts = build_components(run)
+    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])  # once, for every row
+    try:
+        for row in rows:
+            if row["model"] != "moe":
+                continue
+            overrides = [*base, f"model.path={checkpoint}", f"precision={row['recipe']}",
+                         f"algo.routing_replay={'rollout' if row['replay'] == 'on' else 'off'}"]
+            run, resolved = compose(overrides)
+            first: dict[str, float] = {}
+            final = run_job(run, resolved_yaml=resolved, overrides=overrides, keep_ray=True,
+                            on_metrics=lambda m, step, first=first: first.update(m) if step == 0 else None)
+            row |= {"eval_before": first["eval/accuracy"], "eval_after": final["eval/accuracy"],
+                    "eval_se": final["eval/accuracy_se"]}
+            print(json.dumps({k: row[k] for k in ("model", "recipe", "replay", "eval_before", "eval_after",
+                                                  "eval_se")}), flush=True)
+    finally:
+        stop_ray()
 
 
 def _fmt(v: Any) -> str:
@@ -167,16 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                 row |= _row(ckpt, _run_config(recipe, args, replay=replay, true_on_policy=exact), args, moe)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.train_steps > 0 and "moe" in models:
+        _learning(rows, args)
     for model in models:
         base = next((r for r in rows if r["model"] == model and r["recipe"] == "fp32" and r["replay"] != "on"), None)
         for r in rows:
             if r["model"] == model and base is not None:
                 r["step_ratio"] = (r["generate_s"] + r["train_s"]) / (base["generate_s"] + base["train_s"])
-    cols = ("model", "recipe", "replay", "mismatch", "max_mismatch", "bitwise", "route_agreement", "tis_clip_frac",
-            "generate_s", "train_s", "step_ratio")
+    cols = ("model", "recipe", "replay", "mismatch", "max_mismatch", "bitwise", "route_agreement", "replayed_share",
+            "tis_clip_frac", "generate_s", "train_s", "step_ratio", "eval_before", "eval_after")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(_fmt(r.get(c)) for c in cols))
     print(json.dumps({"rows": rows, "steps": args.steps, "prompts": args.prompts, "samples": args.samples,
-                      "max_new_tokens": args.max_new_tokens, "threads": args.threads}))
+                      "max_new_tokens": args.max_new_tokens, "threads": args.threads, "train_steps": args.train_steps,
+                      "seed": args.seed, "train_overrides": args.train_overrides}))
     return 0

@@ -134,7 +134,8 @@ class SGLangEngine(Reusable):
                               "use rollout=torch for it")
         if run.algo.routing_replay != "off":
             raise ConfigError("algo.routing_replay=rollout: the SGLang engine returns no routes of the prompt "
-                              "tokens, which replay needs; use rollout=torch, or algo.routing_replay=off")
+                              "tokens, which replay needs; routing replay runs with the torch engine and the FSDP "
+                              "trainer: use rollout=torch trainer=fsdp, or algo.routing_replay=off")
 
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")

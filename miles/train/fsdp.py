@@ -43,7 +43,8 @@ Precision and MoE options: ``precision.train_quant`` makes every forward compute
 weights, gradients straight through (:func:`miles.precision.recipe.quantize_train_forward`); the
 mismatch-correction threshold is :func:`miles.precision.recipe.effective_tis_clip`. On MoE models the
 routers carry :class:`miles.train.routing_replay.RouteReplay` hooks: a batch with rollout routes
-reports ``moe/route_agreement``, and ``algo.routing_replay=rollout`` replays the routes (policy and
+reports ``moe/route_agreement`` (the router's own top-k against the engine's) and
+``moe/replayed_route_share`` (the experts actually used against the engine's), and ``algo.routing_replay=rollout`` replays the routes (policy and
 reference model). ``precision.true_on_policy`` runs each sequence alone at the engine's fixed length
 (:mod:`miles.precision.on_policy`). Replay, true on-policy and batches with routes run without the
 shared-prompt forward.
@@ -391,7 +392,7 @@ class FSDPTrainer(FSDPRank):
         num_mb = self.run.algo.num_minibatches
         policy_replay = self.replays.get(id(self.model))
         if policy_replay is not None:
-            policy_replay.take_agreement()  # count this step's passes only
+            policy_replay.take_counts()  # count this step's passes only
         tenants = self._tenants(batch)
         prepared = []
         for name, sub in tenants:  # every proximal log-prob comes before the first update
@@ -444,9 +445,11 @@ class FSDPTrainer(FSDPRank):
         out["train/lr"] = lr_used
         out["train/trainable_param_frac"] = self.trainable_frac  # of the policy's parameters (LoRA: the adapters')
         if policy_replay is not None:
-            agree, total = self._all_reduce(torch.stack(policy_replay.take_agreement()).to(self.device)).tolist()
-            if total > 0:  # share of recorded (token, layer, slot) routes the trainer's own top-k also chose
-                out["moe/route_agreement"] = agree / total
+            agree, slots, used, routes = self._all_reduce(policy_replay.take_counts().to(self.device)).tolist()
+            if slots > 0:  # share of recorded (token, layer, slot) routes the trainer's own top-k also chose
+                out["moe/route_agreement"] = agree / slots
+            if routes > 0:  # share of recorded (token, layer) routes the experts were called with (replay: 1)
+                out["moe/replayed_route_share"] = used / routes
         # padded token positions every rank's passes computed, against train/num_tokens (the loss tokens)
         out["perf/train_forward_tokens"] = float(self._all_reduce(torch.tensor(
             [float(sum(plan.forward_tokens() for p in prepared for plan in p[0]))], device=self.device)))

@@ -99,8 +99,9 @@ class MegatronTrainer(Reusable):
             raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
                               "(transformers) forward; use trainer=fsdp")
         if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: not wired into the megatron trainer's router yet; use "
-                              "trainer=fsdp, or algo.routing_replay=off")
+            raise ConfigError("algo.routing_replay=rollout: the megatron trainer's router does not replay routes; "
+                              "routing replay runs in the FSDP trainer with the torch engine: use trainer=fsdp "
+                              "rollout=torch, or algo.routing_replay=off")
         if run.precision.train_quant != "none":
             raise ConfigError(f"precision.train_quant={run.precision.train_quant}: the megatron trainer has no "
                               "quantization-aware forward; use trainer=fsdp, or a recipe with train_quant: none")
