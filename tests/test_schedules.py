@@ -112,6 +112,10 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
         ages = [version - min(v) for _, group in batch for v in group if v]
         assert max(ages) <= bound, (step, ages)  # no trained sample older than max_staleness
         assert seen[step]["train/staleness_max"] == max(ages) if schedule != "sync" else max(ages) == 0
+    for step in range(1, steps + 1):  # the engines' own counters: generating for part of every step
+        assert 0 < seen[step]["perf/engine_busy_frac"] <= 1, (step, seen[step]["perf/engine_busy_frac"])
+        if schedule == "sync":  # the engine generates only in the rollout phase
+            assert seen[step]["perf/engine_busy_s"] <= seen[step]["perf/rollout_s"] + 0.05, step
     if schedule == "one_step_off":  # every batch after the first was generated while the step before trained
         assert all(seen[s]["train/staleness_max"] == 1 for s in range(2, steps + 1))
     if schedule == "fully_async" and counts["filtered"]:

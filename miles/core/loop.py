@@ -15,9 +15,10 @@ One step, synchronously:
    policy-gradient step (PPO-clip; optional KL, entropy, TIS).
 5. **Sync.** The new weights reach every engine as version ``step``; the next
    rollout samples from them.
-6. **Log.** Reward, losses, mismatch, timings and weight-sync cost go to the
-   tracker; evaluation on held-out prompts runs at step 0, every
-   ``trainer.eval_every`` steps, and at the end.
+6. **Log.** Reward, losses, mismatch, timings (``perf/engine_busy_frac``: the share of the step
+   the engines spent generating, :func:`engine_busy`) and weight-sync cost go to the tracker;
+   evaluation on held-out prompts runs at step 0, every ``trainer.eval_every`` steps, and at the
+   end.
 
 With ``trainer.save_every`` the loop writes run checkpoints, and ``trainer.resume_from`` continues
 from one (:mod:`miles.core.resume`). The ``hooks:`` chain is called at named points of every step
@@ -111,7 +112,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
     for step in range(first, run.trainer.num_steps + 1):
         if hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
             break
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
         # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
         # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
@@ -145,7 +146,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         metrics |= {
             "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
             "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-        } | hooks.pop_metrics()
+        } | engine_busy_metrics(busy0, engine_busy(ctx.rollout.live_engines)) | hooks.pop_metrics()
         ctx.log_metrics(metrics, step)
         if ctx.log_distributions is not None:
             ctx.log_distributions({"train/reward": [s.reward for s in samples],
@@ -237,6 +238,28 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state
+
+
+def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
+    """``(busy_s, clock_s)`` of each engine by engine id: seconds spent generating so far and the
+    engine's clock (``health()``); engines that do not report them (or do not answer in 10 s) are left out."""
+    try:
+        health = ray.get([e.health.remote() for e in engines], timeout=10)
+    except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
+        return {}
+    return {int(h["engine_id"]): (float(h["busy_s"]), float(h["clock_s"])) for h in health if "busy_s" in h}
+
+
+def engine_busy_metrics(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
+                        ) -> dict[str, float]:
+    """Between two :func:`engine_busy` readings, averaged over the engines in both:
+    ``perf/engine_busy_s`` (seconds spent generating) and ``perf/engine_busy_frac`` (that over the
+    seconds between the readings, on the engine's clock)."""
+    both = [(after[e][0] - before[e][0], after[e][1] - before[e][1]) for e in before.keys() & after.keys()]
+    if not both or min(dt for _, dt in both) <= 0:
+        return {}
+    return {"perf/engine_busy_s": sum(b for b, _ in both) / len(both),
+            "perf/engine_busy_frac": sum(b / dt for b, dt in both) / len(both)}
 
 
 def sampling_params(run: MilesConfig) -> SamplingParams:

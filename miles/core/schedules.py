@@ -40,7 +40,14 @@ from typing import Any
 
 from miles.core.evaluate import evaluate
 from miles.core.ledger import Ledger
-from miles.core.loop import LoopContext, learn, log_batch_sizes, sampling_params
+from miles.core.loop import (
+    LoopContext,
+    engine_busy,
+    engine_busy_metrics,
+    learn,
+    log_batch_sizes,
+    sampling_params,
+)
 from miles.core.progress import Progress
 from miles.types import Sample, SamplingParams
 from miles.weights.sync import sync_weights
@@ -191,7 +198,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
         for step in range(1, run.trainer.num_steps + 1):
             if hooks.stop_reason is not None:
                 break
-            t0 = time.perf_counter()
+            t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
             version = step - 1  # the trainer's weights: the proximal policy of this update
             groups, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
             dropped_total, taken_total = dropped_total + stale, taken_total + stale + len(groups)
@@ -219,7 +226,8 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                 "perf/sync_s": t3 - t2, "perf/rollout_wait_s": wait_s,
                 "train/stale_dropped_frac": dropped_total / max(taken_total, 1),
                 "async/engine_version_lag": float(step - pushed),
-            } | ctx.ledger.metrics() | hooks.pop_metrics()
+            } | engine_busy_metrics(busy0, engine_busy(ctx.rollout.live_engines))
+            metrics |= ctx.ledger.metrics() | hooks.pop_metrics()
             ctx.log_metrics(metrics, step)
             if ctx.log_distributions is not None:
                 ctx.log_distributions({"train/reward": [s.reward for s in samples],
