@@ -12,8 +12,10 @@ prompt at a time), though the async schedules train on them in the order their g
 Per run: trained samples per second over steps 1..N (``algo.num_prompts_per_step x
 num_samples_per_prompt`` per step, divided by the sum of ``perf/step_time_s``: rollout or the wait
 for it, train step and weight sync; evaluation excluded; step 1 included: every schedule starts with
-no rollout done), the trainer's busy fraction (``perf/train_s`` over the step time), the share of
-the step spent on the rollout (sync) or waiting for it (async), staleness, the share of trained
+no rollout done), the trainer's busy fraction (``perf/train_s`` over the step time), the engines'
+busy fraction (the share of the step time the engines spent generating, ``perf/engine_busy_frac``
+from the engines' own counters, weighted by step time; under sync at most the rollout's share), the
+share of the step spent on the rollout (sync) or waiting for it (async), staleness, the share of trained
 samples whose tokens come from more than one weight version (partial rollouts), and
 ``eval/accuracy`` after the run (the same number of trained samples in every schedule).
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import logging
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from miles.bench.e2e import WORKLOADS, compose
@@ -62,12 +65,20 @@ def run_one(overrides: list[str]) -> dict[str, Any]:
     steps: dict[int, dict[str, float]] = {}
     final = run_job(run, resolved_yaml=resolved, overrides=overrides,
                     on_metrics=lambda m, s: steps.__setitem__(s, dict(m)) if s >= 1 else None)
-    later = [m for _, m in sorted(steps.items())]
     per_step = run.algo.num_prompts_per_step * run.algo.num_samples_per_prompt
+    return run_summary([m for _, m in sorted(steps.items())], per_step, final)
+
+
+def run_summary(later: list[dict[str, float]], samples_per_step: int, final: dict[str, float]) -> dict[str, Any]:
+    """The numbers of one run (module docstring) from its per-step metrics (steps 1..N) and final ones."""
     step_s = sum(m["perf/step_time_s"] for m in later)
+    with_busy = [m for m in later if "perf/engine_busy_frac" in m]
+    engine_busy = (sum(m["perf/engine_busy_frac"] * m["perf/step_time_s"] for m in with_busy)
+                   / sum(m["perf/step_time_s"] for m in with_busy)) if with_busy else None
     return {
-        "samples_per_s": per_step * len(later) / step_s,
+        "samples_per_s": samples_per_step * len(later) / step_s,
         "trainer_busy_frac": sum(m["perf/train_s"] for m in later) / step_s,
+        "engine_busy_frac": engine_busy,
         "rollout_wait_frac": sum(m["perf/rollout_s"] for m in later) / step_s,
         "staleness_mean": statistics.fmean(m.get("train/staleness_mean", 0.0) for m in later),
         "partial_rollout_frac": statistics.fmean(m.get("train/partial_rollout_frac", 0.0) for m in later),
@@ -80,7 +91,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rows in runs.items():
         acc = [r["eval_accuracy"] for r in rows]
-        out[name] = {k: round(statistics.fmean(r[k] for r in rows), 4) for k in rows[0]} | {
+        out[name] = {k: _mean(r[k] for r in rows) for k in rows[0]} | {
             "eval_accuracy_se": round(statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1
                                       else rows[0]["eval_accuracy_se"], 4)}
     for ref in ("sync", "sync_disaggregated"):
@@ -89,6 +100,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 out[f"ratio_throughput_{name}_over_{ref}"] = round(
                     out[name]["samples_per_s"] / out[ref]["samples_per_s"], 3)
     return out
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    """Mean of the values that are there, rounded (None when none is: an engine without a busy counter)."""
+    there = [v for v in values if v is not None]
+    return round(statistics.fmean(there), 4) if there else None
 
 
 def main(argv: list[str] | None = None) -> int:
