@@ -99,7 +99,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
     first, next_group_id, metrics = 1, 0, {}
     if run.trainer.resume_from is not None:
-        state = _resume(ctx)
+        state = resume_checkpoint(ctx)
         first, next_group_id = state.step + 1, state.next_group_id
         rng.setstate(state.rng_state)
     hooks.on_run_start(first - 1)
@@ -154,7 +154,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         progress.update(step, metrics)
         every = run.trainer.save_every
         if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
-            _save(ctx, step, rng, next_group_id)
+            save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
     progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
@@ -213,18 +213,20 @@ def _config_dict(run: MilesConfig) -> dict[str, Any]:
     return to_yaml_dict(dataclasses.asdict(run))
 
 
-def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -> None:
+def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id: int,
+                    ledger: dict[str, list[int]], stream: dict[str, Any] | None = None) -> None:
+    """The run checkpoint of ``step`` (:func:`miles.core.resume.save`), then the ``on_checkpoint`` hooks."""
     t0 = time.perf_counter()
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
-    path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
-                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics)
+    path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
+                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
 
 
-def _resume(ctx: LoopContext) -> resume.LoopState:
-    """Trainer (and critic) state and loop state of ``trainer.resume_from``; the engines get its weights."""
+def resume_checkpoint(ctx: LoopContext) -> resume.LoopState:
+    """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
     state = resume.load(ctx.run.trainer.resume_from)
     critic = resume.critic_state(state) if ctx.critics else None
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
@@ -232,6 +234,8 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
         log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "
                     "not follow the uninterrupted one", state.path, ", ".join(changed[:10])
                     + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
+    if state.ledger is not None:
+        ctx.ledger.restore(state.ledger)
     ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
     if critic is not None:
         ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
@@ -243,11 +247,15 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
 def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
     """``(busy_s, clock_s)`` of each engine by engine id: seconds spent generating so far and the
     engine's clock (``health()``); engines that do not report them (or do not answer in 10 s) are left out."""
-    try:
-        health = ray.get([e.health.remote() for e in engines], timeout=10)
-    except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
-        return {}
-    return {int(h["engine_id"]): (float(h["busy_s"]), float(h["clock_s"])) for h in health if "busy_s" in h}
+    out = {}
+    for ref in [e.health.remote() for e in engines]:
+        try:
+            h = ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
+            continue
+        if "busy_s" in h:
+            out[int(h["engine_id"])] = (float(h["busy_s"]), float(h["clock_s"]))
+    return out
 
 
 def engine_busy_metrics(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
