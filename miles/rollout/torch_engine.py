@@ -166,6 +166,9 @@ class TorchEngine(Reusable):
     (default ``max_batch_size // 4``); ``capture_routing``: record MoE routing per generated token.
     """
 
+    reports_token_versions = True
+    """Every result carries the weight version of each token (``token_versions``): async schedules need it."""
+
     def __init__(
         self,
         checkpoint_dir: str,
