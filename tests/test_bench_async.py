@@ -34,3 +34,10 @@ def test_engines_without_a_busy_counter_give_none_and_the_summary_keeps_the_othe
     assert out["sync"]["engine_busy_frac"] is None and out["sync"]["trainer_busy_frac"] == 0.5
     assert out["fully_async"]["engine_busy_frac"] == 0.5
     assert out["ratio_throughput_fully_async_over_sync"] == 0.5
+
+
+def test_eval_curves_are_drawn_per_schedule(tmp_path) -> None:
+    dest = tmp_path / "curves" / "eval.png"
+    bench.plot_curves({"sync": [(0, {0: 0.5, 50: 0.6})], "fully_async": [(0, {0: 0.5, 50: 0.7}), (1, {0: 0.4})]},
+                      dest, "title")
+    assert dest.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
