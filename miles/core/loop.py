@@ -135,7 +135,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         # 5. sync: the engines still in rotation sample from the new weights from now on
         metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
         hooks.after_weight_sync(step, step)
-        t3 = time.perf_counter()
+        t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
         # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
         last = step == run.trainer.num_steps or hooks.stop_reason is not None
@@ -146,7 +146,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         metrics |= {
             "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
             "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-        } | engine_busy_metrics(busy0, engine_busy(ctx.rollout.live_engines)) | hooks.pop_metrics()
+        } | engine_busy_metrics(busy0, busy3) | hooks.pop_metrics()
         ctx.log_metrics(metrics, step)
         if ctx.log_distributions is not None:
             ctx.log_distributions({"train/reward": [s.reward for s in samples],

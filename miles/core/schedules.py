@@ -303,7 +303,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                 metrics |= push_weights(ctx, step)
                 hooks.after_weight_sync(step, step)
                 pushed = step
-            t3 = time.perf_counter()
+            t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
             if evaluating:
                 evaluated = evaluate(ctx, eval_set)
                 hooks.after_eval(step, evaluated)
@@ -313,7 +313,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                 "perf/sync_s": t3 - t2, "perf/rollout_wait_s": wait_s,
                 "train/stale_dropped_frac": dropped_total / max(taken_total, 1),
                 "async/engine_version_lag": float(step - pushed),
-            } | engine_busy_metrics(busy0, engine_busy(ctx.rollout.live_engines))
+            } | engine_busy_metrics(busy0, busy3)
             metrics |= ctx.ledger.metrics() | hooks.pop_metrics()
             ctx.log_metrics(metrics, step)
             if ctx.log_distributions is not None:
