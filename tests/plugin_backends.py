@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,23 @@ class LoggingEngine(TorchEngine):
         with Path(self.calls_file).open("a") as f:
             f.write(f"{self.engine_id} {len(requests)}\n")
         return out
+
+
+class DiesAtVersion(TorchEngine):
+    """The torch engine, whose process exits (as an out-of-memory kill would end it) at the first
+    ``generate`` call once it holds weights of version ``die_at_version``, if its id is in ``die_engines``:
+    the calls it is serving die with it."""
+
+    def __init__(self, checkpoint_dir: str, precision: Any, *, die_at_version: int, die_engines: list[int],
+                 **kwargs: Any) -> None:
+        super().__init__(checkpoint_dir, precision, **kwargs)
+        self.die_at_version, self.die_engines = die_at_version, list(die_engines)
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
+                 ) -> list[GenerateResult]:
+        if self.engine_id in self.die_engines and self.weight_version() >= self.die_at_version:
+            os._exit(1)
+        return super().generate(requests, sampling)
 
 
 class CountingTrainer(FSDPTrainer):

@@ -99,6 +99,18 @@ def test_class_checks_say_what_a_backend_lacks(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match=r"trainer._target_: .*TorchEngine is not a Trainer backend: it has no "
                                           r"compute_logprobs\(\)"):
         check_trainer_class(TorchEngine, validate({}))
+    # an async schedule takes an engine class that reports each token's weight version (a subclass of the
+    # torch engine inherits it), and refuses one that does not
+    asynchronous = validate({"schedule": {"name": "fully_async", "max_staleness": 2},
+                             "placement": {"name": "disaggregated"}})
+    check_engine_class(plugin_backends.NoPause, run=asynchronous)
+
+    class Unversioned(TorchEngine):
+        reports_token_versions = False
+
+    with pytest.raises(ConfigError, match="schedule=fully_async: the rollout engine .*Unversioned does not report"):
+        check_engine_class(Unversioned, run=asynchronous)
+    check_engine_class(Unversioned, run=validate({}))  # sync does not need it
 
 
 def test_backends_resolve_from_config_and_refuse_unlisted_targets_before_import() -> None:

@@ -729,3 +729,15 @@ def test_sampled_tokens_follow_the_models_distribution(tiny_qwen3_dir, tmp_path:
     grid = torch.arange(1, m + 1, dtype=torch.float64) / m
     ks = max((grid - u).max().item(), (u - (grid - 1 / m)).max().item())
     assert ks < 1.95 / m**0.5, f"KS distance {ks:.4f} over {m} tokens (bound {1.95 / m**0.5:.4f})"
+
+
+def test_busy_seconds_grow_while_generating_and_not_while_idle(engine: TorchEngine) -> None:
+    """``health()["busy_s"]`` counts the scheduler's generating time on the engine's clock (``clock_s``)."""
+    before = engine.health()
+    engine.generate(_requests([5, 9], n=4), SAMPLED)
+    after = engine.health()
+    busy, clock = after["busy_s"] - before["busy_s"], after["clock_s"] - before["clock_s"]
+    assert 0 < busy <= clock
+    time.sleep(0.2)  # idle: the clock runs on, the busy seconds do not
+    idle = engine.health()
+    assert idle["busy_s"] == after["busy_s"] and idle["clock_s"] - after["clock_s"] >= 0.2

@@ -50,6 +50,49 @@ def test_ledger_refuses_a_prompt_drawn_or_settled_twice_and_names_lost_ones() ->
                                "unused": 0, "open": 0}
 
 
+def test_ledger_state_round_trips_into_a_fresh_ledger_only() -> None:
+    ledger = Ledger()
+    ledger.draw([0, 1, 2, 3])
+    ledger.settle(0, "trained")
+    ledger.settle(2, "stale")
+    state = ledger.state()
+    assert state["trained"] == [0] and state["stale"] == [2] and state["open"] == [1, 3]
+    again = Ledger()
+    again.restore(json.loads(json.dumps(state)))  # as a checkpoint's loop_state.json holds it
+    assert again.counts() == ledger.counts() and again.open() == [1, 3]
+    again.settle(1, "trained")  # an open group is still settled once, by the resumed run
+    with pytest.raises(LedgerError, match="group 2 settled twice"):
+        again.settle(2, "trained")
+    with pytest.raises(LedgerError, match="group 0 drawn twice"):
+        again.draw([0])
+    with pytest.raises(LedgerError, match="has drawn 4 group"):
+        again.restore(state)
+
+
+def test_open_prompts_come_back_from_the_sampler_state_of_the_oldest(tmp_path: Path) -> None:
+    """A stream draws one prompt per group id in order; replaying from the state before the oldest open
+    one gives back exactly the open prompts, and a replay that does not end at the checkpoint's state
+    (another task) is refused."""
+    import random
+
+    from miles.core.resume import LoopState
+    from miles.core.schedules import reopen
+    from miles.tasks.largest import LargestNumberTask
+
+    task, rng = LargestNumberTask(), random.Random(5)
+    drawn = []
+    for _ in range(7):  # groups 0..6; 2, 3 and 5 are still open at the checkpoint
+        drawn.append((rng.getstate(), task.sample(1, rng)[0]))
+    state = LoopState(step=3, rng_state=rng.getstate(), next_group_id=7, config={}, path=tmp_path,
+                      stream={"open": [2, 3, 5], "first_open": 2, "rng_state": drawn[2][0]})
+    back = reopen(task, state)
+    assert [(g, p) for g, p, _ in back] == [(g, drawn[g][1]) for g in (2, 3, 5)]
+    assert [st for _, _, st in back] == [drawn[g][0] for g in (2, 3, 5)]
+    with pytest.raises(RuntimeError, match="did not end at the checkpoint's sampler state"):
+        reopen(LargestNumberTask(list_len=3), state)
+    assert reopen(task, LoopState(step=3, rng_state=rng.getstate(), next_group_id=7, config={}, path=tmp_path)) == []
+
+
 def test_staleness_is_counted_from_the_oldest_token_of_a_partial_rollout() -> None:
     group = [_sample(0, [3, 3, 4, 5]), _sample(0, [5, 5])]
     assert staleness(group, 5) == 2 and staleness(group, 3) == 0
@@ -113,6 +156,10 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
         ages = [version - min(v) for _, group in batch for v in group if v]
         assert max(ages) <= bound, (step, ages)  # no trained sample older than max_staleness
         assert seen[step]["train/staleness_max"] == max(ages) if schedule != "sync" else max(ages) == 0
+    for step in range(1, steps + 1):  # the engines' own counters: generating for part of every step
+        assert 0 < seen[step]["perf/engine_busy_frac"] <= 1, (step, seen[step]["perf/engine_busy_frac"])
+        if schedule == "sync":  # the engine generates only in the rollout phase
+            assert seen[step]["perf/engine_busy_s"] <= seen[step]["perf/rollout_s"] + 0.05, step
     if schedule == "one_step_off":  # every batch after the first was generated while the step before trained
         assert all(seen[s]["train/staleness_max"] == 1 for s in range(2, steps + 1))
     if schedule == "fully_async" and counts["filtered"]:
@@ -143,3 +190,105 @@ def test_sync_schedule_computes_what_the_loop_did_before_schedules(ray_cluster) 
     for step, metrics in before.items():
         for k, v in metrics.items():
             assert seen[step][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (step, k)
+
+
+@pytest.fixture
+def plugin_engines():
+    """``tests/plugin_backends`` for the engine actors (the Ray workers get the module by value)."""
+    import plugin_backends
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(plugin_backends)
+    yield plugin_backends
+    cloudpickle.unregister_pickle_by_value(plugin_backends)
+
+
+def _async_job(schedule: str, extra: dict) -> dict:
+    """SHORT under an async schedule, disaggregated, with the probe hook; ``extra`` merged per section."""
+    cfg = json.loads(json.dumps(SHORT)) | {"schedule": {"name": schedule, "max_staleness": 1},
+                                           "placement": {"name": "disaggregated"},
+                                           "cluster": {"reuse_actors": False},
+                                           "hooks": [{"_target_": "schedule_probe.Probe"}],
+                                           "plugins": {"allow": ["schedule_probe.", "plugin_backends."]}}
+    for key, value in extra.items():
+        cfg[key] = (cfg.get(key) or {}) | value
+    return cfg
+
+
+def _dies(engines: list[int], num_engines: int) -> dict:
+    return {"rollout": {"engine": {"_target_": "plugin_backends.DiesAtVersion", "die_at_version": 2,
+                                   "die_engines": engines}},
+            "placement": {"name": "disaggregated", "num_engines": num_engines, "cpus_per_engine": 0.5,
+                          "cpus_per_trainer_rank": 0.5}}  # fits a 2-CPU machine
+
+
+@pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+def test_engine_dying_mid_rollout_loses_no_prompt(ray_cluster, probe, plugin_engines, schedule: str) -> None:
+    """Engine 0 of 2 dies (its process exits inside a generate call) once it has the weights of step 2:
+    its requests go to engine 1, the run finishes, and the ledger accounts for every prompt drawn."""
+    from miles.core.run import run_job
+
+    probe.TRAINED.clear()
+    run = validate(_async_job(schedule, _dies([0], num_engines=2)))
+    seen: dict[int, dict] = {}
+    final = run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
+
+    trained = [gid for batch in probe.TRAINED for gid, _ in batch]
+    assert len(probe.TRAINED) == run.trainer.num_steps and len(set(trained)) == len(trained) == 4 * 8
+    assert seen[1]["rollout/engines_alive"] == 2 and seen[run.trainer.num_steps]["rollout/engines_alive"] == 1
+    counts = {k.removeprefix("ledger/"): int(v) for k, v in final.items() if k.startswith("ledger/")}
+    settled = sum(counts[o] for o in ("trained", "failed", "filtered", "surplus", "stale", "unused"))
+    assert counts["open"] == 0 and settled == counts["drawn"] and counts["trained"] + counts["failed"] >= 32
+
+
+def test_every_engine_dead_fails_the_run_with_the_ledger_accounting(ray_cluster, probe, plugin_engines) -> None:
+    """The only engine dies: the run raises, and its error's notes account for every prompt drawn."""
+    import re
+
+    from miles.core.run import run_job
+
+    probe.TRAINED.clear()
+    run = validate(_async_job("fully_async", _dies([0], num_engines=1) | {"schedule": {"buffer_batches": 2}}))
+    with pytest.raises(Exception, match="rollout engine") as failure:
+        run_job(run, resolved_yaml="", overrides=[])
+    note = next(n for n in getattr(failure.value, "__notes__", []) if n.startswith("sample ledger"))
+    m = re.search(r"(\d+) prompt\(s\) drawn = (\d+) trained \+ (\d+) failed \+ (\d+) filtered \+ (\d+) surplus "
+                  r"\+ (\d+) stale \+ (\d+) unused, (\d+) not accounted for", note)
+    assert m, note
+    drawn, trained, failed, filtered, surplus, stale, unused, lost = map(int, m.groups())
+    assert lost == 0 and trained + failed + filtered + surplus + stale + unused == drawn
+    assert trained == len([gid for batch in probe.TRAINED for gid, _ in batch]) >= 8  # steps 1-2 trained
+    assert failed + unused > 0  # the groups the dead engine held
+
+
+@pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+def test_async_run_resumed_mid_stream_trains_every_prompt_once(ray_cluster, probe, tmp_path: Path,
+                                                               schedule: str) -> None:
+    """A 4-step run checkpoints at step 2 with prompts still in flight; the run resumed from there
+    generates those again and, with the first run's steps 1-2, trains every drawn prompt exactly once."""
+    from miles.core import resume
+    from miles.core.run import run_job
+
+    def job(trainer: dict) -> list[list[int]]:
+        probe.TRAINED.clear()
+        run = validate(_async_job(schedule, {"trainer": trainer}))
+        run_job(run, resolved_yaml="", overrides=[])
+        return [[gid for gid, _ in batch] for batch in probe.TRAINED]
+
+    first = job({"save_every": 2, "save_dir": str(tmp_path / "a")})
+    ckpt = resume.load(resume.step_dir(tmp_path / "a", 2))
+    assert ckpt.stream is not None and ckpt.stream["open"] == ckpt.ledger["open"] != []  # prompts in flight
+    resumed = job({"save_every": 2, "save_dir": str(tmp_path / "b"), "resume_from": str(ckpt.path)})
+    assert len(resumed) == 2  # steps 3 and 4
+
+    end = resume.load(resume.step_dir(tmp_path / "b", 4))
+    ledger = end.ledger
+    ids = [g for ids in ledger.values() for g in ids]
+    assert ledger["open"] == [] and sorted(ids) == list(range(end.next_group_id))  # each drawn id settled once
+    trained = first[0] + first[1] + resumed[0] + resumed[1]
+    assert len(trained) == len(set(trained)) == 4 * 8  # none trained twice across the two parts
+    assert sorted(trained) == sorted(ledger["trained"] + ledger["failed"])
+    for outcome, settled in ckpt.ledger.items():  # what the checkpoint had settled stays settled so
+        if outcome != "open":
+            assert set(settled) <= set(ledger[outcome]), outcome
+    assert set(ckpt.stream["open"]) <= set(ids) - set(ckpt.ledger["trained"])

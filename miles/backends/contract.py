@@ -37,7 +37,7 @@ from miles.backends.protocols import (
     RolloutEngine,
     Trainer,
 )
-from miles.config.validate import ConfigError
+from miles.config.validate import ConfigError, no_token_versions
 from miles.types import GenerateRequest, SamplingParams, Status, TrainBatch
 
 PARALLELISMS = {"tensor": "tensor_parallel", "pipeline": "pipeline_parallel", "expert": "expert_parallel"}
@@ -85,7 +85,8 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
                        key: str = "rollout.engine", run: Any = None) -> None:
     """An engine class the driver can use: the Protocol's methods, a constructor taking the driver's
     arguments and the config's, ``release_memory`` / ``resume_memory`` when ``offload``, and, given
-    ``run``, the class's own ``check_config(run)`` when it has one."""
+    ``run``, a true ``reports_token_versions`` class attribute under an async schedule and the class's
+    own ``check_config(run)`` when it has one."""
     _check_methods(cls, RolloutEngine, f"{key}._target_")
     shadow = sorted(set(kwargs) & set(ENGINE_INIT_ARGS))
     if shadow:
@@ -100,6 +101,8 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
             raise ConfigError(
                 f"placement.offload_engines=true, but {key} {_name(cls)} has no {' / '.join(m + '()' for m in lacking)}. "
                 f"Set placement.offload_engines=false or use an engine that can offload.{' ' + hint if hint else ''}")
+    if run is not None and run.schedule.name != "sync" and not getattr(cls, "reports_token_versions", False):
+        raise ConfigError(no_token_versions(run.schedule.name, _name(cls)))
     check = getattr(cls, "check_config", None)
     if run is not None and callable(check):
         check(run)

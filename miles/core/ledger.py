@@ -4,11 +4,17 @@ A prompt becomes one group (``group_id``, unique in a run). The loop :meth:`Ledg
 when the prompt is drawn and :meth:`Ledger.settle` s it exactly once with an outcome:
 
 - ``trained``: in a batch the trainer updated on (its failed samples sit out of the loss);
-- ``failed``: in a trained batch, every sample failed (generation or reward);
+- ``failed``: in a trained batch, every sample failed (generation or reward), or (async schedules) its
+  generation raised, e.g. because every engine died;
 - ``filtered``: a sample filter dropped it (DAPO dynamic sampling), in a batch as padding or not;
 - ``surplus``: it passed the filters, but the batch was already full (sync over-sampling);
 - ``stale``: its oldest token was more than ``schedule.max_staleness`` versions behind the trainer;
-- ``unused``: generated (or in flight) ahead of the trainer when the run ended (async schedules).
+- ``unused``: generated (or in flight) ahead of the trainer when the run ended, or taken for the step
+  the run failed in (async schedules).
+
+A run checkpoint keeps :meth:`Ledger.state` (async schedules: with the prompts still open, which the
+resumed run generates again, :mod:`miles.core.schedules`); the resumed run :meth:`Ledger.restore` s
+it, so its ledger accounts for the prompts of both parts.
 
 Thread-safe (an async schedule draws on its producer thread). Drawing an id twice, settling an id that was never drawn, or settling one twice raises
 :class:`LedgerError` at once; :meth:`Ledger.check_closed` at the end of a run raises if a drawn
@@ -58,6 +64,28 @@ class Ledger:
         """Groups of a batch the trainer took: ``trained``, or ``filtered`` / ``failed`` (see module docstring)."""
         for g in groups:
             self.settle(g[0].group_id, outcome_in_batch(g))
+
+    def state(self) -> dict[str, list[int]]:
+        """The drawn ids by outcome, ``open`` for those without one (JSON-ready)."""
+        with self._lock:
+            by: dict[str, list[int]] = {o: [] for o in (*OUTCOMES, "open")}
+            for g, o in self._outcome.items():
+                by[o or "open"].append(g)
+        return {k: sorted(v) for k, v in by.items()}
+
+    def restore(self, state: dict[str, list[int]]) -> None:
+        """Take over the outcomes of :meth:`state` (into a ledger that has drawn nothing yet)."""
+        unknown = sorted(set(state) - {*OUTCOMES, "open"})
+        if unknown:
+            raise ValueError(f"ledger state with outcome(s) {unknown}; valid: {', '.join(OUTCOMES)}, open")
+        with self._lock:
+            if self._outcome:
+                raise LedgerError(f"restore into a ledger that has drawn {len(self._outcome)} group(s) already")
+            for o, ids in state.items():
+                for g in ids:
+                    if g in self._outcome:
+                        raise LedgerError(f"group {g} appears twice in the ledger state")
+                    self._outcome[g] = None if o == "open" else o
 
     def open(self) -> list[int]:
         """Drawn ids without an outcome yet."""

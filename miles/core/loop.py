@@ -15,9 +15,10 @@ One step, synchronously:
    policy-gradient step (PPO-clip; optional KL, entropy, TIS).
 5. **Sync.** The new weights reach every engine as version ``step``; the next
    rollout samples from them.
-6. **Log.** Reward, losses, mismatch, timings and weight-sync cost go to the
-   tracker; evaluation on held-out prompts runs at step 0, every
-   ``trainer.eval_every`` steps, and at the end.
+6. **Log.** Reward, losses, mismatch, timings (``perf/engine_busy_frac``: the share of the step
+   the engines spent generating, :func:`engine_busy`) and weight-sync cost go to the tracker;
+   evaluation on held-out prompts runs at step 0, every ``trainer.eval_every`` steps, and at the
+   end.
 
 With ``trainer.save_every`` the loop writes run checkpoints, and ``trainer.resume_from`` continues
 from one (:mod:`miles.core.resume`). The ``hooks:`` chain is called at named points of every step
@@ -98,7 +99,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
     first, next_group_id, metrics = 1, 0, {}
     if run.trainer.resume_from is not None:
-        state = _resume(ctx)
+        state = resume_checkpoint(ctx)
         first, next_group_id = state.step + 1, state.next_group_id
         rng.setstate(state.rng_state)
     hooks.on_run_start(first - 1)
@@ -111,7 +112,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
     for step in range(first, run.trainer.num_steps + 1):
         if hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
             break
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
         # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
         # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
@@ -134,7 +135,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         # 5. sync: the engines still in rotation sample from the new weights from now on
         metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
         hooks.after_weight_sync(step, step)
-        t3 = time.perf_counter()
+        t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
         # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
         last = step == run.trainer.num_steps or hooks.stop_reason is not None
@@ -145,7 +146,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         metrics |= {
             "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
             "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-        } | hooks.pop_metrics()
+        } | engine_busy_metrics(busy0, busy3) | hooks.pop_metrics()
         ctx.log_metrics(metrics, step)
         if ctx.log_distributions is not None:
             ctx.log_distributions({"train/reward": [s.reward for s in samples],
@@ -153,7 +154,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
         progress.update(step, metrics)
         every = run.trainer.save_every
         if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
-            _save(ctx, step, rng, next_group_id)
+            save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
     progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
@@ -212,18 +213,20 @@ def _config_dict(run: MilesConfig) -> dict[str, Any]:
     return to_yaml_dict(dataclasses.asdict(run))
 
 
-def _save(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int) -> None:
+def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id: int,
+                    ledger: dict[str, list[int]], stream: dict[str, Any] | None = None) -> None:
+    """The run checkpoint of ``step`` (:func:`miles.core.resume.save`), then the ``on_checkpoint`` hooks."""
     t0 = time.perf_counter()
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
-    path = resume.save(ctx.trainers, ctx.save_dir, step, rng.getstate(), next_group_id, _config_dict(ctx.run),
-                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics)
+    path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
+                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
 
 
-def _resume(ctx: LoopContext) -> resume.LoopState:
-    """Trainer (and critic) state and loop state of ``trainer.resume_from``; the engines get its weights."""
+def resume_checkpoint(ctx: LoopContext) -> resume.LoopState:
+    """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
     state = resume.load(ctx.run.trainer.resume_from)
     critic = resume.critic_state(state) if ctx.critics else None
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
@@ -231,12 +234,40 @@ def _resume(ctx: LoopContext) -> resume.LoopState:
         log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "
                     "not follow the uninterrupted one", state.path, ", ".join(changed[:10])
                     + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
+    if state.ledger is not None:
+        ctx.ledger.restore(state.ledger)
     ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
     if critic is not None:
         ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state
+
+
+def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
+    """``(busy_s, clock_s)`` of each engine by engine id: seconds spent generating so far and the
+    engine's clock (``health()``); engines that do not report them (or do not answer in 10 s) are left out."""
+    out = {}
+    for ref in [e.health.remote() for e in engines]:
+        try:
+            h = ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
+            continue
+        if "busy_s" in h:
+            out[int(h["engine_id"])] = (float(h["busy_s"]), float(h["clock_s"]))
+    return out
+
+
+def engine_busy_metrics(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
+                        ) -> dict[str, float]:
+    """Between two :func:`engine_busy` readings, averaged over the engines in both:
+    ``perf/engine_busy_s`` (seconds spent generating) and ``perf/engine_busy_frac`` (that over the
+    seconds between the readings, on the engine's clock)."""
+    both = [(after[e][0] - before[e][0], after[e][1] - before[e][1]) for e in before.keys() & after.keys()]
+    if not both or min(dt for _, dt in both) <= 0:
+        return {}
+    return {"perf/engine_busy_s": sum(b for b, _ in both) / len(both),
+            "perf/engine_busy_frac": sum(b / dt for b, dt in both) / len(both)}
 
 
 def sampling_params(run: MilesConfig) -> SamplingParams:

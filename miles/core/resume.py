@@ -7,7 +7,10 @@ last one::
                         model, AdamW moments, learning-rate schedule counters (safetensors + JSON)
     critic/             with a critic (``algo.estimator: gae``): the critic ranks' state, same layout
     loop_state.json     the step, the prompt sampler's RNG state and the next group id (every
-                        group's sampling seed follows from the run seed and its id)
+                        group's sampling seed follows from the run seed and its id), the sample
+                        ledger's outcomes (:meth:`miles.core.ledger.Ledger.state`) and, under an
+                        async schedule, the prompts still open (``stream``: their ids and the
+                        sampler's state when the oldest was drawn; :mod:`miles.core.schedules`)
     config.yaml         the resolved config of the run that wrote it (secrets redacted)
 
 A checkpoint is written into ``step_<k>.tmp`` and renamed into place once complete, so a crash
@@ -17,8 +20,12 @@ leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only
 ``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
 the trainer state (and the critic's), sends the policy weights to the engines as version ``k`` and
 runs steps ``k + 1`` to ``trainer.num_steps``. Prompts, sampling noise and updates then follow the
-uninterrupted run's: on CPU with a fixed seed its per-step metrics equal that run's. The trainer
-and the driver must see the same ``save_dir`` (one machine, or shared storage).
+uninterrupted run's: on CPU with a fixed seed its per-step metrics equal that run's. Under an async
+schedule the prompts open at the checkpoint (generating, or waiting for the trainer) are generated
+again from the checkpoint's weights before new ones are drawn: every prompt is trained once (or
+accounted for) across both parts, though the batches need not be the uninterrupted run's, which
+depend on when each group finished. The trainer and the driver must see the same ``save_dir``
+(one machine, or shared storage).
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ class LoopState:
     config: dict[str, Any]
     """The resolved config that wrote the checkpoint (for the comparison at resume)."""
     path: Path
+    ledger: dict[str, list[int]] | None = None
+    """:meth:`miles.core.ledger.Ledger.state` at the checkpoint (None: written before the ledger was kept)."""
+    stream: dict[str, Any] | None = None
+    """Async schedules, prompts drawn but not settled: ``open`` (group ids), ``first_open`` (the oldest)
+    and ``rng_state`` (the sampler's state before drawing it); None when there are none."""
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -87,9 +99,10 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
-         config: dict[str, Any], keep: int, critics: Sequence[Any] = ()) -> Path:
+         config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
+         stream: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
-    its directory."""
+    its directory. ``ledger`` and ``stream``: see :class:`LoopState`."""
     import ray
 
     final = step_dir(save_dir, step)
@@ -100,9 +113,12 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     if critics:
         ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
     (tmp / "config.yaml").write_text(yaml.safe_dump(redact_tree(config), sort_keys=False))
-    (tmp / "loop_state.json").write_text(json.dumps(
-        {"format": FORMAT, "step": step, "next_group_id": next_group_id,
-         "rng_state": [rng_state[0], list(rng_state[1]), rng_state[2]]}))
+    meta = {"format": FORMAT, "step": step, "next_group_id": next_group_id, "rng_state": rng_to_json(rng_state)}
+    if ledger is not None:
+        meta["ledger"] = ledger
+    if stream is not None:
+        meta["stream"] = stream | {"rng_state": rng_to_json(stream["rng_state"])}
+    (tmp / "loop_state.json").write_text(json.dumps(meta))
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -119,10 +135,23 @@ def load(path: str | Path) -> LoopState:
         raise ValueError(f"{ckpt}: loop state format {meta.get('format')!r}; this miles reads {FORMAT}")
     if not (ckpt / "trainer" / "trainer_state.json").is_file():
         raise ValueError(f"{ckpt}: no trainer/ state next to loop_state.json (an incomplete checkpoint?)")
-    version, internal, gauss = meta["rng_state"]
     config = yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else {}
-    return LoopState(step=int(meta["step"]), rng_state=(version, tuple(internal), gauss),
-                     next_group_id=int(meta["next_group_id"]), config=config, path=ckpt)
+    stream = meta.get("stream")
+    if stream is not None:
+        stream = stream | {"rng_state": rng_from_json(stream["rng_state"])}
+    return LoopState(step=int(meta["step"]), rng_state=rng_from_json(meta["rng_state"]),
+                     next_group_id=int(meta["next_group_id"]), config=config, path=ckpt, ledger=meta.get("ledger"),
+                     stream=stream)
+
+
+def rng_to_json(state: tuple) -> list[Any]:
+    """``random.Random.getstate()`` as JSON."""
+    return [state[0], list(state[1]), state[2]]
+
+
+def rng_from_json(value: list[Any]) -> tuple:
+    version, internal, gauss = value
+    return version, tuple(internal), gauss
 
 
 def critic_state(state: LoopState) -> Path:

@@ -26,6 +26,17 @@ step k+1 starts from the weights of step k-1 while step k trains and finishes on
 Staleness of a sample trained at step ``s`` (weights of version ``s - 1``): ``s - 1 - v`` where ``v``
 is the oldest version behind its tokens. At the end the stream stops drawing, the generations in
 flight finish, and every group not trained is settled ``unused`` (:mod:`miles.core.ledger`).
+
+Engine failures: the rollout manager retries the requests of an engine that died on the others and
+takes it out of rotation (a weight push that finds an engine dead drops it and goes on with the
+rest). When no engine is left, the groups in flight are settled ``failed``, those waiting or taken
+for the failing step ``unused``, and the run raises with the ledger's accounting in the error's notes.
+
+Run checkpoints (``trainer.save_every``) hold the ledger and the prompts still open (in flight or
+waiting for the trainer) as their group ids plus the sampler's RNG state when the oldest of them was
+drawn: every group draws one prompt with ``task.sample(1, rng)`` in id order, so replaying the draws
+from that state gives the open prompts back (and must end at the checkpoint's sampler state). A
+resumed run generates them again, under their ids and seeds, before drawing new ones.
 """
 
 from __future__ import annotations
@@ -36,12 +47,23 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from miles.core.evaluate import evaluate
-from miles.core.ledger import Ledger
-from miles.core.loop import LoopContext, learn, log_batch_sizes, sampling_params
+from miles.core.ledger import OUTCOMES, Ledger
+from miles.core.loop import (
+    LoopContext,
+    engine_busy,
+    engine_busy_metrics,
+    learn,
+    log_batch_sizes,
+    resume_checkpoint,
+    sampling_params,
+    save_checkpoint,
+)
 from miles.core.progress import Progress
+from miles.core.resume import LoopState
 from miles.types import Sample, SamplingParams
 from miles.weights.sync import sync_weights
 
@@ -54,14 +76,20 @@ def staleness(group: list[Sample], version: int) -> int:
 
 
 class GroupStream:
-    """Groups generated continuously into a buffer on a thread of its own (module docstring)."""
+    """Groups generated continuously into a buffer on a thread of its own (module docstring).
+
+    ``reopened``: ``(group_id, problem, rng_state)`` of groups drawn before a resume and still open
+    there; they are generated first, without being drawn again.
+    """
 
     def __init__(self, ctx: LoopContext, *, rng: random.Random, sampling: SamplingParams, capacity: int,
-                 ledger: Ledger) -> None:
+                 ledger: Ledger, next_group_id: int = 0, reopened: Sequence[tuple[int, Any, tuple]] = ()) -> None:
         self.ctx, self.rng, self.sampling, self.capacity, self.ledger = ctx, rng, sampling, capacity, ledger
         self.n = ctx.run.algo.num_samples_per_prompt
         self.seed0 = ctx.run.seed * 1_000_003
-        self.next_group_id = 0
+        self.next_group_id = next_group_id
+        self.reopened = deque(reopened)
+        self.drawn_at: dict[int, tuple] = {g: st for g, _, st in reopened}  # open group -> sampler state before it
         self.buffer: deque[list[Sample]] = deque()
         self.inflight = 0
         self.filtered_in_a_row = 0
@@ -84,6 +112,23 @@ class GroupStream:
         if self.loop is not None and self.wake is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.wake.set)
 
+    def _draw(self) -> tuple[int, Any]:
+        """The next group to generate (under ``cv``): a reopened one, else a new prompt."""
+        if self.reopened:
+            group_id, problem, _ = self.reopened.popleft()
+            return group_id, problem
+        state = self.rng.getstate()
+        problem = self.ctx.task.sample(1, self.rng)[0]
+        group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
+        self.ledger.draw([group_id])
+        self.drawn_at[group_id] = state
+        return group_id, problem
+
+    def _settle(self, group_id: int, outcome: str) -> None:
+        """Settle a group (under ``cv``)."""
+        self.drawn_at.pop(group_id, None)
+        self.ledger.settle(group_id, outcome)
+
     async def _produce(self) -> None:
         self.loop, self.wake = asyncio.get_running_loop(), asyncio.Event()
         run_group = self.ctx.rollout.group_runner()
@@ -93,12 +138,10 @@ class GroupStream:
             with self.cv:
                 if self.stopping or self.error is not None:
                     break
-                room = self.capacity - len(self.buffer) - self.inflight
-                self.inflight += max(room, 0)
-            for _ in range(room):
-                problem = self.ctx.task.sample(1, self.rng)[0]
-                group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
-                self.ledger.draw([group_id])
+                room = max(self.capacity - len(self.buffer) - self.inflight, 0)
+                self.inflight += room
+                todo = [self._draw() for _ in range(room)]
+            for group_id, problem in todo:
                 task = asyncio.ensure_future(self._one(run_group, problem, group_id))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -115,8 +158,8 @@ class GroupStream:
             with self.cv:
                 self.inflight -= 1
                 self.error = self.error or e
+                self._settle(group_id, "failed")
                 self.cv.notify_all()
-            self.ledger.settle(group_id, "failed")
             self._poke()
             return
         with self.cv:
@@ -127,7 +170,7 @@ class GroupStream:
             else:
                 for s in group:
                     s.filtered = f"{why[0]}: {why[1]}"
-                self.ledger.settle(group_id, "filtered")
+                self._settle(group_id, "filtered")
                 self.filtered_in_a_row += 1
                 if self.filtered_in_a_row > self.max_filtered_in_a_row:
                     self.error = RuntimeError(
@@ -140,6 +183,7 @@ class GroupStream:
         """The next ``k`` groups at most ``max_staleness`` versions behind ``version`` (blocks until there).
 
         Returns ``(groups, number dropped as stale, seconds waited)``; older groups are settled ``stale``.
+        The caller settles the groups returned; on an error the ones already picked go back to the buffer.
         """
         t0, groups, stale = time.perf_counter(), [], 0
         with self.cv:
@@ -147,15 +191,29 @@ class GroupStream:
                 while not self.buffer and self.error is None:
                     self.cv.wait()
                 if self.error is not None:
+                    self.buffer.extendleft(reversed(groups))
                     raise RuntimeError(f"async rollout failed: {self.error}") from self.error
                 group = self.buffer.popleft()
                 if staleness(group, version) > max_staleness:
-                    self.ledger.settle(group[0].group_id, "stale")
+                    self._settle(group[0].group_id, "stale")
                     stale += 1
                 else:
                     groups.append(group)
                 self._poke()
+            for group in groups:
+                self.drawn_at.pop(group[0].group_id)
         return groups, stale, time.perf_counter() - t0
+
+    def checkpoint(self) -> tuple[tuple, int, dict[str, list[int]], dict[str, Any] | None]:
+        """``(sampler state, next group id, ledger state, open prompts)`` at one instant, for a run
+        checkpoint (module docstring); open prompts None when there are none."""
+        with self.cv:
+            open_ids = sorted(self.drawn_at)
+            ledger = self.ledger.state()
+            assert open_ids == ledger["open"], (open_ids, ledger["open"])  # every open group is in the stream
+            stream = ({"open": open_ids, "first_open": open_ids[0], "rng_state": self.drawn_at[open_ids[0]]}
+                      if open_ids else None)
+            return self.rng.getstate(), self.next_group_id, ledger, stream
 
     def close(self) -> int:
         """Stop drawing, let the generations in flight finish, settle what was never taken ``unused``."""
@@ -163,11 +221,34 @@ class GroupStream:
             self.stopping = True
         self._poke()
         self.thread.join()
-        unused = list(self.buffer)
-        self.buffer.clear()
-        for group in unused:
-            self.ledger.settle(group[0].group_id, "unused")
+        with self.cv:
+            unused = [group[0].group_id for group in self.buffer] + [g for g, _, _ in self.reopened]
+            self.buffer.clear()
+            self.reopened.clear()
+            for group_id in unused:
+                self._settle(group_id, "unused")
         return len(unused)
+
+
+def reopen(task: Any, state: LoopState) -> list[tuple[int, Any, tuple]]:
+    """The prompts open at the checkpoint ``state`` as ``(group_id, problem, sampler state before it)``,
+    by replaying the sampler's draws from the oldest (module docstring)."""
+    if state.stream is None:
+        return []
+    open_ids, rng = set(state.stream["open"]), random.Random()
+    rng.setstate(state.stream["rng_state"])
+    out = []
+    for group_id in range(state.stream["first_open"], state.next_group_id):
+        before = rng.getstate()
+        problem = task.sample(1, rng)[0]
+        if group_id in open_ids:
+            out.append((group_id, problem, before))
+    if rng.getstate() != state.rng_state or len(out) != len(open_ids):
+        raise RuntimeError(f"{state.path}: replaying the prompt draws of groups {state.stream['first_open']}.."
+                           f"{state.next_group_id - 1} did not end at the checkpoint's sampler state; the task's "
+                           "sample() must depend on the RNG alone (and the task config must be the one that wrote "
+                           "the checkpoint)")
+    return out
 
 
 def train_async(ctx: LoopContext) -> dict[str, float]:
@@ -178,38 +259,51 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
     log.info("schedule %s: up to %d group(s) ahead of the trainer, weights every %d step(s), groups more than %d "
              "version(s) old dropped", sched.name, sched.buffer_batches * algo.num_prompts_per_step,
              sched.update_interval, sched.max_staleness)
-    hooks.on_run_start(0)
-    metrics = evaluate(ctx, eval_set)
-    hooks.after_eval(0, metrics)
-    ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
-    stream = GroupStream(ctx, rng=random.Random(run.seed), sampling=sampling_params(run),
-                         capacity=sched.buffer_batches * algo.num_prompts_per_step, ledger=ctx.ledger)
+    rng, first, next_group_id, reopened = random.Random(run.seed), 1, 0, []
+    if run.trainer.resume_from is not None:
+        state = resume_checkpoint(ctx)
+        first, next_group_id = state.step + 1, state.next_group_id
+        rng.setstate(state.rng_state)
+        reopened = reopen(ctx.task, state)
+        log.info("%d prompt(s) open at the checkpoint are generated again", len(reopened))
+    hooks.on_run_start(first - 1)
+    if run.trainer.resume_from is None:
+        metrics = evaluate(ctx, eval_set)
+        hooks.after_eval(0, metrics)
+        ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
+    stream = GroupStream(ctx, rng=rng, sampling=sampling_params(run),
+                         capacity=sched.buffer_batches * algo.num_prompts_per_step, ledger=ctx.ledger,
+                         next_group_id=next_group_id, reopened=reopened)
     stream.start()
-    progress = Progress(run.trainer.num_steps)
-    pushed, dropped_total, taken_total = 0, 0, 0
+    progress = Progress(run.trainer.num_steps, first=first)
+    pushed, dropped_total, taken_total, metrics = first - 1, 0, 0, {}
+    taken: list[list[Sample]] = []  # the step's groups until the ledger has them
+    step = first
     try:
-        for step in range(1, run.trainer.num_steps + 1):
+        for step in range(first, run.trainer.num_steps + 1):
             if hooks.stop_reason is not None:
                 break
-            t0 = time.perf_counter()
+            t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
             version = step - 1  # the trainer's weights: the proximal policy of this update
-            groups, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
+            taken, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
+            groups = taken
             dropped_total, taken_total = dropped_total + stale, taken_total + stale + len(groups)
             metrics = ctx.rollout.metrics(groups) | _staleness_metrics(groups, version, stale)
             hooks.after_rollout(step, groups)
             t1 = time.perf_counter()
             metrics, samples = learn(ctx, step, groups, metrics)
             ctx.ledger.settle_batch(groups)
+            taken = []
             t2 = time.perf_counter()
             last = step == run.trainer.num_steps or hooks.stop_reason is not None
             evaluating = last or (run.trainer.eval_every and step % run.trainer.eval_every == 0)
             if last:
                 metrics["ledger/unused_at_end"] = float(stream.close())
             if step % sched.update_interval == 0 or evaluating:  # in-flight generations go on with them
-                metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
+                metrics |= push_weights(ctx, step)
                 hooks.after_weight_sync(step, step)
                 pushed = step
-            t3 = time.perf_counter()
+            t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
             if evaluating:
                 evaluated = evaluate(ctx, eval_set)
                 hooks.after_eval(step, evaluated)
@@ -219,18 +313,63 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                 "perf/sync_s": t3 - t2, "perf/rollout_wait_s": wait_s,
                 "train/stale_dropped_frac": dropped_total / max(taken_total, 1),
                 "async/engine_version_lag": float(step - pushed),
-            } | ctx.ledger.metrics() | hooks.pop_metrics()
+            } | engine_busy_metrics(busy0, busy3)
+            metrics |= ctx.ledger.metrics() | hooks.pop_metrics()
             ctx.log_metrics(metrics, step)
             if ctx.log_distributions is not None:
                 ctx.log_distributions({"train/reward": [s.reward for s in samples],
                                        "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
             progress.update(step, metrics)
+            if run.trainer.save_every and (step % run.trainer.save_every == 0 or last):
+                save_checkpoint(ctx, step, *stream.checkpoint())
+    except Exception as e:
+        _account_for_failure(ctx, stream, taken, step, e)
+        raise
     finally:
         if stream.thread.is_alive():
             stream.close()
         progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
+
+
+def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
+    """The trainers' weights to the engines in rotation as ``version``; when the push fails and an
+    engine it went to has died meanwhile (:meth:`miles.rollout.manager.RolloutManager.drop_dead_engines`),
+    it is retried once on the engines left."""
+    engines = ctx.rollout.live_engines
+    if not engines:
+        raise ctx.rollout.pool.all_dead_error()
+    try:
+        return sync_weights(ctx.trainers, engines, version=version, transport=ctx.transport)
+    except RuntimeError:
+        ctx.rollout.drop_dead_engines()
+        left = ctx.rollout.live_engines
+        if len(left) == len(engines):
+            raise  # every engine lives: the push itself failed
+        if not left:
+            raise ctx.rollout.pool.all_dead_error() from None
+        log.warning("weight push of version %d: %d engine(s) died; retried on the %d left", version,
+                    len(engines) - len(left), len(left))
+        return sync_weights(ctx.trainers, left, version=version, transport=ctx.transport)
+
+
+def _account_for_failure(ctx: LoopContext, stream: GroupStream, taken: list[list[Sample]], step: int,
+                         error: Exception) -> None:
+    """Settle what the failing run holds (the stream's groups, the step's ``taken`` ones ``unused``) and
+    add the ledger's accounting to ``error``'s notes."""
+    try:
+        if stream.thread.is_alive():
+            stream.close()
+        for group in taken:
+            ctx.ledger.settle(group[0].group_id, "unused")
+        c = ctx.ledger.counts()
+        note = (f"sample ledger at the failure (step {step}): {c['drawn']} prompt(s) drawn = "
+                + " + ".join(f"{c[o]} {o}" for o in OUTCOMES) + f", {c['open']} not accounted for")
+    except Exception as inner:  # noqa: BLE001 - the run's own error is the one to raise
+        note = f"sample ledger: could not account for the prompts at the failure ({inner!r})"
+    log.error("%s", note)
+    error.add_note(note)
 
 
 def _staleness_metrics(groups: list[list[Sample]], version: int, stale: int) -> dict[str, float]:

@@ -137,6 +137,23 @@ class RolloutManager:
         """The engines still in rotation (an engine that died is taken out for the rest of the run)."""
         return [self.pool.engines[i] for i in self.pool.alive]
 
+    def drop_dead_engines(self, timeout_s: float = 30.0) -> int:
+        """Ask every engine in rotation for its health; take out those whose actor died (or whose
+        backend is gone: ``ok`` false). Returns how many were taken out."""
+        import ray
+
+        before = len(self.pool.alive)
+        refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
+        for e, ref in refs.items():
+            try:
+                health = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError as err:
+                self.pool.mark_dead(e, err)
+            else:
+                if not health.get("ok", True):
+                    self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
+        return before - len(self.pool.alive)
+
     # ---- prompts and groups -----------------------------------------------------------------------
 
     def encode(self, prompt: str) -> tuple[int, ...]:

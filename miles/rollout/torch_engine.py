@@ -59,6 +59,11 @@ the scheduler thread between two steps, never during a forward):
 - ``pause()`` / ``resume()``: no further steps while paused; in-flight rows
   keep their slots and cache, new requests queue. ``pause()`` returns once the
   current step has finished.
+- ``health()``: liveness and load, answered at once; ``busy_s`` is the seconds the scheduler thread
+  has spent generating since the engine started (prefills and decode steps with rows running, or
+  the one-row-at-a-time ``true_on_policy`` generation; a step in progress counts up to the reading)
+  and ``clock_s`` the engine's ``time.perf_counter()`` at the reading: two readings give the share
+  of the time between them the engine worked.
 - ``abort(request_ids)``: their rows come back ``ABORTED`` (``"abort"``) with
   the tokens generated so far; returns the number of requests aborted.
 - ``release_memory()`` / ``resume_memory()``: for colocation. Drops the KV
@@ -164,6 +169,9 @@ class TorchEngine(Reusable):
     weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``).
     """
 
+    reports_token_versions = True
+    """Every result carries the weight version of each token (``token_versions``): async schedules need it."""
+
     def __init__(
         self,
         checkpoint_dir: str,
@@ -264,6 +272,9 @@ class TorchEngine(Reusable):
         self._waiting: deque[_Row] = deque()
         self._ops: list[tuple[Callable[[], Any], Future]] = []
         self._paused = self._released = self._closed = False
+        self._busy_s = 0.0  # seconds the scheduler thread spent generating (health()["busy_s"])
+        self._busy_since: float | None = None  # when the step in progress started
+        self._busy_lock = threading.Lock()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name=f"miles-engine-{engine_id}", daemon=True)
         self._thread.start()
@@ -285,7 +296,7 @@ class TorchEngine(Reusable):
         if not rows:
             return []
         if self.precision.true_on_policy:  # between two scheduler steps, one row after the other
-            return self._run_op(lambda: [self._exact_result(row) for row in rows])
+            return self._run_op(lambda: self._timed(lambda: [self._exact_result(row) for row in rows]))
         with self._cv:
             self._check_usable("generate")
             self._waiting.extend(rows)
@@ -327,7 +338,14 @@ class TorchEngine(Reusable):
         """Liveness and load, answered without waiting for the scheduler."""
         return {"ok": self._thread.is_alive() and not self._closed, "version": self._version,
                 "engine_id": self.engine_id, "running": self._n, "waiting": len(self._waiting),
-                "paused": self._paused, "released": self._released, "adapters": sorted(self._adapters)}
+                "paused": self._paused, "released": self._released, "adapters": sorted(self._adapters),
+                **self._busy_reading()}
+
+    def _busy_reading(self) -> dict[str, float]:
+        with self._busy_lock:
+            now = time.perf_counter()
+            running = now - self._busy_since if self._busy_since is not None else 0.0
+            return {"busy_s": self._busy_s + running, "clock_s": now}
 
     def weight_version(self) -> int:
         return self._version
@@ -607,11 +625,25 @@ class TorchEngine(Reusable):
                 if self._paused or not (self._n or self._waiting):
                     continue
                 try:
-                    self._admit()
-                    if self._n:
-                        self._decode()
+                    self._timed(self._step)
                 except Exception as e:  # noqa: BLE001 - every waiting caller gets it
                     self._fail_all(e)
+
+    def _step(self) -> None:
+        self._admit()
+        if self._n:
+            self._decode()
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the scheduler thread, its seconds added to ``busy_s``."""
+        with self._busy_lock:
+            self._busy_since = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            with self._busy_lock:
+                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
 
     def _admit(self) -> None:
         """Move waiting rows into free slots, within the prefill token budget, and prefill them."""
