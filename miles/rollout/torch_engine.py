@@ -738,7 +738,9 @@ class TorchEngine(Reusable):
             return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
         names = [self.default_adapter if r.request.adapter is None
                  else None if r.request.adapter == lora.BASE else r.request.adapter for r in rows]
-        with lora.rows_use(self._peft, names):
+        if all(n == self.default_adapter for n in names):  # peft's active adapter: its plain LoRA forward
+            return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
+        with lora.rows_use(self._peft, names):  # several adapters (or the base) in one batch
             return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
 
     def _run_model(self, fast: bool, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: SlotCache) -> Tensor:
