@@ -243,3 +243,25 @@ def test_tenants_train_their_own_adapters_and_a_broken_reward_stops_only_its_ten
     lora_b = [k for k in ok if ".lora_B." in k]
     assert lora_b and max(ok[k].abs().max().item() for k in lora_b) > 0  # B starts at zero: ok trained
     assert all(broken[k].abs().max().item() == 0 for k in lora_b)  # broken never moved
+
+
+def test_rollout_quantization_applies_to_the_base_and_not_to_the_adapters(tiny_qwen3_dir):
+    from miles.precision.recipe import apply_rollout_quant, is_quantized_weight
+
+    fp8 = PrecisionConfig(rollout_quant="fp8_block", quant_block_size=32)
+    eng = TorchEngine(str(tiny_qwen3_dir), fp8, adapter=AdapterConfig(kind="lora", rank=4, alpha=8.0))
+    try:
+        base = hf_model_from(tiny_qwen3_dir).state_dict()
+        want = apply_rollout_quant(base, fp8)
+        got = eng.state_dict()  # the base weights as the engine computes with them
+        quantized = [k for k, v in base.items() if is_quantized_weight(k, v)]
+        assert quantized and all(not torch.equal(got[k], base[k]) for k in quantized)
+        assert all(torch.equal(got[k], want[k]) for k in base)
+        sd = {f"{lora.SYNC_PREFIX}default:{k}": v
+              for k, v in _random_adapters(eng.adapter_state("default"), seed=5).items()}
+        eng.update_weights(sd, 1)  # the adapters arrive as sent (fp32), the base is not requantized
+        held = eng.adapter_state("default")
+        assert all(torch.equal(held[k.split(":", 2)[2]], v) for k, v in sd.items())
+        assert all(torch.equal(eng.state_dict()[k], want[k]) for k in base)
+    finally:
+        eng.close()
