@@ -90,6 +90,7 @@ that forward (routing replay, :mod:`miles.train.routing_replay`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -252,6 +253,7 @@ class TorchEngine(Reusable):
             self._peft = lora.add_adapters(self.model, adapter, adapter_names, trainable=False)
             self._adapters = {n: lora.adapter_parameters(self._peft, n) for n in adapter_names}
         self.default_adapter = adapter_names[0] if self._peft is not None else None
+        self._lm_head = self.model.get_output_embeddings()  # an adapter's own layer when lm_head is a target
         self._tokenizer: Any = None
         self._offload: str | dict[str, Tensor] | None = None  # weights while released
         self.capture_routing = capture_routing
@@ -688,7 +690,7 @@ class TorchEngine(Reusable):
         self._cache.prefill(self._arange[lo:hi], src)
         hidden = self._forward(ids.to(self.device), mask[:, None], positions.expand(u, t), [g[0] for g in groups])
         last = lens_t - 1
-        logits = self._lm_head(hidden[torch.arange(u, device=self.device), last]).float()[src]
+        logits = self._head(hidden[torch.arange(u, device=self.device), last], [g[0] for g in groups])[src]
         routing = None
         if self._routers:  # per layer [u * t, k] -> [u, t, layers, k]
             routes = torch.stack([r.view(u, t, -1) for r in self._step_routing], 2)
@@ -734,14 +736,24 @@ class TorchEngine(Reusable):
     def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row]) -> Tensor:
         """Base model forward through the slot cache: final-normed hidden states [B, T, D]; batch row
         ``i`` uses ``rows[i]``'s adapter when the engine holds adapters."""
-        if self._peft is None:
+        with self._adapters_of(rows):
             return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
+
+    def _head(self, hidden: Tensor, rows: list[_Row]) -> Tensor:
+        """fp32 logits of hidden states [B, D], row ``i`` through ``rows[i]``'s adapter (a LoRA ``lm_head``)."""
+        with self._adapters_of(rows):
+            return self._lm_head(hidden).float()
+
+    def _adapters_of(self, rows: list[_Row]) -> Any:
+        """Within it, batch row ``i`` computes with ``rows[i]``'s adapter (nothing to do without adapters,
+        or when every row uses the default adapter: peft's active one, its plain LoRA forward)."""
+        if self._peft is None:
+            return contextlib.nullcontext()
         names = [self.default_adapter if r.request.adapter is None
                  else None if r.request.adapter == lora.BASE else r.request.adapter for r in rows]
-        if all(n == self.default_adapter for n in names):  # peft's active adapter: its plain LoRA forward
-            return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
-        with lora.rows_use(self._peft, names):  # several adapters (or the base) in one batch
-            return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
+        if all(n == self.default_adapter for n in names):
+            return contextlib.nullcontext()
+        return lora.rows_use(self._peft, names)  # several adapters (or the base) in one batch
 
     def _run_model(self, fast: bool, ids: Tensor, mask: Tensor, position_ids: Tensor, cache: SlotCache) -> Tensor:
         if fast:
@@ -760,7 +772,7 @@ class TorchEngine(Reusable):
         self._cache.decode(arange, pos, kv_len)
         mask = (self._positions[:kv_len][None, :] <= pos[:, None])[:, None, None, :]
         hidden = self._forward(st["tok"][:b, None], mask, pos[:, None], self._rows[:b])  # type: ignore[arg-type]
-        logits = self._lm_head(hidden[:, -1]).float()
+        logits = self._head(hidden[:, -1], self._rows[:b])  # type: ignore[arg-type]
         routing = torch.stack(self._step_routing, 1) if self._routers else None  # [b, layers, k]
         pos += 1
         self._finish_rows(self._emit(0, b, logits, routing))
