@@ -279,6 +279,7 @@ class MegatronTrainer(Reusable):
         out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
         out["train/nonfinite_skipped"] = float(skipped)
         out["train/lr"] = lr_used
+        out["train/trainable_param_frac"] = 1.0  # every parameter trains (no adapters on this trainer)
         out["train/num_tokens"] = float(counts[:, 0].sum())
         out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
         forward_tokens = float(sum(p.input_ids.numel() for micro in plans for p in micro))
