@@ -267,3 +267,22 @@ def test_rollout_quantization_applies_to_the_base_and_not_to_the_adapters(tiny_q
         assert all(torch.equal(eng.state_dict()[k], want[k]) for k in base)
     finally:
         eng.close()
+
+
+def test_the_tenants_example_composes_and_validates() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from miles.config import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "examples"), version_base="1.3"):
+        run = validate(compose(config_name="lora_tenants"))
+    assert run.adapter.kind == "lora" and [t.name for t in run.tenants] == ["largest", "count", "arithmetic"]
+    assert run.tenants[1].max_new_tokens == 24 and run.tenants[2].task.name == "arithmetic"
+    with pytest.raises(ConfigError, match="no task option 'arithmetik'"):
+        validate({"adapter": {"kind": "lora"}, "tenants": [{"name": "a", "task": "arithmetik"}]})
+    with pytest.raises(ConfigError, match="add adapter=lora"):
+        validate({"tenants": [{"name": "a", "task": "largest"}]})
+    with pytest.raises(ConfigError, match="schedule=sync"):
+        validate({"adapter": {"kind": "lora"}, "tenants": [{"name": "a", "task": "largest"}],
+                  "schedule": {"name": "fully_async", "max_staleness": 1}, "placement": {"name": "disaggregated"}})
