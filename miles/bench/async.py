@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from miles.bench.e2e import WORKLOADS, compose
+from miles.bench.e2e import WORKLOADS, built_checkpoint, compose
 
 log = logging.getLogger("miles.bench.async")
 
@@ -149,18 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None, help="write eval/accuracy per step, per schedule, to this PNG")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    import ray
-
-    from miles.core.run import build_components
-    from miles.models.checkpoint import ensure_checkpoint
-
     base = [*WORKLOADS_ASYNC[args.workload], f"trainer.num_steps={args.steps}",
             f"trainer.eval_every={args.eval_every}", "tracking=none"]
-    run, _ = compose(base)
-    parts = build_components(run)
-    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False)
+    checkpoint = built_checkpoint(base, args.threads)
     runs: dict[str, list[dict[str, Any]]] = {}
     curves: dict[str, list[tuple[int, dict[int, float]]]] = {}
     for seed in [int(s) for s in args.seeds.split(",")]:

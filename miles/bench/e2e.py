@@ -105,6 +105,22 @@ def compose(overrides: list[str]) -> tuple[Any, str]:
     return validate(cfg), OmegaConf.to_yaml(cfg, resolve=True)
 
 
+def built_checkpoint(overrides: list[str], threads: int) -> str:
+    """The checkpoint the runs of ``overrides`` start from (built once, cached), and a local Ray cluster
+    of at least ``threads`` CPUs (unless one is up), for benchmarks that run several jobs on it."""
+    import ray
+
+    from miles.core.run import build_components
+    from miles.models.checkpoint import ensure_checkpoint
+
+    run, _ = compose(overrides)
+    parts = build_components(run)
+    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, threads), include_dashboard=False, log_to_driver=False)
+    return str(checkpoint)
+
+
 def run_miles(run: Any, resolved: str, overrides: list[str]) -> dict[str, Any]:
     """One miles job; per-step times from the loop's metrics, final eval from the job."""
     from miles.core.run import run_job

@@ -21,7 +21,7 @@ import logging
 import statistics
 from typing import Any
 
-from miles.bench.e2e import compose
+from miles.bench.e2e import built_checkpoint, compose
 
 log = logging.getLogger("miles.bench.lora")
 
@@ -69,24 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads per actor")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    import ray
-
-    from miles.core.run import build_components
-    from miles.models.checkpoint import ensure_checkpoint
-
     base = [*WORKLOAD, f"trainer.num_steps={args.steps}", f"trainer.eval_every={args.eval_every}",
             f"placement.torch_threads_per_actor={args.threads}"]
-    run, _ = compose(base)
-    parts = build_components(run)
-    checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False)
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in ("full", "lora")]:
+        raise SystemExit(f"--modes: {unknown} are not full or lora")
+    checkpoint = built_checkpoint(base, args.threads)
     runs: dict[str, list[dict[str, Any]]] = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for mode in args.modes.split(","):
+        for mode in modes:
             extra = ["adapter=lora"] + ([f"adapter.lr={args.lora_lr}"] if args.lora_lr else []) if mode == "lora" else []
-            if mode not in ("full", "lora"):
-                raise SystemExit(f"--modes: {mode!r} is not full or lora")
             overrides = [*base, f"seed={seed}", f"model.path={checkpoint}", *extra]
             log.info("seed %d, %s: %s", seed, mode, " ".join(overrides))
             result = run_one(overrides)
