@@ -57,6 +57,17 @@ class GenerateRequest:
     adapter: str | None = None
     """LoRA adapter to generate with (an engine built with adapters); None: the engine's default adapter
     (its first), ``"__base__"``: the base model alone."""
+    session_id: str | None = None
+    """The multi-turn session this prompt continues, or None. Completion ``i`` of the request is stored
+    under :func:`session_key` ``(session_id, n, i)``: an engine with a prefix cache keeps its KV under
+    that key and reuses it for a later prompt of the same key that starts with its tokens, and the
+    engine pool sends a later request with that key to the engine that produced it."""
+
+
+def session_key(session_id: str, n: int, index: int) -> str:
+    """The key completion ``index`` of a request with ``n`` completions continues as: the session id
+    itself when ``n == 1``, else ``"<session_id>#<index>"`` (each completion its own conversation)."""
+    return session_id if n == 1 else f"{session_id}#{index}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the sync side (split when async)")
     p.add_argument("--eval-every", type=int, default=0, help="trainer.eval_every (0: step 0 and the end only)")
     p.add_argument("--plot", type=Path, default=None, help="write eval/accuracy per step, per schedule, to this PNG")
+    p.add_argument("--async-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the one_step_off and fully_async runs only (repeatable), "
+                        "e.g. schedule.max_staleness=1")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     base = [*WORKLOADS_ASYNC[args.workload], f"trainer.num_steps={args.steps}",
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         for schedule in args.schedules.split(","):
             overrides = [*base, f"seed={seed}", f"model.path={checkpoint}",
                          *schedule_overrides(schedule, args.threads)]
+            if schedule in ("one_step_off", "fully_async"):
+                overrides += args.async_override
             log.info("seed %d, %s: %s", seed, schedule, " ".join(overrides))
             result, curve = run_one(overrides)
             runs.setdefault(schedule, []).append(result)
@@ -167,5 +172,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot_curves(curves, args.plot, f"{args.workload}: eval/accuracy, {args.steps} steps")
     print(json.dumps(summarize(runs) | {"workload": args.workload, "steps": args.steps, "threads": args.threads,
-                                        "seeds": args.seeds}), flush=True)
+                                        "seeds": args.seeds, "async_overrides": args.async_override}), flush=True)
     return 0
