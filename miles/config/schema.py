@@ -260,6 +260,10 @@ class RolloutConfig:
     """Extra rollout rounds that refill a batch whose groups the filters dropped (0: never refill)."""
     request_timeout_s: float = 600.0
     """Deadline of one engine call; past it the call is aborted and its requests retried elsewhere."""
+    request_timeout_per_1k_tokens_s: float = 0.0
+    """Added to ``request_timeout_s`` per 1000 tokens of the longest prompt in the call (0: a fixed deadline)."""
+    session_affinity: bool = True
+    """Send a request continuing a session (``GenerateRequest.session_id``) to the engine that served it."""
     max_retries: int = 2
     """Retries of a request after a timeout, an engine error or a dead engine; then its group fails."""
     max_inflight_samples_per_engine: int = 256

@@ -6,8 +6,17 @@
   share). Queued requests with the same sampling parameters share one call, up to
   ``rollout.max_requests_per_call`` and an even split of the queue over the engines with room.
   A request with ``n`` samples always goes whole to one engine (one prefill for the group).
-- **Deadlines and retries.** A call that does not answer within ``rollout.request_timeout_s`` is
-  aborted on its engine (if it can abort) and its requests are retried on another engine, as are
+- **Session affinity** (``rollout.session_affinity``). The pool remembers, for the last 65536
+  session keys (:func:`miles.types.session_key` of each completion of a request with a
+  ``session_id``), the engine that produced them. A request whose ``session_id`` is such a key goes
+  to that engine (which may hold its prefix's KV) even when another has fewer samples in flight; if
+  that engine is full the request waits for it, and only if the engine died or already failed the
+  request does it go to any engine. ``counts["affinity_hits"]`` are requests with a ``session_id``
+  sent to the engine of their key, ``counts["affinity_misses"]`` the others (a new session, an
+  evicted key, or its engine dead or failed). Requests without a ``session_id`` are balanced as above.
+- **Deadlines and retries.** A call that does not answer within its deadline,
+  ``rollout.request_timeout_s`` plus ``rollout.request_timeout_per_1k_tokens_s`` per 1000 tokens of
+  the longest prompt in the call (a long multi-turn context takes longer to prefill), is aborted on its engine (if it can abort) and its requests are retried on another engine, as are
   requests of a call that raised; after ``rollout.max_retries`` retries a request fails with
   :class:`EngineRequestError`, whose message lists every attempt.
 - **Dead engines.** An engine whose actor died, or whose call raised :class:`EngineDeadError` (an
@@ -24,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,9 +41,12 @@ from typing import Any
 import ray
 
 from miles.config.schema import RolloutConfig
-from miles.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, session_key
 
 log = logging.getLogger(__name__)
+
+
+MAX_SESSION_KEYS = 65536  # session keys whose engine the pool remembers (least recently used go first)
 
 
 class AllEnginesDeadError(RuntimeError):
@@ -64,7 +76,8 @@ class EnginePool:
         self.alive = list(range(len(self.engines)))
         self.deaths: dict[int, str] = {}
         self.dispatched = [0] * len(self.engines)  # requests sent to each engine, all time
-        self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures
+        self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures, affinity_*
+        self.homes: OrderedDict[str, int] = OrderedDict()  # session key -> engine that produced it (LRU)
         self._wire_id = 0
 
     def session(self) -> Session:
@@ -74,6 +87,28 @@ class EnginePool:
     def next_wire_id(self) -> int:
         self._wire_id += 1
         return self._wire_id
+
+    def home(self, request: GenerateRequest) -> int | None:
+        """The engine that produced ``request.session_id``'s key, if affinity is on and it is known."""
+        if not self.cfg.session_affinity or request.session_id is None:
+            return None
+        return self.homes.get(request.session_id)
+
+    def remember(self, request: GenerateRequest, e: int) -> None:
+        """Engine ``e`` produced ``request``'s completions: their session keys now live there."""
+        if not self.cfg.session_affinity or request.session_id is None:
+            return
+        for i in range(request.n):
+            key = session_key(request.session_id, request.n, i)
+            self.homes[key] = e
+            self.homes.move_to_end(key)
+        while len(self.homes) > MAX_SESSION_KEYS:
+            self.homes.popitem(last=False)
+
+    def deadline_s(self, call: Sequence[GenerateRequest]) -> float:
+        """A call's deadline: the fixed part plus the per-1000-prompt-token part for its longest prompt."""
+        longest = max((len(r.prompt_ids) for r in call), default=0)
+        return self.cfg.request_timeout_s + self.cfg.request_timeout_per_1k_tokens_s * longest / 1000
 
     def mark_dead(self, e: int, err: BaseException) -> None:
         """Take engine ``e`` out of rotation (once), saying why."""
@@ -134,12 +169,37 @@ class Session:
     def _spare(self, e: int) -> int:
         return self.pool.cfg.max_inflight_samples_per_engine - self.inflight[e]
 
+    def _home(self, p: _Pending) -> int | None:
+        """The engine ``p``'s session key lives on, while it is alive and ``p`` has not failed there."""
+        e = self.pool.home(p.request)
+        return e if e is not None and e in self.pool.alive and e not in p.avoid else None
+
+    def _has_room(self, e: int) -> bool:
+        return self._spare(e) > 0 or self.inflight[e] == 0
+
     def _pick(self, p: _Pending) -> int | None:
-        """The live engine with room and the fewest samples in flight, avoiding ones ``p`` failed on."""
+        """``p``'s home engine (see :meth:`_home`) when it has room, None while it is full; without a
+        home, the live engine with room and the fewest samples in flight, avoiding ones ``p`` failed on."""
+        home = self._home(p)
+        if home is not None:
+            return home if self._has_room(home) else None
         alive = self.pool.alive
         fresh = [e for e in alive if e not in p.avoid] or alive
-        room = [e for e in fresh if self._spare(e) > 0 or self.inflight[e] == 0]
+        room = [e for e in fresh if self._has_room(e)]
         return min(room, key=lambda e: self.inflight[e]) if room else None
+
+    def _next(self) -> tuple[_Pending | None, int | None]:
+        """The first queued request that can go now, and where: requests waiting for their full home
+        engine let the ones behind them by; any other request that cannot go holds the queue."""
+        if not any(self._has_room(x) for x in self.pool.alive):
+            return None, None
+        for p in self.queue:
+            e = self._pick(p)
+            if e is not None:
+                return p, e
+            if self._home(p) is None:
+                break
+        return None, None
 
     def _dispatch(self) -> None:
         self.scheduled = False
@@ -152,22 +212,27 @@ class Session:
                         p.future.set_exception(error)
                 self.queue.clear()
                 return
-            head = self.queue[0]
-            e = self._pick(head)
-            if e is None:
+            head, e = self._next()
+            if head is None or e is None:
                 return  # every engine is full: a finishing call dispatches again
             with_room = sum(1 for x in self.pool.alive if self._spare(x) > 0) or 1
             fair = math.ceil(sum(p.request.n for p in self.queue) / with_room)
             budget = max(head.request.n, min(self._spare(e), fair))
-            call, rows = [self.queue.popleft()], head.request.n
+            self.queue.remove(head)
+            call, rows = [head], head.request.n
             for p in list(self.queue):
                 if len(call) >= cfg.max_requests_per_call or rows + p.request.n > budget:
                     break
-                if p.sampling == head.sampling and (e not in p.avoid or self._pick(p) == e):
+                home = self._home(p)
+                joins = home == e if home is not None else e not in p.avoid or self._pick(p) == e
+                if p.sampling == head.sampling and joins:
                     self.queue.remove(p)
                     call.append(p)
                     rows += p.request.n
             self.inflight[e] += rows
+            for p in call:
+                if p.request.session_id is not None and self.pool.cfg.session_affinity:
+                    self.pool.counts["affinity_hits" if self.pool.home(p.request) == e else "affinity_misses"] += 1
             task = self.loop.create_task(self._run(e, call, rows))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -176,14 +241,17 @@ class Session:
         pool = self.pool
         wire = [replace(p.request, request_id=f"{p.request.request_id}@{pool.next_wire_id()}") for p in call]
         pool.dispatched[e] += len(call)
-        timeout = pool.cfg.request_timeout_s
+        timeout = pool.deadline_s(wire)
         try:
             ref = pool.engines[e].generate.remote(wire, call[0].sampling or SamplingParams())
             results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
         except TimeoutError:
             pool.counts["timeouts"] += len(call)
             pool.abort(e, [w.request_id for w in wire])
-            self._retry_all(call, e, f"engine {e}: no answer within rollout.request_timeout_s={timeout:g}s")
+            per_1k = pool.cfg.request_timeout_per_1k_tokens_s
+            grown = f" + rollout.request_timeout_per_1k_tokens_s={per_1k:g}s per 1000 prompt tokens = {timeout:g}s"
+            self._retry_all(call, e, f"engine {e}: no answer within rollout.request_timeout_s="
+                                     f"{pool.cfg.request_timeout_s:g}s{grown if per_1k else ''}")
         except ray.exceptions.ActorUnavailableError as err:
             self._retry_all(call, e, f"engine {e} unavailable ({first_line(err)})")
         except ray.exceptions.RayActorError as err:
@@ -210,6 +278,7 @@ class Session:
                     f"engine {e} returned completions {[r.index for r in got]} for request {p.request.request_id!r} "
                     f"(n={p.request.n}): a lost or duplicated completion is an engine bug"))
             elif not p.future.done():
+                self.pool.remember(p.request, e)
                 p.future.set_result([replace(r, request_id=p.request.request_id) for r in got])
         if by_id:
             log.error("engine %d returned results for requests it was not sent: %s", e, sorted(by_id))

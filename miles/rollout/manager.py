@@ -50,6 +50,9 @@ def check_config(cfg: RolloutConfig) -> None:
 
     if not (math.isfinite(cfg.request_timeout_s) and cfg.request_timeout_s > 0):
         raise ConfigError(f"rollout.request_timeout_s: must be a finite number > 0, found {cfg.request_timeout_s}")
+    per_1k = cfg.request_timeout_per_1k_tokens_s
+    if not (math.isfinite(per_1k) and per_1k >= 0):
+        raise ConfigError(f"rollout.request_timeout_per_1k_tokens_s: must be a finite number >= 0, found {per_1k}")
     for key in ("max_retries", "max_oversample_rounds"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"rollout.{key}: must be 0 or more, found {getattr(cfg, key)}")
@@ -224,8 +227,9 @@ class RolloutManager:
 
     def metrics(self, groups: list[list[Sample]]) -> dict[str, float]:
         """``rollout/*`` metrics of groups generated outside :meth:`collect` (async schedules), without the
-        timings and the retry / timeout / lost-engine counts: those belong to the stream, not to these groups."""
-        per_call = ("rollout/retried", "rollout/timeouts", "rollout/engines_lost")
+        timings and the retry / timeout / lost-engine / affinity counts: those belong to the stream, not to these groups."""
+        per_call = ("rollout/retried", "rollout/timeouts", "rollout/engines_lost", "rollout/affinity_hits",
+                    "rollout/affinity_misses")
         return {k: v for k, v in self._metrics(groups, 1.0, Counter()).items()
                 if k.startswith("rollout/") and k not in per_call}
 
@@ -347,6 +351,8 @@ class RolloutManager:
             "rollout/retried": float(counts["retried"]),
             "rollout/timeouts": float(counts["timeouts"]),
             "rollout/engines_lost": float(counts["engines_lost"]),
+            "rollout/affinity_hits": float(counts["affinity_hits"]),  # session turns sent to their engine
+            "rollout/affinity_misses": float(counts["affinity_misses"]),
             "rollout/engines_alive": float(len(self.pool.alive)),
             "rollout/truncated_frac": by_status[Status.TRUNCATED] / total,
             "rollout/response_len_mean": num_tokens / max(len(generated), 1),
