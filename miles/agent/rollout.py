@@ -11,8 +11,11 @@
           - {_target_: miles.agent.calculator.Calculator}
 
 Per prompt, each of the ``ctx.n`` samples is one :class:`miles.agent.session.Session`. Turn 1 is
-one engine request with ``n`` (the samples share its prefill); later turns are one request per
-sample whose prompt is exactly the session's ids so far. After each policy turn:
+one engine request with ``n`` (the samples share its prefill) and a fresh ``session_id``; later
+turns are one request per sample whose prompt is exactly the session's ids so far and whose
+``session_id`` is the sample's :func:`miles.types.session_key`, the same for all its turns: the
+engine pool sends them to the engine of the turn before (``rollout.session_affinity``), whose
+prefix cache may hold the context's KV. After each policy turn:
 
 - a turn that did not complete (truncated or aborted) ends the session with that status;
 - a turn without ``<tool_call>`` blocks is the final answer: the session ends (COMPLETED);
@@ -21,6 +24,12 @@ sample whose prompt is exactly the session's ids so far. After each policy turn:
   as one ``<tool_response>`` user turn (loss mask 0), unless ``max_turns`` policy turns were taken;
   the session then ends TRUNCATED, as it does when the tool-response turn plus ``max_new_tokens``
   would not fit in ``max_context_tokens`` (that turn is then taken back).
+
+A later turn whose engine request fails on every attempt (the pool retried it
+``rollout.max_retries`` times; :class:`~miles.rollout.dispatch.EngineRequestError`) ends that
+sample alone as FAILED, with the reason in ``Sample.failure`` (out of the loss and the group's
+reward statistics, counted in ``rollout/failed_generation``) and ``agent/turn_failures``; the
+group's other samples go on. A failed first turn fails the whole group (no sample exists yet).
 
 The sample's response is everything after the prompt (policy turns with their log-probs and loss
 mask 1, observations with loss mask 0); its ``response_text``, which the reward sees, is the last
@@ -31,7 +40,7 @@ sums them into ``rollout/agent/*`` metrics (:func:`miles.agent.metrics.sample_co
 ``tool_calls`` (calls whose response the policy got, malformed ones included), ``tool_calls_ok``
 (those that returned without error), ``tool_unknown_tool`` / ``tool_timeout`` / ``tool_raised`` /
 ``tool_too_many``, ``template_drift``, ``template_rewrites`` and ``tool_success_rate``
-(``tool_calls_ok / tool_calls``). The calls of a turn at ``max_turns`` are not run; those of a
+(``tool_calls_ok / tool_calls``), ``turn_failures``. The calls of a turn at ``max_turns`` are not run; those of a
 turn whose response is taken back (no room) ran but are not counted in ``tool_calls``.
 
 Template drift (see :mod:`miles.agent.session`) is counted per sample; with ``strict_template``
@@ -43,14 +52,16 @@ happened (the sample keeps the turns it has) and is counted.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import Tool, ToolOutcome, parse_tool_calls, run_call, schema, tool_response_message
+from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
-from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
+from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status, session_key
 
 
 async def tool_loop(
@@ -72,9 +83,11 @@ async def tool_loop(
         {"role": "user", "content": problem.prompt}]
     render = {"tools": [schema(t) for t in tools]} if tools and tools_in_template else {}
     sessions = [Session(ctx.tokenizer, messages, strict=strict_template, render_kwargs=render) for _ in range(ctx.n)]
+    session_id = f"agent-{ctx.group_id}-{secrets.token_hex(4)}"  # unique even when group ids repeat
     first = await ctx.engine_generate(GenerateRequest(
-        request_id=f"{ctx.group_id}-t1", prompt_ids=tuple(sessions[0].ids), n=ctx.n, seed=ctx.seed), sampling)
-    loop = _Loop(ctx, sampling, by_name, max_turns, max_calls_per_turn, max_context_tokens)
+        request_id=f"{ctx.group_id}-t1", prompt_ids=tuple(sessions[0].ids), n=ctx.n, seed=ctx.seed,
+        session_id=session_id), sampling)
+    loop = _Loop(ctx, sampling, by_name, max_turns, max_calls_per_turn, max_context_tokens, session_id)
     return list(await asyncio.gather(*(loop.run(s, r, problem) for s, r in zip(sessions, first, strict=True))))
 
 
@@ -82,13 +95,13 @@ class _Loop:
     """The turns of one sample after the shared first request."""
 
     def __init__(self, ctx: GenerateContext, sampling: SamplingParams, tools: dict[str, Tool], max_turns: int,
-                 max_calls: int, max_context: int | None) -> None:
-        self.ctx, self.sampling, self.tools = ctx, sampling, tools
+                 max_calls: int, max_context: int | None, session_id: str) -> None:
+        self.ctx, self.sampling, self.tools, self.session_id = ctx, sampling, tools, session_id
         self.max_turns, self.max_calls, self.max_context = max_turns, max_calls, max_context
 
     async def run(self, session: Session, result: GenerateResult, problem: Problem) -> Sample:
         counts: Counter[str] = Counter()
-        text = ""
+        text, failure = "", None
         while True:
             text = session.add_policy(result)
             counts["agent/turns"] += 1
@@ -115,16 +128,23 @@ class _Loop:
                 break
             _count(counts, outcomes)
             index, turn = result.index, session.policy_turns + 1
-            (result,) = await self.ctx.engine_generate(GenerateRequest(
-                request_id=f"{self.ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
-                seed=self.ctx.seed + 7919 * turn + index), self.sampling)
+            try:
+                (result,) = await self.ctx.engine_generate(GenerateRequest(
+                    request_id=f"{self.ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
+                    seed=self.ctx.seed + 7919 * turn + index,
+                    session_id=session_key(self.session_id, self.ctx.n, index)), self.sampling)
+            except EngineRequestError as e:  # retried by the pool already: this sample ends, the group goes on
+                counts["agent/turn_failures"] += 1
+                failure = f"generation: turn {turn}: {first_line(e)}"
+                break
             result = _reindexed(result, index)
         counts["agent/template_drift"] += session.finish() is not None
         return Sample(
             group_id=self.ctx.group_id, index=result.index, prompt_ids=list(session.prompt_ids),
             response_ids=list(session.response_ids), rollout_logprobs=list(session.logprobs),
-            loss_mask=list(session.loss_mask), status=session.status, weight_version=session.weight_version,
-            label=problem.label, response_text=text, metadata={"counts": dict(counts)})
+            loss_mask=list(session.loss_mask), status=Status.FAILED if failure else session.status,
+            weight_version=session.weight_version, label=problem.label, response_text=text, failure=failure,
+            metadata={"counts": dict(counts)})
 
     async def _call(self, calls: list) -> list[ToolOutcome]:
         extra = [ToolOutcome(name=c.name, text=f"error: more than {self.max_calls} tool calls in one turn; not run",
