@@ -118,7 +118,7 @@ def test_backends_resolve_from_config_and_refuse_unlisted_targets_before_import(
                                                                  "_partial_": True}}})
     b = backends(run)
     assert (b.engine, b.trainer, b.critic.__name__) == (TorchEngine, FSDPTrainer, "FSDPCritic")
-    assert b.engine_kwargs == {"max_batch_size": 256, "max_prefill_tokens": 8192}
+    assert b.engine_kwargs == {"max_batch_size": 256, "max_prefill_tokens": 8192, "prefix_cache_tokens": 65536}
     for key, over in [("rollout.engine._target_", {"rollout": {"engine": {"_target_": "os.system"}}}),
                       ("trainer._target_", {"trainer": {"_target_": "subprocess.Popen"}})]:
         with pytest.raises(ConfigError, match=f"{key}: '.*' is not allowed"):

@@ -179,6 +179,10 @@ def test_replay_configs_that_cannot_work_are_refused() -> None:
     assert "capture_routing" not in engine_kwargs(run(["model=qwen3_moe"]))
     replay_wins = run(["model=qwen3_moe", "algo.routing_replay=rollout", "+rollout.engine.capture_routing=false"])
     assert engine_kwargs(replay_wins)["capture_routing"] is True
+    # the session prefix cache (its prefixes carry no routes) is off under replay, on by default otherwise
+    assert engine_kwargs(replay_wins)["prefix_cache_tokens"] == 0
+    assert engine_kwargs(run(["model=qwen3_moe"]))["prefix_cache_tokens"] > 0
+    assert engine_kwargs(run(["precision=fp32", "precision.true_on_policy=true"]))["prefix_cache_tokens"] == 0
     with pytest.raises(ConfigError, match="dense model"):
         build_components(run(["model=qwen3", "algo.routing_replay=rollout"]))
     with pytest.raises(ConfigError, match="SGLang engine returns no routes.*use rollout=torch trainer=fsdp"):

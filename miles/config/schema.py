@@ -233,7 +233,8 @@ class RolloutConfig:
 
     engine: TargetConfig = field(
         default_factory=lambda: TargetConfig(target="miles.rollout.torch_engine.TorchEngine",
-                                             kwargs={"max_batch_size": 256, "max_prefill_tokens": 8192})
+                                             kwargs={"max_batch_size": 256, "max_prefill_tokens": 8192,
+                                                     "prefix_cache_tokens": 65536})
     )
     """Engine backend: a class meeting :class:`miles.backends.RolloutEngine` (one Ray actor per engine);
     the node's other keys are its constructor arguments besides those the driver passes

@@ -155,10 +155,14 @@ def backends(run: MilesConfig) -> Backends:
 
 def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
     """The ``rollout.engine`` node's keyword arguments, with ``capture_routing=True`` when
-    ``algo.routing_replay=rollout`` (the trainer replays what the engines record; this wins over the node)."""
+    ``algo.routing_replay=rollout`` (the trainer replays what the engines record; this wins over the node),
+    and the torch engine's session prefix cache off under routing replay or ``precision.true_on_policy``
+    (a reused prefix has no recorded routes; true on-policy prefills every prompt whole)."""
     kwargs = dict(run.rollout.engine.kwargs)
     if run.algo.routing_replay == "rollout":
         kwargs["capture_routing"] = True
+    if "prefix_cache_tokens" in kwargs and (run.algo.routing_replay == "rollout" or run.precision.true_on_policy):
+        kwargs["prefix_cache_tokens"] = 0
     if run.adapter.kind != "none":  # the engines hold the trainer's adapters on the frozen base
         kwargs["adapter"] = run.adapter
         if run.tenants:  # one adapter per tenant, named after it

@@ -43,7 +43,11 @@ class SlotCache(Cache):
     ``capacity``, keeping the contents). Before each forward the engine sets the mode:
     ``prefill(dst, src)``: prompt row ``src[i]`` is written into slot ``dst[i]`` at indices
     ``[0, T)`` and attention runs over the prompts alone; ``decode(arange, pos, kv_len)``: slot
-    ``b < len(arange)`` gets its new K/V at index ``pos[b]`` and attends to indices ``[0, kv_len)``.
+    ``b < len(arange)`` gets its new K/V at index ``pos[b]`` and attends to indices ``[0, kv_len)``;
+    ``extend(dst, src, start, prefixes, kv_len)``: prompt row ``src[i]`` continues a stored prefix
+    (:mod:`miles.rollout.prefix_cache`) in slot ``dst[i]``: the prefix's K/V fill indices
+    ``[0, start)``, the row's new K/V go to ``[start, start + T)``, and attention runs over the first
+    slot of each prompt row, indices ``[0, kv_len)``.
     """
 
     def __init__(self, slots: int) -> None:
@@ -55,6 +59,7 @@ class SlotCache(Cache):
         self._pos, self._kv_len = torch.zeros(0, dtype=torch.long), 0
         self._dst = self._src = torch.zeros(0, dtype=torch.long)
         self._arange = torch.zeros(0, dtype=torch.long)
+        self._extend: tuple[Tensor, list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]], Tensor] | None = None
 
     def reserve(self, rows: int, length: int, max_length: int | None = None) -> None:
         """Room for slots ``[0, rows)`` and ``length`` positions, both rounded up to a power of two
@@ -66,10 +71,26 @@ class SlotCache(Cache):
         self.capacity = max(self.capacity, min(capacity, max_length) if max_length else capacity)
 
     def prefill(self, dst: Tensor, src: Tensor) -> None:
-        self._decode, self._dst, self._src = False, dst, src
+        self._decode, self._dst, self._src, self._extend = False, dst, src, None
 
     def decode(self, arange: Tensor, pos: Tensor, kv_len: int) -> None:
         self._decode, self._arange, self._pos, self._kv_len = True, arange, pos, kv_len
+
+    def extend(self, dst: Tensor, src: Tensor, start: Tensor,
+               prefixes: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]], kv_len: int) -> None:
+        """``start[u]``: length of prompt row ``u``'s stored prefix, whose per-layer K/V are
+        ``prefixes[u] = (k, v)``, each ``[kv_heads, start[u], head_dim]``."""
+        first: dict[int, int] = {}
+        for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+            first.setdefault(s, d)
+        heads = torch.tensor([first[u] for u in range(len(prefixes))], dtype=torch.long, device=dst.device)
+        self._decode, self._dst, self._src, self._kv_len = False, dst, src, kv_len
+        self._extend = (start, prefixes, heads)
+
+    def read(self, slot: int, length: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Copies of slot ``slot``'s K/V at indices ``[0, length)``, per layer ``[kv_heads, length, head_dim]``."""
+        return (tuple(k[slot, :, :length].clone() for k in self.k),
+                tuple(v[slot, :, :length].clone() for v in self.v))
 
     def _layer(self, i: int, like: Tensor) -> tuple[Tensor, Tensor]:
         if i == len(self.k):
@@ -92,9 +113,27 @@ class SlotCache(Cache):
             b = key_states.shape[0]
             return k[:b, :, : self._kv_len], v[:b, :, : self._kv_len]
         t = key_states.shape[2]
+        if self._extend is not None:
+            return self._extend_layer(k, v, key_states, value_states, layer_idx)
         k[self._dst, :, :t] = key_states[self._src]
         v[self._dst, :, :t] = value_states[self._src]
         return key_states, value_states
+
+    def _extend_layer(self, k: Tensor, v: Tensor, key_states: Tensor, value_states: Tensor, layer: int
+                      ) -> tuple[Tensor, Tensor]:
+        start, prefixes, heads = self._extend  # type: ignore[misc]
+        for d, s in zip(self._dst.tolist(), self._src.tolist(), strict=True):
+            pk, pv = prefixes[s]
+            n = pk[layer].shape[1]
+            k[d, :, :n] = pk[layer]
+            v[d, :, :n] = pv[layer]
+        t = key_states.shape[2]
+        # padded positions past a row's prompt may land anywhere past it (clamped into the buffer): decode
+        # overwrites each position before it is attended to
+        idx = (start[:, None] + torch.arange(t, device=start.device)[None]).clamp_max(k.shape[2] - 1)[self._src]
+        k[self._dst[:, None], :, idx] = key_states[self._src].transpose(1, 2)
+        v[self._dst[:, None], :, idx] = value_states[self._src].transpose(1, 2)
+        return k[heads, :, : self._kv_len], v[heads, :, : self._kv_len]
 
     def move(self, dst: Tensor, src: Tensor) -> None:
         """Slot ``src[i]`` -> slot ``dst[i]`` in every layer."""

@@ -112,9 +112,10 @@ from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.precision.on_policy import generate_exact
 from miles.precision.recipe import apply_rollout_quant
+from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
 from miles.rollout.sampling import check_sampling, filter_logits_rows
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status, session_key
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class _Row:
     generator: torch.Generator | None  # None for greedy rows (no noise)
     features: tuple[str, ...]  # per-row options the batched step must handle (see _emit)
     prompt_route: Tensor | None = None  # capture_routing: [P - 1, moe_layers, top_k] int16, set at prefill
+    prefill_version: int = -1  # weight version of its prefill (a prefix is stored only if still current)
 
 
 class TorchEngine(Reusable):
@@ -167,7 +169,9 @@ class TorchEngine(Reusable):
     padded prompt tokens; ``admit_batch``: free slots that trigger an admission while rows run
     (default ``max_batch_size // 4``); ``capture_routing``: record MoE routing per generated token;
     ``adapter`` (``kind: lora``): hold one LoRA adapter per name of ``adapter_names`` on the base
-    weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``).
+    weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``); ``prefix_cache_tokens``:
+    keep the K/V of finished completions of requests with a ``session_id``, up to this many tokens, and
+    prefill a later turn of the session from where they end (:mod:`miles.rollout.prefix_cache`; 0: off).
     """
 
     reports_token_versions = True
@@ -188,6 +192,7 @@ class TorchEngine(Reusable):
         admit_batch: int | None = None,
         adapter: AdapterConfig | None = None,
         adapter_names: tuple[str, ...] = ("default",),
+        prefix_cache_tokens: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -202,6 +207,11 @@ class TorchEngine(Reusable):
         if precision.true_on_policy and capture_routing:
             raise ValueError("precision.true_on_policy=true generates without the batched path that records "
                              "routing; set capture_routing=false")
+        if prefix_cache_tokens and (capture_routing or precision.true_on_policy):
+            raise ValueError("prefix_cache_tokens > 0 cannot be combined with "
+                             + ("capture_routing (a reused prefix has no recorded routes)" if capture_routing
+                                else "precision.true_on_policy (it prefills every prompt whole)")
+                             + "; set rollout.engine.prefix_cache_tokens=0")
         if admit_batch is not None and not 1 <= admit_batch <= max_batch_size:
             raise ValueError(f"admit_batch must be in [1, max_batch_size={max_batch_size}], got {admit_batch}")
         # While rows are running, admit only once this many slots are free (or every waiting row fits):
@@ -260,6 +270,7 @@ class TorchEngine(Reusable):
         self._routers = self._hook_routers() if capture_routing else []
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)
 
+        self._prefix = PrefixStore(prefix_cache_tokens)
         self._alloc_slots()
         self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
         with torch.no_grad():
@@ -341,7 +352,7 @@ class TorchEngine(Reusable):
         return {"ok": self._thread.is_alive() and not self._closed, "version": self._version,
                 "engine_id": self.engine_id, "running": self._n, "waiting": len(self._waiting),
                 "paused": self._paused, "released": self._released, "adapters": sorted(self._adapters),
-                **self._busy_reading()}
+                "prefix_cache": self._prefix.stats(), **self._busy_reading()}
 
     def _busy_reading(self) -> dict[str, float]:
         with self._busy_lock:
@@ -387,6 +398,7 @@ class TorchEngine(Reusable):
             t1 = time.perf_counter()
             apply_rollout_quant(self.model, self.precision)
             self._version = int(version)
+            self._prefix.clear()
             return t1 - t_copy, time.perf_counter() - t1
 
         copy_s, quant_s = self._run_op(apply)
@@ -423,6 +435,7 @@ class TorchEngine(Reusable):
                 for k, v in sd.items():
                     self._adapters[n][k].copy_(v)
             self._version = int(version)
+            self._prefix.clear()
             return time.perf_counter() - t_copy
 
         copy_s = self._run_op(apply)
@@ -668,7 +681,8 @@ class TorchEngine(Reusable):
         self._prefill(take)
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """One forward over the rows' distinct prompts; each row samples its first token."""
+        """Forwards over the rows' distinct prompts (one for whole prompts, one for prompts continuing a
+        stored prefix); each row samples its first token."""
         self._ensure_capacity(rows)
         groups: list[list[_Row]] = []
         for r in rows:
@@ -676,19 +690,49 @@ class TorchEngine(Reusable):
                 groups[-1].append(r)
             else:
                 groups.append([r])
-        lens = [len(g[0].request.prompt_ids) for g in groups]
+        if not self._prefix.enabled:
+            self._prefill_groups(groups, [None] * len(groups))
+            return
+        hits = []
+        for g in groups:
+            req = g[0].request
+            self._prefix.prompt_tokens += len(req.prompt_ids)
+            hits.append(self._prefix.lookup(req.session_id, req.prompt_ids, self._version, req.adapter))
+        for reuse in (False, True):
+            part = [(g, h) for g, h in zip(groups, hits, strict=True) if (h is not None) == reuse]
+            if part:
+                self._prefill_groups([g for g, _ in part], [h for _, h in part])
+
+    def _prefill_groups(self, groups: list[list[_Row]], hits: list[PrefixEntry | None]) -> None:
+        """One forward over ``groups``' prompts, each from the end of its stored prefix (``hits``) or whole."""
+        rows = [r for g in groups for r in g]
+        start = [len(h.ids) if h is not None else 0 for h in hits]
+        lens = [len(g[0].request.prompt_ids) - s for g, s in zip(groups, start, strict=True)]  # tokens to compute
         u, t = len(groups), max(lens)
         ids = torch.full((u, t), self.pad_id, dtype=torch.long)
         for i, g in enumerate(groups):
-            ids[i, : lens[i]] = torch.tensor(g[0].request.prompt_ids, dtype=torch.long)
+            ids[i, : lens[i]] = torch.tensor(g[0].request.prompt_ids[start[i]:], dtype=torch.long)
         src = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         lens_t = torch.tensor(lens, device=self.device)
+        start_t = torch.tensor(start, device=self.device)
         lo, hi = self._n, self._n + len(rows)
-        self._set_rows(lo, rows, lens_t[src])
+        self._set_rows(lo, rows, (start_t + lens_t)[src])
+        for r in rows:
+            r.prefill_version = self._version
         positions = self._positions[:t]
-        mask = (positions[None, :] <= positions[:, None])[None] & (positions[None, None, :] < lens_t[:, None, None])
-        self._cache.prefill(self._arange[lo:hi], src)
-        hidden = self._forward(ids.to(self.device), mask[:, None], positions.expand(u, t), [g[0] for g in groups])
+        if any(h is not None for h in hits):
+            query_pos = start_t[:, None] + positions[None]  # [u, t]
+            kv_len = min(int(query_pos.max()) + 1, self._cache.capacity)
+            mask = (self._positions[None, None, :kv_len] <= query_pos[:, :, None])[:, None]  # [u, 1, t, kv_len]
+            self._cache.extend(self._arange[lo:hi], src, start_t,
+                               [(h.k, h.v) for h in hits if h is not None], kv_len)
+            position_ids = query_pos
+        else:
+            mask = ((positions[None, :] <= positions[:, None])[None]
+                    & (positions[None, None, :] < lens_t[:, None, None]))[:, None]
+            self._cache.prefill(self._arange[lo:hi], src)
+            position_ids = positions.expand(u, t)
+        hidden = self._forward(ids.to(self.device), mask, position_ids, [g[0] for g in groups])
         last = lens_t - 1
         logits = self._head(hidden[torch.arange(u, device=self.device), last], [g[0] for g in groups])[src]
         routing = None
@@ -844,7 +888,10 @@ class TorchEngine(Reusable):
         for slot, reason in stopped:
             row = self._rows[slot]
             assert row is not None
-            self._deliver(row, self._result(slot, reason))
+            result = self._result(slot, reason)
+            if self._prefix.enabled and row.request.session_id is not None and reason != "abort":
+                self._keep_prefix(slot, row, result)
+            self._deliver(row, result)
             self._count.subtract(row.features)
         n, gone = self._n, {s for s, _ in stopped}
         keep = n - len(gone)
@@ -861,6 +908,16 @@ class TorchEngine(Reusable):
         for s in range(keep, n):
             self._rows[s] = None
         self._n = keep
+
+    def _keep_prefix(self, slot: int, row: _Row, result: GenerateResult) -> None:
+        """Store the slot's K/V (prompt and response but the last token, never fed back) under the row's
+        session key, if no weight update happened while the row ran."""
+        if row.prefill_version != self._version or not result.response_ids:
+            return
+        ids = tuple(row.request.prompt_ids) + result.response_ids[:-1]
+        k, v = self._cache.read(slot, len(ids))
+        key = session_key(row.request.session_id, row.request.n, row.index)  # type: ignore[arg-type]
+        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter))
 
     def _result(self, slot: int, reason: str) -> GenerateResult:
         row, st = self._rows[slot], self._st
@@ -924,6 +981,7 @@ class TorchEngine(Reusable):
                         self._n, len(self._waiting))
             self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
         self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
+        self._prefix.clear()
         for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
             self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
         unique = {k: self._weights[k] for k in self._required}
