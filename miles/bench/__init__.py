@@ -5,5 +5,5 @@ measures miles against a reference in the same process run (alternating, median 
 prints a JSON line last. The dispatcher imports the module only when it is asked for.
 """
 
-BENCHMARKS = ("rollout", "train", "sync", "e2e", "rewards", "gpu", "precision", "async", "lora")
+BENCHMARKS = ("rollout", "train", "sync", "e2e", "rewards", "gpu", "precision", "async", "lora", "agent")
 """Names ``python -m miles.bench`` accepts."""

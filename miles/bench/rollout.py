@@ -51,8 +51,9 @@ import torch
 EOS_ID, PAD_ID = 2, 0
 
 
-def build_model(path: Path, eos_prob: float, seed: int = 0) -> Path:
-    """Save the tiny Qwen3 with the EOS offset (see the module docstring) to ``path``."""
+def build_model(path: Path, eos_prob: float, seed: int = 0, max_positions: int | None = None) -> Path:
+    """Save the tiny Qwen3 with the EOS offset (see the module docstring) to ``path``; ``max_positions``
+    overrides its ``max_position_embeddings`` (longer multi-turn contexts)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from miles.models.checkpoint import TOKENIZER_VOCAB_SIZE
@@ -61,6 +62,8 @@ def build_model(path: Path, eos_prob: float, seed: int = 0) -> Path:
     config = qwen3_spec("tiny").hf_config
     config.vocab_size = TOKENIZER_VOCAB_SIZE
     config.eos_token_id, config.pad_token_id, config.bos_token_id = EOS_ID, PAD_ID, PAD_ID
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -16,8 +16,9 @@
   evicted key, or its engine dead or failed). Requests without a ``session_id`` are balanced as above.
 - **Deadlines and retries.** A call that does not answer within its deadline,
   ``rollout.request_timeout_s`` plus ``rollout.request_timeout_per_1k_tokens_s`` per 1000 tokens of
-  the longest prompt in the call (a long multi-turn context takes longer to prefill), is aborted on its engine (if it can abort) and its requests are retried on another engine, as are
-  requests of a call that raised; after ``rollout.max_retries`` retries a request fails with
+  the longest prompt in the call (a long multi-turn context takes longer to prefill), is aborted
+  on its engine (if it can abort) and its requests are retried on another engine, as are requests
+  of a call that raised; after ``rollout.max_retries`` retries a request fails with
   :class:`EngineRequestError`, whose message lists every attempt.
 - **Dead engines.** An engine whose actor died, or whose call raised :class:`EngineDeadError` (an
   actor alive around a backend that is gone, e.g. an SGLang server process that exited or hung),
