@@ -46,7 +46,7 @@ def server(checkpoint: Path):
     from miles.config.schema import PrecisionConfig
     from miles.rollout.torch_engine import TorchEngine
 
-    engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1)
+    engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1, prefix_cache_tokens=4096)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     generate, version = engine_backend(engine)
     app = create_app(generate, tok, weight_version=version, token=TOKEN, control=engine)
@@ -256,3 +256,19 @@ def _checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(checkpoint / "model.safetensors"))
+
+
+def test_a_header_session_reuses_its_prefix_on_the_engine(server) -> None:
+    """Turns of a session named by the X-Miles-Session header generate with that session_id: the
+    second turn's prompt starts with the first turn's context, whose K/V the engine kept."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, default_headers={"X-Miles-Session": "h1"})
+    before = server.engine.health()["prefix_cache"]["hit_tokens"]
+    messages = [{"role": "user", "content": "what is 2 plus 5?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "sure?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=1)
+    context = first.choices[0].model_extra["prompt_token_ids"] + first.choices[0].model_extra["output_token_ids"]
+    assert second.choices[0].model_extra["prompt_token_ids"][:len(context)] == context
+    assert server.engine.health()["prefix_cache"]["hit_tokens"] - before == len(context) - 1  # all but the last token

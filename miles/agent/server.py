@@ -18,7 +18,9 @@ Endpoints:
   conversation is a :class:`miles.agent.session.Session`: each request repeats the conversation, the
   server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
   user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
-  the assistant turns it holds are the sampled ids, whatever text the client sends back for them;
+  the assistant turns it holds are the sampled ids, whatever text the client sends back for them.
+  Each turn generates with that ``session_id`` (:attr:`miles.types.GenerateRequest.session_id`): an
+  engine pool sends it to the engine of the turn before, whose prefix cache may hold the context;
 - ``POST /v1/completions`` (OpenAI-compatible, ``n`` = 1): ``prompt`` is a string (encoded as it is,
   no chat template) or a list of token ids (used as they are: token in, token out); the choice carries
   ``text``, ``logprobs`` (``tokens``, ``token_logprobs``) and the ids (``prompt_token_ids``,
@@ -217,7 +219,7 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
         rid = f"chatcmpl-{next(ids)}"
         busy.add(session_id)
         try:
-            (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt),
+            (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt), session_id=session_id,
                                                   sampling=_sampling(body, max_key="max_tokens")), session_id)
         finally:
             busy.discard(session_id)
