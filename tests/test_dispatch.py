@@ -149,3 +149,26 @@ def test_the_deadline_grows_with_the_prompt(ray_cluster) -> None:
     assert pool.counts["timeouts"] == 1
     assert pool.deadline_s([GenerateRequest(request_id="x", prompt_ids=(1,) * 3000)]) == pytest.approx(1.7)
     ray_cluster.kill(engine)
+
+
+def test_affinity_counts_reach_the_rollout_metrics() -> None:
+    """As ``retried`` / ``timeouts``: in a rollout's metrics, not in those of groups generated elsewhere."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from miles.rollout.manager import RolloutManager
+
+    manager = RolloutManager([object()], tokenizer=None, reward=SimpleNamespace(kind="sample"))
+    metrics = manager._metrics([], 1.0, Counter(affinity_hits=3, affinity_misses=1, retried=2))
+    assert metrics["rollout/affinity_hits"] == 3 and metrics["rollout/affinity_misses"] == 1
+    assert "rollout/affinity_hits" not in manager.metrics([]) and "rollout/retried" not in manager.metrics([])
+    manager.close()
+
+
+def test_a_negative_per_token_deadline_is_refused() -> None:
+    from miles.config import ConfigError
+    from miles.rollout.manager import check_config
+
+    with pytest.raises(ConfigError, match="rollout.request_timeout_per_1k_tokens_s"):
+        check_config(RolloutConfig(request_timeout_per_1k_tokens_s=-1.0))
+    check_config(RolloutConfig(request_timeout_per_1k_tokens_s=2.0))

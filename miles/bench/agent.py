@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--obs-tokens", type=int, help="observation tokens appended after each turn (default 128)")
     p.add_argument("--prompt-tokens", type=int, help="tokens of a session's first prompt (default 64)")
     p.add_argument("--engines", type=int, default=2, help="engine actors (default 2)")
-    p.add_argument("--repeats", type=int, help="runs per side, sides alternating; tokens/s are medians (default 3)")
+    p.add_argument("--repeats", type=int, help="runs per side, sides alternating; tokens/s are medians (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--quick", action="store_true",
                    help="seconds, for tests: 4 sessions x 2 turns, 4 new tokens, 16-token observations, 1 repeat")
     args = p.parse_args(argv)
-    defaults = (4, 2, 4, 16, 16, 1) if args.quick else (16, 4, 32, 128, 64, 3)
+    defaults = (4, 2, 4, 16, 16, 1) if args.quick else (16, 4, 32, 128, 64, 5)
     names = ("sessions", "turns", "new_tokens", "obs_tokens", "prompt_tokens", "repeats")
     for name, value in zip(names, defaults, strict=True):
         if getattr(args, name) is None:
