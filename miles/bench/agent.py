@@ -112,11 +112,12 @@ def run_side(engines: list, affinity: bool, w: dict[str, int], vocab: int, rep: 
             "engine_prompt_tokens": prompts1 - prompts0, "affinity_hits": pool.counts["affinity_hits"]}
 
 
-def bench(w: dict[str, int], engines: int, repeats: int, threads: int, out=sys.stdout) -> dict[str, Any]:
+def bench(w: dict[str, int], engines: int, repeats: int, threads: int, out=None) -> dict[str, Any]:
     """Both sides ``repeats`` times, alternating (a line each to ``out``); returns the JSON summary."""
     import ray
 
     from miles.bench.rollout import build_model
+    out = out or sys.stdout  # looked up per call: a test may have swapped it since import
 
     longest = w["prompt_tokens"] + w["turns"] * (w["new_tokens"] + w["obs_tokens"])
     if longest > MAX_POSITIONS:

@@ -129,13 +129,14 @@ def _engine(kind: str, path: Path, batch_size: int, threads: int) -> Any:
 
 
 def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: int, eos_prob: float,
-          threads: int, out=sys.stdout, engine: str = "torch") -> dict[str, Any]:
+          threads: int, out=None, engine: str = "torch") -> dict[str, Any]:
     """Every side on every batch size (a line each to ``out``), then batch-1 latency: the JSON summary.
 
     Sides: HF generate and the miles torch engine; with ``engine="sglang"`` also the SGLang engine."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
+    out = out or sys.stdout  # looked up per call: a test may have swapped it since import
     sides = ("hf", "miles", "sglang") if engine == "sglang" else ("hf", "miles")
     with tempfile.TemporaryDirectory(prefix="miles-bench-rollout-") as tmp:
         path = build_model(Path(tmp) / "tiny", eos_prob)
