@@ -78,3 +78,6 @@ def test_a_run_trains_on_the_multi_turn_tokens_the_engine_sampled(ray_cluster, t
         assert m["rollout/agent/turns"] > m["rollout/samples"], m
         assert m["rollout/agent/tool_calls"] > 0
         _check_trained_ids(step, m)
+    # the held-out prompts' sessions are counted too; every later turn went to its session's engine
+    assert steps[2]["eval/agent/turns"] > 0 and "eval/agent/tool_success_rate" in steps[2]
+    assert steps[2]["rollout/affinity_hits"] > 0

@@ -22,7 +22,9 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
     ``eval/greedy_accuracy`` is greedy decoding, logged alongside. ``eval/accuracy_se`` is the standard
     error of ``eval/accuracy`` over prompts: differences within about two of it are noise. Every
     evaluation of a run samples with the same noise (:func:`eval_seed`), so evaluations of different
-    weights differ by the weights alone.
+    weights differ by the weights alone. A multi-turn rollout's counts (``rollout/agent/*``: turns, tool
+    calls, their success rate) are logged for the held-out prompts as ``eval/agent/*`` (from the sampled
+    evaluation, or the greedy one when the temperature is 0).
     """
     r = ctx.run.rollout
     greedy = SamplingParams(greedy=True, max_new_tokens=r.max_new_tokens)
@@ -34,13 +36,20 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
         out["eval/accuracy_se"] = _standard_error([sum(s.reward for s in g) / len(g) for g in groups])
         out[f"eval/pass_at_{r.eval_samples_per_prompt}"] = sum(max(s.reward for s in g) > 0 for g in groups) / len(groups)
         out["eval/response_len_mean"] = m["rollout/response_len_mean"]
+        out.update(_agent_counts(m))
     groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=eval_seed(ctx.run.seed))
     out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
     out["eval/failed"] = m["rollout/failed"]  # a failed response scores 0 above
     out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])
     out.setdefault("eval/accuracy_se", _standard_error([g[0].reward for g in groups]))
     out.setdefault("eval/response_len_mean", m["rollout/response_len_mean"])
+    if r.eval_temperature <= 0:
+        out.update(_agent_counts(m))
     return out
+
+
+def _agent_counts(metrics: dict[str, float]) -> dict[str, float]:
+    return {"eval/" + k.removeprefix("rollout/"): v for k, v in metrics.items() if k.startswith("rollout/agent/")}
 
 
 def eval_seed(seed: int) -> int:
