@@ -124,14 +124,14 @@ def plot_curves(curves: dict[str, list[tuple[int, dict[int, float]]]], dest: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
     for i, (schedule, runs) in enumerate(curves.items()):
         for j, (seed, curve) in enumerate(runs):
             ax.plot(list(curve), list(curve.values()), marker="o", color=f"C{i}", alpha=1.0 if j == 0 else 0.5,
                     label=f"{schedule} (seed {seed})")
     ax.set(xlabel="step", ylabel="eval/accuracy", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not over them
     fig.tight_layout()
     dest.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(dest, dpi=110)
