@@ -17,10 +17,14 @@ class KeepBatches:
 
     groups: dict = {}
     batches: dict = {}
+    rewards: dict = {}
 
     def after_rollout(self, ctx, groups) -> None:
         self.groups[ctx.step] = [[(list(s.prompt_ids), list(s.response_ids), list(s.loss_mask)) for s in g]
                                  for g in groups]
+
+    def after_reward(self, ctx, groups) -> None:
+        self.rewards[ctx.step] = [(s.response_text, s.label, s.reward, dict(s.metadata)) for g in groups for s in g]
 
     def before_train(self, ctx, batch) -> None:
         self.batches[ctx.step] = batch
@@ -35,6 +39,7 @@ def _run(config_name: str, tmp_path: Path, num_steps: int) -> dict[int, dict]:
     register_schemas()
     KeepBatches.groups.clear()
     KeepBatches.batches.clear()
+    KeepBatches.rewards.clear()
     examples = Path(__file__).parents[1] / "examples"
     with initialize_config_dir(config_dir=str(examples), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=[
@@ -78,6 +83,15 @@ def test_a_run_trains_on_the_multi_turn_tokens_the_engine_sampled(ray_cluster, t
         assert m["rollout/agent/turns"] > m["rollout/samples"], m
         assert m["rollout/agent/tool_calls"] > 0
         _check_trained_ids(step, m)
+    # training rewards are the answer plus the bonus for working calls (the task's tool_answer_reward) ...
+    from miles.agent.rewards import tool_answer_reward
+
+    scored = [x for step in sorted(KeepBatches.rewards) for x in KeepBatches.rewards[step]]
+    assert [r for _, _, r, _ in scored] == [tool_answer_reward(t, label, metadata=meta) for t, label, _, meta in scored]
+    assert any(r % 1 for _, _, r, _ in scored)  # some were paid the bonus
+    # ... while held-out accuracy is the exact answer alone (task.eval_reward): 4 prompts x 1 sample
+    for key in ("eval/accuracy", "eval/greedy_accuracy"):
+        assert (4 * steps[2][key]) % 1 == 0, (key, steps[2][key])
     # the held-out prompts' sessions are counted too; every later turn went to its session's engine
     assert steps[2]["eval/agent/turns"] > 0 and "eval/agent/tool_success_rate" in steps[2]
     assert steps[2]["rollout/affinity_hits"] > 0

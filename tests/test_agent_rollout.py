@@ -14,11 +14,13 @@ import pytest
 
 from miles.agent.calculator import Calculator
 from miles.agent.metrics import sample_counts
+from miles.agent.rewards import tool_answer_reward
 from miles.agent.rollout import tool_loop
 from miles.agent.tools import parse_tool_calls
 from miles.config import TargetConfig, validate
 from miles.rollout.generate import GenerateContext
 from miles.rollout.protocols import check_group
+from miles.tasks.procedural import exact_answer_reward
 from miles.types import SamplingParams, Status
 
 TASK = TargetConfig(target="miles.agent.tasks.CalculatorArithmeticTask")
@@ -118,8 +120,9 @@ def test_each_call_gets_its_tool_response_and_malformed_calls_are_counted(built)
         problem = built.task.sample(1, random.Random(seed))[0]
         samples += asyncio.run(fn(_ctx(built, recorder, n=4, group_id=seed), problem,
                                   SamplingParams(temperature=1.0, max_new_tokens=48)))
-    seen = Counter()
+    seen, with_ok = Counter(), 0
     for s in samples:
+        before = Counter(seen)
         text = built.tokenizer.decode(s.response_ids)
         turns = text.split("<|im_start|>assistant\n")  # policy turn k, then its tool responses
         for k, turn in enumerate(turns):
@@ -137,6 +140,12 @@ def test_each_call_gets_its_tool_response_and_malformed_calls_are_counted(built)
                 want = _calculator_text(c.arguments)
                 assert f"<tool_response>\n{want}\n</tool_response>" in response, (turn, response)
             assert response.count("error: malformed tool call") == len(errors)
+        # the shaped reward pays its bonus exactly for the sessions whose calls all worked
+        works = seen["ok"] - before["ok"] >= 1 and seen["malformed"] == before["malformed"]
+        reward = tool_answer_reward(s.response_text, s.label, metadata=s.metadata, call_bonus=0.25)
+        assert reward == exact_answer_reward(s.response_text, s.label) + 0.25 * works
+        with_ok += seen["ok"] > before["ok"]
+    assert with_ok > 0  # the bonus was decided on sessions with working calls (paid or not, by malformed ones)
     counts = sample_counts(samples)
     assert counts["rollout/agent/tool_calls_ok"] == seen["ok"] > 0
     assert counts["rollout/agent/tool_calls"] == seen["calls"]

@@ -179,6 +179,22 @@ def test_builtins_meet_their_contracts(pair, built, exact_reward) -> None:
     assert check_filter(nonzero_reward_std, groups) == [(True, ""), (False, "reward std 0 <= 0")]
 
 
+def test_evaluation_rollouts_score_with_the_eval_reward(pair, built, exact_reward) -> None:
+    parity = TargetConfig(target="plugin_rewards.length_parity", partial=True)
+    with RewardRunner(parity, allow=("plugin_rewards.",), timeout_s=0) as eval_reward:
+        manager = RolloutManager(pair, built.tokenizer, exact_reward, eval_reward=eval_reward)
+        problems = _problems(built, 3)
+        for evaluation in (False, True):
+            groups, _ = manager.rollout(problems, 4, SAMPLING, seed=0, evaluation=evaluation)
+            texts = [s.response_text for g in groups for s in g]
+            want = ([float(len(t) % 2) for t in texts] if evaluation
+                    else [exact_answer_reward(t, s.label) for t, s in zip(texts, (s for g in groups for s in g))])
+            assert [s.reward for g in groups for s in g] == want
+        assert {len(t) % 2 for t in texts} == {0, 1}  # the two scores differ on these responses
+        with pytest.raises(TypeError, match="eval_reward must be a miles.rewards.RewardRunner"):
+            RolloutManager(pair, built.tokenizer, exact_reward, eval_reward=exact_answer_reward)
+
+
 def test_contract_checks_catch_broken_plugins(pair, built, exact_reward) -> None:
     manager = RolloutManager(pair, built.tokenizer, exact_reward)
     problem = _problems(built, 1)[0]
@@ -418,3 +434,4 @@ def test_engine_killed_mid_rollout_then_all_engines_dead(ray_cluster, engines, b
     ray_cluster.kill(spare[1])
     with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died"):
         manager.rollout(_problems(built, 3), 2, SAMPLING, seed=0)
+

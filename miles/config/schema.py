@@ -344,6 +344,10 @@ class TaskConfig:
         default_factory=lambda: TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
     )
     """Reward function ``(response_text, label) -> float`` (``reward_kind: group``: ``(responses, label) -> list``)."""
+    eval_reward: TargetConfig | None = None
+    """Reward of the held-out evaluation (``eval/accuracy`` is its mean), called as ``reward`` is; null:
+    ``reward``. Set it when the training reward is shaped (e.g. :func:`miles.agent.rewards.tool_answer_reward`'s
+    bonus for working tool calls), so that held-out accuracy stays the task's own score."""
     reward_kind: Literal["sample", "group"] = "sample"
     """``sample``: one reward call per response; ``group``: one call per prompt's group of responses."""
     reward_timeout_s: float = 10.0

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
-    """Held-out prompts, scored by the task reward.
+    """Held-out prompts, scored by ``task.eval_reward`` (``task.reward`` when it is null).
 
     ``eval/accuracy`` is pass@1 estimated from ``rollout.eval_samples_per_prompt`` samples per prompt at
     ``rollout.eval_temperature`` (the mean reward; greedy with one sample when the temperature is 0);
@@ -31,13 +31,14 @@ def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:
     out = {}
     if r.eval_temperature > 0:
         sampling = SamplingParams(temperature=r.eval_temperature, max_new_tokens=r.max_new_tokens)
-        groups, m = ctx.rollout.rollout(problems, r.eval_samples_per_prompt, sampling, seed=eval_seed(ctx.run.seed))
+        groups, m = ctx.rollout.rollout(problems, r.eval_samples_per_prompt, sampling, seed=eval_seed(ctx.run.seed),
+                                       evaluation=True)
         out["eval/accuracy"] = sum(s.reward for g in groups for s in g) / sum(len(g) for g in groups)
         out["eval/accuracy_se"] = _standard_error([sum(s.reward for s in g) / len(g) for g in groups])
         out[f"eval/pass_at_{r.eval_samples_per_prompt}"] = sum(max(s.reward for s in g) > 0 for g in groups) / len(groups)
         out["eval/response_len_mean"] = m["rollout/response_len_mean"]
         out.update(_agent_counts(m))
-    groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=eval_seed(ctx.run.seed))
+    groups, m = ctx.rollout.rollout(problems, 1, greedy, seed=eval_seed(ctx.run.seed), evaluation=True)
     out["eval/greedy_accuracy"] = sum(g[0].reward for g in groups) / len(groups)
     out["eval/failed"] = m["rollout/failed"]  # a failed response scores 0 above
     out.setdefault("eval/accuracy", out["eval/greedy_accuracy"])

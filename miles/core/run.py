@@ -38,6 +38,8 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         "task": _user_input("task.source", lambda: build(run.task.source, allow=allow, key="task.source._target_"),
                             DataError),
         "reward_fn": build(run.task.reward, allow=allow, key="task.reward._target_"),
+        "eval_reward_fn": (build(run.task.eval_reward, allow=allow, key="task.eval_reward._target_")
+                           if run.task.eval_reward is not None else None),
         "advantage_fn": build(run.algo.advantage, allow=allow, key="algo.advantage._target_"),
         "generate_fn": build(run.rollout.generate_fn, allow=allow, key="rollout.generate_fn._target_"),
         "filters": [build(f, allow=allow, key=f"rollout.filters[{i}]._target_")
@@ -95,6 +97,17 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"algo.policy_loss: {e}") from None
     return parts
+
+
+def _eval_runner(task: Any, allow: Any, key: str) -> Any:
+    """The held-out evaluation's :class:`~miles.rewards.RewardRunner` (``task.eval_reward``), run like
+    the training reward's, with one worker; None when the evaluation scores with ``task.reward``."""
+    from miles.rewards import RewardRunner
+
+    if task.eval_reward is None:
+        return None
+    return RewardRunner(task.eval_reward, allow=allow, timeout_s=task.reward_timeout_s, num_workers=1,
+                        kind=task.reward_kind, key=f"{key}.eval_reward")
 
 
 def _user_input(key: str, make: Callable[[], Any], error: type[ConfigError] = ConfigError) -> Any:
@@ -158,8 +171,8 @@ def run_job(
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    tracker = hooks = actors = rollout = reward = transport = None
-    tenant_parts: list[Any] = []  # (manager, reward runner) of each tenant, closed at the end
+    tracker = hooks = actors = rollout = reward = eval_reward = transport = None
+    tenant_parts: list[Any] = []  # (manager, reward runners) of each tenant, closed at the end
     started_ray = False
     status = "FAILED"
     try:  # from here on a failure ends the tracking run as FAILED, never leaves it RUNNING
@@ -171,13 +184,14 @@ def run_job(
             run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
             num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
         )
+        eval_reward = _eval_runner(run.task, run.plugins.allow, "task")
         actors = create_actors(run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor%s",
                  time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads,
                  " (the last job's, reused)" if actors.reused else "")
         transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=run.placement.name,
                                    device=device(run))
-        rollout = RolloutManager(actors.engines, tokenizer, reward, config=run.rollout,
+        rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=rollout,
@@ -196,10 +210,11 @@ def run_job(
                 trun = tenant_run(run, t)
                 t_reward = RewardRunner(trun.task.reward, allow=run.plugins.allow, timeout_s=trun.task.reward_timeout_s,
                                         num_workers=trun.task.reward_num_workers, kind=trun.task.reward_kind)
-                manager = RolloutManager(actors.engines, tokenizer, t_reward, config=trun.rollout,
+                t_eval = _eval_runner(trun.task, run.plugins.allow, f"tenants[{len(tenants)}].task")
+                manager = RolloutManager(actors.engines, tokenizer, t_reward, eval_reward=t_eval, config=trun.rollout,
                                          generate_fn=parts["generate_fn"], filters=parts["filters"], adapter=t.name,
                                          prompt_template=t.prompt_template)
-                tenant_parts.append((manager, t_reward))
+                tenant_parts.append((manager, t_reward, t_eval))
                 tenants.append(Tenant(name=t.name, run=trun, task=task, rollout=manager))
             ctx.rollout = tenants[0].rollout
             final = train_tenants(ctx, tenants)
@@ -230,15 +245,18 @@ def run_job(
                                      args=(status,), name="miles-tracking-finish")
         finishing.start()
         try:
-            for manager, t_reward in tenant_parts:
+            for manager, *runners in tenant_parts:
                 manager.close()
-                t_reward.close()
+                for runner in runners:
+                    if runner is not None:
+                        runner.close()
             if rollout is not None:
                 rollout.close()
             if transport is not None:
                 transport.close()
-            if reward is not None:
-                reward.close()
+            for runner in (reward, eval_reward):
+                if runner is not None:
+                    runner.close()
             ray_stays = keep_ray or not started_ray
             if actors is not None:
                 # while Ray outlives the job, a finished job's actors wait for the next job (cluster.reuse_actors)
@@ -259,6 +277,8 @@ def _tenant_tasks(run: MilesConfig) -> list[Any]:
         key = f"tenants[{i}].task.source"
         task = _user_input(key, lambda t=t, key=key: build(t.task.source, allow=allow, key=f"{key}._target_"), DataError)
         build(t.task.reward, allow=allow, key=f"tenants[{i}].task.reward._target_")  # the allowlist, before Ray
+        if t.task.eval_reward is not None:
+            build(t.task.eval_reward, allow=allow, key=f"tenants[{i}].task.eval_reward._target_")
         _user_input(f"tenants[{i}].task", lambda t=t, task=task: task.eval_problems(t.task.num_eval_prompts), DataError)
         out.append(task)
     return out

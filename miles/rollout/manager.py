@@ -65,8 +65,8 @@ class _Scorer:
     """Scores groups as they finish, in a thread (the event loop keeps dispatching meanwhile); the
     groups that finish while a runner call is in progress go together in the next call."""
 
-    def __init__(self, manager: RolloutManager) -> None:
-        self.m = manager
+    def __init__(self, manager: RolloutManager, runner: Any) -> None:
+        self.m, self.runner = manager, runner
         self.loop = asyncio.get_running_loop()
         self.pending: list[tuple[list[Sample], Problem, asyncio.Future]] = []
         self.running = False
@@ -84,7 +84,8 @@ class _Scorer:
             batch, self.pending = self.pending, []
             t0 = time.perf_counter()
             try:
-                await self.loop.run_in_executor(self.m.reward_pool, self.m._score, [(s, p) for s, p, _ in batch])
+                await self.loop.run_in_executor(self.m.reward_pool, self.m._score, [(s, p) for s, p, _ in batch],
+                                                self.runner)
             except Exception as e:  # the runner itself broke (a function's failures are outcomes)
                 for _, _, future in batch:
                     future.set_exception(e)
@@ -99,7 +100,8 @@ class RolloutManager:
     """Owns the engine handles; ``rollout(problems, n, sampling)`` returns groups of scored samples.
 
     ``reward`` is a :class:`miles.rewards.RewardRunner` (``.score(items)``, or ``.score_groups(groups)``
-    when its ``kind`` is ``"group"``).
+    when its ``kind`` is ``"group"``); ``eval_reward``, another one, scores ``rollout(..., evaluation=True)``
+    (held-out prompts) instead of ``reward`` when given.
     ``generate_fn`` and ``filters`` are the built ``rollout.generate_fn`` / ``rollout.filters``.
     """
 
@@ -109,18 +111,20 @@ class RolloutManager:
         tokenizer: Any,
         reward: Any,
         *,
+        eval_reward: Any = None,
         config: RolloutConfig | None = None,
         generate_fn: Callable[..., Any] = single_turn,
         filters: Sequence[Callable[[Sequence[Sample]], tuple[bool, str]]] = (),
         adapter: str | None = None,
         prompt_template: str = "{prompt}",
     ) -> None:
-        if getattr(reward, "kind", None) not in ("sample", "group"):
-            raise TypeError(
-                f"RolloutManager: reward must be a miles.rewards.RewardRunner, found {type(reward).__name__}; "
-                "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
+        for name, runner in (("reward", reward), ("eval_reward", eval_reward)):
+            if (runner is not None or name == "reward") and getattr(runner, "kind", None) not in ("sample", "group"):
+                raise TypeError(
+                    f"RolloutManager: {name} must be a miles.rewards.RewardRunner, found {type(runner).__name__}; "
+                    "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
         self.tokenizer = tokenizer
-        self.reward = reward
+        self.reward, self.eval_reward = reward, eval_reward
         self.cfg = config or RolloutConfig()
         self.generate_fn = generate_fn
         self.filters = [(_fn_name(f), f) for f in filters]
@@ -214,7 +218,7 @@ class RolloutManager:
     def group_runner(self) -> Callable[..., Any]:
         """For the running event loop: ``await run(problem, n, sampling, group_id, seed)`` generates and
         scores one group as :meth:`rollout` does (one request queue and one scorer shared by the calls)."""
-        dispatch, scorer = self.pool.session(), _Scorer(self)
+        dispatch, scorer = self.pool.session(), _Scorer(self, self.reward)
 
         async def run(problem: Problem, n: int, sampling: SamplingParams, group_id: int, seed: int) -> list[Sample]:
             return await self._group(dispatch, scorer, problem, n, sampling, group_id, seed)
@@ -240,17 +244,17 @@ class RolloutManager:
                        adapter=self.adapter)
                 for i in range(n)]
 
-    def _score(self, batch: list[tuple[list[Sample], Problem]]) -> None:
-        """Rewards of the generated samples of several groups, in one runner call; a reward failure
+    def _score(self, batch: list[tuple[list[Sample], Problem]], runner: Any) -> None:
+        """Rewards of the generated samples of several groups, in one call of ``runner``; a reward failure
         marks the sample FAILED with the reason."""
         todo = [[s for s in samples if s.status in GENERATED and s.failure is None] for samples, _ in batch]
         items = [[RewardItem(response_text=s.response_text, label=s.label, prompt=problem.prompt,
                              metadata=dict(s.metadata)) for s in group]
                  for group, (_, problem) in zip(todo, batch, strict=True)]
-        if self.reward.kind == "group":
-            outcomes = [o for group in self.reward.score_groups(items) for o in group]
+        if runner.kind == "group":
+            outcomes = [o for group in runner.score_groups(items) for o in group]
         else:
-            outcomes = self.reward.score([it for group in items for it in group])
+            outcomes = runner.score([it for group in items for it in group])
         for s, o in zip((s for group in todo for s in group), outcomes, strict=True):
             if o.failure is None:
                 s.reward = float(o.reward)
@@ -260,20 +264,24 @@ class RolloutManager:
     # ---- rollouts --------------------------------------------------------------------------------
 
     def rollout(
-        self, problems: Sequence[Problem], n: int, sampling: SamplingParams, *, seed: int, first_group_id: int = 0
+        self, problems: Sequence[Problem], n: int, sampling: SamplingParams, *, seed: int, first_group_id: int = 0,
+        evaluation: bool = False,
     ) -> tuple[list[list[Sample]], dict[str, float]]:
         """``n`` scored samples per problem, one group per problem in order. Returns (groups, metrics).
 
-        Group ``g`` has id ``first_group_id + g`` and sampling seed ``seed + g``.
+        Group ``g`` has id ``first_group_id + g`` and sampling seed ``seed + g``. ``evaluation``: score
+        with ``eval_reward`` where the manager has one.
         """
         t0, before = time.perf_counter(), self._totals()
-        groups = asyncio.run(self._rollout(problems, n, sampling, seed, first_group_id))
+        runner = self.eval_reward if evaluation and self.eval_reward is not None else self.reward
+        groups = asyncio.run(self._rollout(problems, n, sampling, seed, first_group_id, runner))
         return groups, self._metrics(groups, time.perf_counter() - t0, self._totals() - before)
 
     async def _rollout(
-        self, problems: Sequence[Problem], n: int, sampling: SamplingParams, seed: int, first_group_id: int
+        self, problems: Sequence[Problem], n: int, sampling: SamplingParams, seed: int, first_group_id: int,
+        runner: Any = None,
     ) -> list[list[Sample]]:
-        dispatch, scorer = self.pool.session(), _Scorer(self)
+        dispatch, scorer = self.pool.session(), _Scorer(self, runner or self.reward)
         return list(await asyncio.gather(*(
             self._group(dispatch, scorer, p, n, sampling, first_group_id + g, seed + g)
             for g, p in enumerate(problems)
