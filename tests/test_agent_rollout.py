@@ -193,3 +193,35 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
         assert s.metadata["counts"]["agent/turns"] == sum(
             1 for k in range(len(s.loss_mask)) if s.loss_mask[k] == 1 and (k == 0 or s.loss_mask[k - 1] == 0))
     assert spans == len(recorder.calls) and spans > 3  # the warm-started model called the tool: 2 replies each
+
+
+def test_openai_agent_clients_share_one_connection_pool_and_carry_their_session(built, monkeypatch) -> None:
+    """The agents' clients are copies of one ``openai.OpenAI`` (built with the server, not per sample):
+    one HTTP connection pool, and each client's requests carry its own session header."""
+    openai = pytest.importorskip("openai")
+    from miles.agent.openai_rollout import openai_agent
+    from miles.agent.server import SESSION_HEADER
+
+    built_clients = []
+
+    class Counting(openai.OpenAI):
+        def __init__(self, *args, **kwargs) -> None:
+            built_clients.append(kwargs.get("default_headers"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(openai, "OpenAI", Counting)
+    seen = []
+
+    def agent(client, prompt: str) -> None:
+        seen.append(client)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
+
+    problem = built.task.sample(1, random.Random(7))[0]
+    fn = functools.partial(openai_agent, agent=agent)
+    for group_id in (21, 22):
+        samples = asyncio.run(fn(_ctx(built, Recorder(built.engine), n=3, group_id=group_id), problem,
+                                 SamplingParams(temperature=1.0, max_new_tokens=8)))
+        check_group(samples, n=3, group_id=group_id, who="openai_agent")
+    assert len(built_clients) <= 1  # at most the server's own (none if a server already ran in this process)
+    assert len({id(c._client) for c in seen}) == 1
+    assert len({c.default_headers[SESSION_HEADER] for c in seen}) == len(seen) == 6

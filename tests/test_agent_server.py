@@ -89,6 +89,8 @@ def test_every_endpoint_checks_the_token(server) -> None:
     assert _post(f"{server.url}/health", token=None)[0] == 401
     assert _post(f"{server.url}/health", token="wrong")[0] == 401
     assert _post(f"{server.url}/generate", {"input_ids": [1, 2]}, token=None)[0] == 401
+    assert _post(f"{server.url}/no/such/endpoint", token=None)[0] == 401
+    assert _post(f"{server.url}/health", token="w\u00e9rong")[0] == 401  # a non-ASCII header: refused, no 500
     assert _post(f"{server.url}/health") == (200, {"status": "ok", "weight_version": 0})
 
 

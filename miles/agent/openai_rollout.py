@@ -12,9 +12,10 @@ The first call starts one rollout server (:mod:`miles.agent.server`) for the pro
 127.0.0.1 and an ephemeral port, in a daemon thread, with a random bearer token. For each of the
 ``ctx.n`` samples the agent runs in a worker thread with an ``openai.OpenAI`` client whose
 ``base_url`` is that server and whose every request carries the sample's session id (header
-``X-Miles-Session``); the agent just calls ``client.chat.completions.create(messages=...)`` as
-often as it likes. The server keeps each conversation as a :class:`miles.agent.session.Session`
-and sends each turn to this rollout's engines through ``ctx.engine_generate`` (load-balanced,
+``X-Miles-Session``): a ``with_options`` copy of one client the server builds once, so every
+sample shares its HTTP connection pool. The agent just calls
+``client.chat.completions.create(messages=...)`` as often as it likes. The server keeps each
+conversation as a :class:`miles.agent.session.Session` and sends each turn to this rollout's engines through ``ctx.engine_generate`` (load-balanced,
 deadline-bounded and retried by the manager), with the run's sampling parameters (the request's
 ``temperature`` and ``max_tokens`` are ignored: the log-probs must be the policy's). When the agent
 returns, the session becomes the sample: the sampled ids with loss mask 1 and log-probs, the
@@ -53,6 +54,7 @@ class _Server:
     """The process's rollout server and the routes from session ids to the rollouts that own them."""
 
     def __init__(self, tokenizer: Any) -> None:
+        import openai
         import uvicorn
 
         self.routes: dict[str, _Route] = {}
@@ -67,6 +69,12 @@ class _Server:
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}/v1"
+        self._client = openai.OpenAI(base_url=self.base_url, api_key=self.token, max_retries=0)
+
+    def client(self, session_id: str) -> Any:
+        """An ``openai.OpenAI`` client for one session: a copy of the server's client (the same HTTP
+        connection pool) whose requests carry ``session_id``."""
+        return self._client.with_options(default_headers={SESSION_HEADER: session_id})
 
     async def _generate(self, request: GenerateRequest, session_id: str | None) -> list[GenerateResult]:
         route = self.routes.get(session_id or "")
@@ -95,16 +103,13 @@ async def openai_agent(
     timeout_s: float = 600.0,
 ) -> list[Sample]:
     """The ``ctx.n`` samples of one prompt, each one run of ``agent(client, prompt)`` (see the module docstring)."""
-    import openai
-
     server = _server_for(ctx.tokenizer)
     loop = asyncio.get_running_loop()
 
     async def one(index: int) -> Sample:
         session_id = f"{ctx.group_id}-{index}-{secrets.token_hex(4)}"
         server.routes[session_id] = _Route(ctx, index, sampling, loop)
-        client = openai.OpenAI(base_url=server.base_url, api_key=server.token, max_retries=0,
-                               default_headers={SESSION_HEADER: session_id})
+        client = server.client(session_id)
         try:
             await asyncio.wait_for(run_in_daemon_thread(agent, client, problem.prompt), timeout=timeout_s)
         finally:

@@ -113,6 +113,24 @@ class _Batcher:
             self.running = False
 
 
+class _BearerAuth:
+    """ASGI middleware: an HTTP request without ``Authorization: Bearer <token>`` gets 401; others go
+    to the app untouched (no per-request task or response re-streaming)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                response = JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _sampling(body: dict[str, Any], *, max_key: str) -> SamplingParams:
     max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
     return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
@@ -174,11 +192,8 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
     app.state.sessions = sessions
     busy: set[str | None] = set()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        if token and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
-            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-        return await call_next(request)
+    if token:
+        app.add_middleware(_BearerAuth, token=token)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
