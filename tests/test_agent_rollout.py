@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -160,12 +161,15 @@ def _calculator_text(arguments: dict) -> str:
         return f"error: {type(e).__name__}: {e}"
 
 
-def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_sampled(built) -> None:
+def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_sampled(built, caplog) -> None:
     """examples/openai_agent.py through the rollout server: every span the loss trains on is one
-    engine result, sampled from exactly the ids before it; the agent's tool results have mask 0."""
+    engine result, sampled from exactly the ids before it; the agent's tool results have mask 0.
+    The HTTP client under the openai client does not log each request."""
     pytest.importorskip("openai")
     from examples.openai_agent import solve
-    from miles.agent.openai_rollout import openai_agent
+    from miles.agent.openai_rollout import HTTP_CLIENT_LOGGERS, openai_agent
+
+    caplog.set_level(logging.INFO)
 
     recorder = Recorder(built.engine)
     problem = built.task.sample(1, random.Random(5))[0]
@@ -193,6 +197,7 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
         assert s.metadata["counts"]["agent/turns"] == sum(
             1 for k in range(len(s.loss_mask)) if s.loss_mask[k] == 1 and (k == 0 or s.loss_mask[k - 1] == 0))
     assert spans == len(recorder.calls) and spans > 3  # the warm-started model called the tool: 2 replies each
+    assert not [r for r in caplog.records if r.name in HTTP_CLIENT_LOGGERS], "per-request lines were logged"
 
 
 def test_openai_agent_clients_share_one_connection_pool_and_carry_their_session(built, monkeypatch) -> None:

@@ -21,6 +21,8 @@ deadline-bounded and retried by the manager), with the run's sampling parameters
 returns, the session becomes the sample: the sampled ids with loss mask 1 and log-probs, the
 messages the agent added between turns with loss mask 0, ``response_text`` the last reply.
 
+The HTTP client's own per-request INFO lines are silenced (:data:`HTTP_CLIENT_LOGGERS`).
+
 An agent that raises, or returns without a single call, fails the group (the manager records it as
 FAILED with the reason). The agent's own deadline is ``timeout_s`` (default 600 s); past it the
 group fails too (its thread cannot be stopped; it is left to finish on its own).
@@ -29,6 +31,7 @@ group fails too (its thread cannot be stopped; it is left to finish on its own).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -40,6 +43,10 @@ from miles.agent.server import SESSION_HEADER, create_app
 from miles.agent.tools import run_in_daemon_thread
 from miles.rollout.generate import GenerateContext
 from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
+
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")
+"""Loggers of the HTTP libraries under the ``openai`` client, which log every request at INFO (hundreds
+of lines a step): set to WARNING when the server starts, unless a level was already set for them."""
 
 
 @dataclass
@@ -70,6 +77,9 @@ class _Server:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self._client = openai.OpenAI(base_url=self.base_url, api_key=self.token, max_retries=0)
+        for name in HTTP_CLIENT_LOGGERS:
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
 
     def client(self, session_id: str) -> Any:
         """An ``openai.OpenAI`` client for one session: a copy of the server's client (the same HTTP
