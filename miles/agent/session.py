@@ -72,12 +72,12 @@ class Session:
         self.strict = strict
         self.render_kwargs = dict(render_kwargs or {})
         self.messages: list[dict[str, str]] = [dict(m) for m in messages]
-        self.prompt_ids: list[int] = self._ids(self._render(self.messages, generation_prompt=True))
+        self._covered = self._render(self.messages, generation_prompt=True)  # text the ids stand for
+        self.prompt_ids: list[int] = self._ids(self._covered)
         self.response_ids: list[int] = []
         self.logprobs: list[float] = []
         self.loss_mask: list[int] = []
         self.turn_starts: list[int] = []  # offset in response_ids where each appended turn begins
-        self._covered = self._render(self.messages, generation_prompt=True)  # text the ids stand for
         self.status = Status.COMPLETED
         self.weight_version = -1
         self.policy_turns = 0
