@@ -157,6 +157,10 @@ class FastQwen3:
     ``matmul_decode`` (on for an fp32 model on CPU, where it is faster): one-token forwards (decode
     steps) use :func:`decode_attention` instead of sdpa; equal to float rounding, not bitwise, so
     the start-up check compares decode steps to :attr:`decode_atol` and prefills still bitwise.
+    Those decode steps also run each layer with fewer, larger ops (:meth:`_decode_layer`): one
+    projection for q, k and v, one RMS norm and one rotation over the q and k heads together, and
+    one projection for a dense MLP's gate and up, over weights concatenated once
+    (:class:`_DecodeWeights`) and again whenever a source tensor was written or replaced.
     """
 
     SUPPORTED = ("qwen3", "qwen3_moe")
@@ -171,6 +175,7 @@ class FastQwen3:
         self.rep = self.heads // self.kv_heads
         rotary = self.model.rotary_emb
         self.inv_freq, self.rope_scaling = rotary.inv_freq, rotary.attention_scaling
+        self._decode_weights: dict[int, _DecodeWeights | None] = {}
 
     @property
     def decode_atol(self) -> float:
@@ -203,6 +208,10 @@ class FastQwen3:
         half = d_ // 2
         bias = decode_bias(mask, x.dtype) if self.matmul_decode and t == 1 else None
         for i, layer in enumerate(self.layers):
+            fused = self._fused(i, layer) if bias is not None else None
+            if fused is not None:
+                x = self._decode_layer(x, layer, fused, cos, sin, bias, cache, i)
+                continue
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
             q = self._norm(attn.q_norm, _linear(attn.q_proj, h).view(b, t, h_, d_))
@@ -227,6 +236,89 @@ class FastQwen3:
             x = x + _linear(attn.o_proj, out)
             x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return self._norm(self.model.norm, x)
+
+    def _fused(self, i: int, layer: torch.nn.Module) -> _DecodeWeights | None:
+        """Layer ``i``'s :class:`_DecodeWeights`, rebuilt when a source tensor changed since they were built."""
+        held = self._decode_weights.get(i)
+        if held is not None and held.key == _DecodeWeights.sources_key(layer):
+            return held
+        if held is None and i in self._decode_weights:
+            return None  # the layer cannot be fused (see _DecodeWeights.build)
+        built = _DecodeWeights.build(layer, self.heads, self.kv_heads, self.head_dim)
+        self._decode_weights[i] = built
+        return built
+
+    def _decode_layer(self, x: Tensor, layer: torch.nn.Module, w: _DecodeWeights, cos: Tensor, sin: Tensor,
+                      bias: Tensor, cache: SlotCache, i: int) -> Tensor:
+        """One decoder layer over one token per row (x: [B, 1, D]) with ``w``'s concatenated weights."""
+        F = torch.nn.functional
+        attn = layer.self_attn
+        b = x.shape[0]
+        h_, kv_, d_ = self.heads, self.kv_heads, self.head_dim
+        nq, nqk = h_ * d_, (h_ + kv_) * d_
+        qkv = F.linear(self._norm(layer.input_layernorm, x), w.qkv)  # [B, 1, (H + 2 KV) * hd]
+        qk = F.rms_norm(qkv[..., :nqk].view(b, 1, h_ + kv_, d_), (d_,), None, w.eps).mul_(w.qk_norm)
+        qk = qk.transpose(1, 2)  # [B, H + KV, 1, hd]
+        half = d_ // 2
+        qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)
+        v = qkv[..., nqk:].view(b, 1, kv_, d_).transpose(1, 2)
+        keys, values = cache.update(qk[:, h_:], v, i)
+        out = decode_attention(qk[:, :h_], keys, values, bias, attn.scaling)
+        x = x + F.linear(out.transpose(1, 2).reshape(b, 1, nq), attn.o_proj.weight)
+        h = self._norm(layer.post_attention_layernorm, x)
+        if w.gate_up is None:
+            return x + layer.mlp(h)
+        gate_up = F.linear(h, w.gate_up)
+        inter = w.gate_up.shape[0] // 2
+        return x + F.linear(layer.mlp.act_fn(gate_up[..., :inter]) * gate_up[..., inter:], layer.mlp.down_proj.weight)
+
+
+class _DecodeWeights:
+    """A layer's weights concatenated for :meth:`FastQwen3._decode_layer`: ``qkv`` (the q, k and v
+    projections' rows, in that order), ``qk_norm`` (``[heads + kv_heads, head_dim]``: q_norm's weight for
+    each query head, then k_norm's for each KV head), ``eps`` (the two norms' epsilon), ``gate_up`` (a
+    dense MLP's gate then up rows, None for any other MLP), and ``key``, identifying the source tensors'
+    storage and in-place writes at build time."""
+
+    def __init__(self, qkv: Tensor, qk_norm: Tensor, eps: float, gate_up: Tensor | None,
+                 key: tuple[tuple[int, int], ...]) -> None:
+        self.qkv, self.qk_norm, self.eps, self.gate_up, self.key = qkv, qk_norm, eps, gate_up, key
+
+    @staticmethod
+    def _sources(layer: torch.nn.Module) -> list[Tensor]:
+        attn, mlp = layer.self_attn, layer.mlp
+        out = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight]
+        if _plain_mlp(mlp):
+            out += [mlp.gate_proj.weight, mlp.up_proj.weight]
+        return out
+
+    @staticmethod
+    def sources_key(layer: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+        """(data pointer, version counter) of every source tensor: changes when one is replaced or written."""
+        return tuple((t.data_ptr(), t._version) for t in _DecodeWeights._sources(layer))
+
+    @staticmethod
+    def build(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _DecodeWeights | None:
+        """The layer's concatenated weights; None unless q, k and v are plain bias-free ``nn.Linear``
+        layers (not LoRA-wrapped) and the two head norms share their epsilon."""
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if (any(type(m) is not torch.nn.Linear or m.bias is not None for m in projections)
+                or type(attn.o_proj) is not torch.nn.Linear or attn.o_proj.bias is not None
+                or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon):
+            return None
+        qkv = torch.cat([m.weight for m in projections])
+        qk_norm = torch.cat([attn.q_norm.weight.expand(heads, head_dim), attn.k_norm.weight.expand(kv_heads, head_dim)])
+        mlp = layer.mlp
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if _plain_mlp(mlp) else None
+        return _DecodeWeights(qkv, qk_norm, attn.q_norm.variance_epsilon, gate_up, _DecodeWeights.sources_key(layer))
+
+
+def _plain_mlp(mlp: torch.nn.Module) -> bool:
+    """Whether ``mlp`` is a dense gated MLP (``down(act(gate(x)) * up(x))``) of plain bias-free linears."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    return (type(mlp).__name__ == "Qwen3MLP" and hasattr(mlp, "act_fn")
+            and all(type(getattr(mlp, n, None)) is torch.nn.Linear and getattr(mlp, n).bias is None for n in names))
 
 
 def _linear(module: torch.nn.Module, x: Tensor) -> Tensor:
