@@ -130,3 +130,20 @@ def test_sampled_tokens_are_the_race_over_the_rows_own_exponential_draws(tiny_qw
         assert list(greedy_got.response_ids) == ids[len(greedy.prompt_ids):]
     finally:
         eng.close()
+
+
+def test_rotation_matrix_is_rotate_half_exactly(tiny_qwen3_dir: Path) -> None:
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=2)
+    eng.close()
+    x = torch.randn(3, 5, 1, eng._fast.head_dim, generator=torch.Generator().manual_seed(0))
+    half = x.shape[-1] // 2
+    assert torch.equal(x @ eng._fast._rotation(x), torch.cat((-x[..., half:], x[..., :half]), dim=-1))
+
+
+def test_decode_bias_is_zero_where_attended_and_minus_infinity_elsewhere() -> None:
+    from miles.rollout.slot_cache import decode_bias
+
+    mask = torch.tensor([[True, False, True]])
+    bias = decode_bias(mask, torch.float32)
+    assert bias.dtype == torch.float32 and bias.tolist() == [[0.0, float("-inf"), 0.0]]
+    assert decode_bias(mask, torch.bfloat16).dtype == torch.bfloat16

@@ -158,9 +158,10 @@ class FastQwen3:
     steps) use :func:`decode_attention` instead of sdpa; equal to float rounding, not bitwise, so
     the start-up check compares decode steps to :attr:`decode_atol` and prefills still bitwise.
     Those decode steps also run each layer with fewer, larger ops (:meth:`_decode_layer`): one
-    projection for q, k and v, one RMS norm and one rotation over the q and k heads together, and
-    one projection for a dense MLP's gate and up, over weights concatenated once
-    (:class:`_DecodeWeights`) and again whenever a source tensor was written or replaced.
+    projection for q, k and v, one RMS norm and one rotation (rotate-half as a matmul) over the q
+    and k heads together, and one projection for a dense MLP's gate and up, over weights
+    concatenated once (:class:`_DecodeWeights`) and again whenever a source tensor was written or
+    replaced.
     """
 
     SUPPORTED = ("qwen3", "qwen3_moe")
@@ -176,6 +177,7 @@ class FastQwen3:
         rotary = self.model.rotary_emb
         self.inv_freq, self.rope_scaling = rotary.inv_freq, rotary.attention_scaling
         self._decode_weights: dict[int, _DecodeWeights | None] = {}
+        self._rot: Tensor | None = None
 
     @property
     def decode_atol(self) -> float:
@@ -237,6 +239,18 @@ class FastQwen3:
             x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return self._norm(self.model.norm, x)
 
+    def _rotation(self, like: Tensor) -> Tensor:
+        """``[hd, hd]`` with ``x @ R == cat(-x[..., hd/2:], x[..., :hd/2])`` exactly (one signed 1 per column):
+        RoPE's rotate-half as one matmul."""
+        if self._rot is None or self._rot.dtype != like.dtype or self._rot.device != like.device:
+            d, half = self.head_dim, self.head_dim // 2
+            rot = torch.zeros(d, d, dtype=like.dtype, device=like.device)
+            idx = torch.arange(half, device=like.device)
+            rot[idx + half, idx] = -1.0
+            rot[idx, idx + half] = 1.0
+            self._rot = rot
+        return self._rot
+
     def _fused(self, i: int, layer: torch.nn.Module) -> _DecodeWeights | None:
         """Layer ``i``'s :class:`_DecodeWeights`, rebuilt when a source tensor changed since they were built."""
         held = self._decode_weights.get(i)
@@ -259,8 +273,7 @@ class FastQwen3:
         qkv = F.linear(self._norm(layer.input_layernorm, x), w.qkv)  # [B, 1, (H + 2 KV) * hd]
         qk = F.rms_norm(qkv[..., :nqk].view(b, 1, h_ + kv_, d_), (d_,), None, w.eps).mul_(w.qk_norm)
         qk = qk.transpose(1, 2)  # [B, H + KV, 1, hd]
-        half = d_ // 2
-        qk = (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)
+        qk = torch.addcmul(qk * cos, torch.matmul(qk, self._rotation(qk)), sin)
         v = qkv[..., nqk:].view(b, 1, kv_, d_).transpose(1, 2)
         keys, values = cache.update(qk[:, h_:], v, i)
         out = decode_attention(qk[:, :h_], keys, values, bias, attn.scaling)
@@ -335,7 +348,7 @@ DECODE_ATOL = 1e-5
 
 def decode_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean attention mask (True: attend) as the additive bias :func:`decode_attention` takes."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return torch.where(mask, 0.0, float("-inf")).to(dtype)
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:
