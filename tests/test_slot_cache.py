@@ -1,4 +1,5 @@
-"""The fast forward's decode steps (miles.rollout.slot_cache): per-layer weights concatenated for one-token forwards."""
+"""The fast forward's decode steps (miles.rollout.slot_cache): concatenated per-layer weights, RoPE's rotate-half
+as a matmul, the additive attention bias."""
 
 from __future__ import annotations
 
@@ -93,43 +94,6 @@ def test_layers_with_wrapped_projections_are_not_fused(tiny_qwen3_dir: Path) -> 
     layer.self_attn.k_proj = Wrapped(layer.self_attn.k_proj)
     assert _DecodeWeights.build(layer, fast.heads, fast.kv_heads, fast.head_dim) is None
     assert FastQwen3(eng.model)._fused(0, layer) is None
-
-
-def test_sampled_tokens_are_the_race_over_the_rows_own_exponential_draws(tiny_qwen3_dir: Path) -> None:
-    """Each token is argmax(logits / T - log E), E the row generator's next Exp(1) draws, chunk after chunk
-    (the engine keeps -log E per row); a greedy row in the same batch ignores the noise buffer."""
-    from transformers import AutoModelForCausalLM
-
-    from miles.rollout.torch_engine import _row_seed
-
-    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32).eval()
-    try:
-        temperature, steps = 0.7, eng.noise_chunk + 3  # crosses a chunk boundary
-        req = GenerateRequest(request_id="s", prompt_ids=(5, 9, 14, 3), seed=11)
-        greedy = GenerateRequest(request_id="g", prompt_ids=(7, 8), sampling=SamplingParams(greedy=True,
-                                                                                             max_new_tokens=steps))
-        got, greedy_got = eng.generate([req, greedy], SamplingParams(temperature=temperature, max_new_tokens=steps))
-        gen = torch.Generator().manual_seed(_row_seed(11, 0))
-        ids, want = list(req.prompt_ids), []
-        chunk = torch.empty(0, eng.vocab_size)
-        for t in range(steps):
-            if t % eng.noise_chunk == 0:
-                chunk = torch.empty(eng.noise_chunk, eng.vocab_size).exponential_(generator=gen)
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            tok = int((logits / temperature - chunk[t % eng.noise_chunk].clamp_min(torch.finfo(torch.float32).tiny)
-                       .log()).argmax())
-            want.append(tok)
-            ids.append(tok)
-        assert list(got.response_ids) == want
-        ids = list(greedy.prompt_ids)
-        for _ in range(steps):
-            with torch.no_grad():
-                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-        assert list(greedy_got.response_ids) == ids[len(greedy.prompt_ids):]
-    finally:
-        eng.close()
 
 
 def test_rotation_matrix_is_rotate_half_exactly(tiny_qwen3_dir: Path) -> None:
