@@ -254,7 +254,7 @@ class FastQwen3:
     def _fused(self, i: int, layer: torch.nn.Module) -> _DecodeWeights | None:
         """Layer ``i``'s :class:`_DecodeWeights`, rebuilt when a source tensor changed since they were built."""
         held = self._decode_weights.get(i)
-        if held is not None and held.key == _DecodeWeights.sources_key(layer):
+        if held is not None and held.current():
             return held
         if held is None and i in self._decode_weights:
             return None  # the layer cannot be fused (see _DecodeWeights.build)
@@ -264,67 +264,74 @@ class FastQwen3:
 
     def _decode_layer(self, x: Tensor, layer: torch.nn.Module, w: _DecodeWeights, cos: Tensor, sin: Tensor,
                       bias: Tensor, cache: SlotCache, i: int) -> Tensor:
-        """One decoder layer over one token per row (x: [B, 1, D]) with ``w``'s concatenated weights."""
+        """One decoder layer over one token per row (x: [B, 1, D], fp32) with ``w``'s weights."""
         F = torch.nn.functional
-        attn = layer.self_attn
-        b = x.shape[0]
+        b, d = x.shape[0], x.shape[-1]
         h_, kv_, d_ = self.heads, self.kv_heads, self.head_dim
         nq, nqk = h_ * d_, (h_ + kv_) * d_
-        qkv = F.linear(self._norm(layer.input_layernorm, x), w.qkv)  # [B, 1, (H + 2 KV) * hd]
-        qk = F.rms_norm(qkv[..., :nqk].view(b, 1, h_ + kv_, d_), (d_,), None, w.eps).mul_(w.qk_norm)
+        qkv = F.linear(F.rms_norm(x, (d,), w.in_norm, w.in_eps), w.qkv)  # [B, 1, (H + 2 KV) * hd]
+        qk = F.rms_norm(qkv[..., :nqk].view(b, 1, h_ + kv_, d_), (d_,), None, w.qk_eps).mul_(w.qk_norm)
         qk = qk.transpose(1, 2)  # [B, H + KV, 1, hd]
         qk = torch.addcmul(qk * cos, torch.matmul(qk, self._rotation(qk)), sin)
         v = qkv[..., nqk:].view(b, 1, kv_, d_).transpose(1, 2)
         keys, values = cache.update(qk[:, h_:], v, i)
-        out = decode_attention(qk[:, :h_], keys, values, bias, attn.scaling)
-        x = x + F.linear(out.transpose(1, 2).reshape(b, 1, nq), attn.o_proj.weight)
-        h = self._norm(layer.post_attention_layernorm, x)
+        out = decode_attention(qk[:, :h_], keys, values, bias, w.scaling)
+        x = x + F.linear(out.transpose(1, 2).reshape(b, 1, nq), w.o_proj)
+        h = F.rms_norm(x, (d,), w.post_norm, w.post_eps)
         if w.gate_up is None:
-            return x + layer.mlp(h)
+            return x + w.mlp(h)
         gate_up = F.linear(h, w.gate_up)
         inter = w.gate_up.shape[0] // 2
-        return x + F.linear(layer.mlp.act_fn(gate_up[..., :inter]) * gate_up[..., inter:], layer.mlp.down_proj.weight)
+        return x + F.linear(w.mlp.act_fn(gate_up[..., :inter]) * gate_up[..., inter:], w.down)
 
 
 class _DecodeWeights:
-    """A layer's weights concatenated for :meth:`FastQwen3._decode_layer`: ``qkv`` (the q, k and v
-    projections' rows, in that order), ``qk_norm`` (``[heads + kv_heads, head_dim]``: q_norm's weight for
-    each query head, then k_norm's for each KV head), ``eps`` (the two norms' epsilon), ``gate_up`` (a
-    dense MLP's gate then up rows, None for any other MLP), and ``key``, identifying the source tensors'
-    storage and in-place writes at build time."""
+    """A layer's weights for :meth:`FastQwen3._decode_layer`.
 
-    def __init__(self, qkv: Tensor, qk_norm: Tensor, eps: float, gate_up: Tensor | None,
-                 key: tuple[tuple[int, int], ...]) -> None:
-        self.qkv, self.qk_norm, self.eps, self.gate_up, self.key = qkv, qk_norm, eps, gate_up, key
+    Concatenated at build: ``qkv`` (the q, k and v projections' rows, in that order), ``qk_norm``
+    (``[heads + kv_heads, head_dim]``: q_norm's weight for each query head, then k_norm's for each KV
+    head) and ``gate_up`` (a dense MLP's gate then up rows; None for any other MLP, called as ``mlp``).
+    Held as the layer's own parameters (read live): ``in_norm``, ``post_norm``, ``o_proj``, ``down``.
+    :meth:`current` tells whether the concatenated ones still match their sources (``sources``: the
+    parameters, whose data pointer changes when their storage is replaced and whose version counter
+    changes when they are written in place).
+    """
 
-    @staticmethod
-    def _sources(layer: torch.nn.Module) -> list[Tensor]:
+    def __init__(self, layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        out = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight]
-        if _plain_mlp(mlp):
-            out += [mlp.gate_proj.weight, mlp.up_proj.weight]
-        return out
+        dense = _plain_mlp(mlp)
+        self.sources: tuple[Tensor, ...] = (
+            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
+            *((mlp.gate_proj.weight, mlp.up_proj.weight) if dense else ()))
+        self.key = self._key()
+        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.qk_norm = torch.cat([attn.q_norm.weight.expand(heads, head_dim),
+                                  attn.k_norm.weight.expand(kv_heads, head_dim)])
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if dense else None
+        self.qk_eps = attn.q_norm.variance_epsilon
+        self.in_norm, self.in_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.post_eps = layer.post_attention_layernorm.variance_epsilon
+        self.o_proj, self.scaling, self.mlp = attn.o_proj.weight, attn.scaling, mlp
+        self.down = mlp.down_proj.weight if dense else None
 
-    @staticmethod
-    def sources_key(layer: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-        """(data pointer, version counter) of every source tensor: changes when one is replaced or written."""
-        return tuple((t.data_ptr(), t._version) for t in _DecodeWeights._sources(layer))
+    def _key(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.data_ptr(), t._version) for t in self.sources)
+
+    def current(self) -> bool:
+        """Whether no source parameter was written or given new storage since the build."""
+        return self._key() == self.key
 
     @staticmethod
     def build(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _DecodeWeights | None:
-        """The layer's concatenated weights; None unless q, k and v are plain bias-free ``nn.Linear``
-        layers (not LoRA-wrapped) and the two head norms share their epsilon."""
+        """The layer's weights; None unless q, k, v and o are plain bias-free ``nn.Linear`` layers (not
+        LoRA-wrapped) and the two head norms share their epsilon."""
         attn = layer.self_attn
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
         if (any(type(m) is not torch.nn.Linear or m.bias is not None for m in projections)
-                or type(attn.o_proj) is not torch.nn.Linear or attn.o_proj.bias is not None
                 or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon):
             return None
-        qkv = torch.cat([m.weight for m in projections])
-        qk_norm = torch.cat([attn.q_norm.weight.expand(heads, head_dim), attn.k_norm.weight.expand(kv_heads, head_dim)])
-        mlp = layer.mlp
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if _plain_mlp(mlp) else None
-        return _DecodeWeights(qkv, qk_norm, attn.q_norm.variance_epsilon, gate_up, _DecodeWeights.sources_key(layer))
+        return _DecodeWeights(layer, heads, kv_heads, head_dim)
 
 
 def _plain_mlp(mlp: torch.nn.Module) -> bool:
