@@ -782,3 +782,23 @@ def test_busy_seconds_grow_while_generating_and_not_while_idle(engine: TorchEngi
     time.sleep(0.2)  # idle: the clock runs on, the busy seconds do not
     idle = engine.health()
     assert idle["busy_s"] == after["busy_s"] and idle["clock_s"] - after["clock_s"] >= 0.2
+
+
+def test_a_row_draws_noise_only_for_tokens_it_may_still_sample(tiny_qwen3_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row draws the noise chunks its tokens use: 2 for 2 chunks' worth of tokens, not a third after its last."""
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
+    try:
+        draws: list[int] = []
+        draw = eng._draw_noise
+        monkeypatch.setattr(eng, "_draw_noise", lambda slot, gen: (draws.append(slot), draw(slot, gen)))
+        sp = SamplingParams(temperature=1.0, max_new_tokens=2 * eng.noise_chunk)
+        reqs = _requests([3, 6], n=1)
+        got = eng.generate(reqs, sp)
+        lengths = [len(r.response_ids) for r in got]
+        assert 2 * eng.noise_chunk in lengths  # at least one row runs to its limit
+        assert len(draws) == sum(-(-n // eng.noise_chunk) for n in lengths)  # the chunks its tokens use
+        # a longer row draws its third chunk and begins with the same tokens
+        longer = eng.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=3 * eng.noise_chunk))
+        assert all(r.response_ids[: len(g.response_ids)] == g.response_ids for g, r in zip(got, longer, strict=True))
+    finally:
+        eng.close()

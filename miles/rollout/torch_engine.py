@@ -829,6 +829,7 @@ class TorchEngine(Reusable):
         rows = self._arange[sl]
         scaled = logits / st["temp"][sl, None] if count["temp"] else logits
         logp = scaled.log_softmax(dim=-1)
+        refill: list[int] = []  # rows (from lo) whose noise chunk is spent
         if count["sampled"]:
             z = filter_logits_rows(scaled, st["top_k"][sl], st["top_p"][sl]) if count["filter"] else scaled
             nidx = st["nidx"][sl]
@@ -839,10 +840,7 @@ class TorchEngine(Reusable):
             nidx += 1
             spent = nidx == self.noise_chunk
             if bool(spent.any()):
-                for b in spent.nonzero()[:, 0].tolist():
-                    gen = self._rows[lo + b].generator  # type: ignore[union-attr]
-                    if gen is not None:
-                        self._draw_noise(lo + b, gen)
+                refill = spent.nonzero()[:, 0].tolist()
                 nidx.remainder_(self.noise_chunk)
         else:
             tok = logits.argmax(dim=-1)
@@ -869,6 +867,12 @@ class TorchEngine(Reusable):
         if count["stop_text"]:
             done = {s for s, _ in stopped}
             stopped += [(s, "stop_string") for s in range(lo, hi) if s not in done and self._hit_stop_text(s)]
+        if refill:  # the next chunk, for rows that go on (a stopped row never samples again)
+            done = {s for s, _ in stopped}
+            for b in refill:
+                gen = self._rows[lo + b].generator  # type: ignore[union-attr]
+                if gen is not None and lo + b not in done:
+                    self._draw_noise(lo + b, gen)
         return stopped
 
     def _hit_stop_text(self, slot: int) -> bool:
