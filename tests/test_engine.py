@@ -683,6 +683,41 @@ def test_decode_attention_is_sdpa_to_rounding(heads: int, kv_heads: int) -> None
     torch.testing.assert_close(got[1, :, 0], values[1, :, 0].repeat_interleave(rep, 0), atol=1e-6, rtol=0)
 
 
+def test_sampled_tokens_are_the_race_over_the_rows_own_exponential_draws(tiny_qwen3_dir: Path) -> None:
+    """Each token is argmax(logits / T - log E), E the row generator's next Exp(1) draws, chunk after chunk
+    (the engine keeps -log E per row); a greedy row in the same batch ignores the noise buffer."""
+    from miles.rollout.torch_engine import _row_seed
+
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
+    model = _hf_model(tiny_qwen3_dir)
+    try:
+        temperature, steps = 0.7, eng.noise_chunk + 3  # crosses a chunk boundary
+        req = GenerateRequest(request_id="s", prompt_ids=(5, 9, 14, 3), seed=11)
+        greedy = GenerateRequest(request_id="g", prompt_ids=(7, 8), sampling=SamplingParams(greedy=True,
+                                                                                             max_new_tokens=steps))
+        got, greedy_got = eng.generate([req, greedy], SamplingParams(temperature=temperature, max_new_tokens=steps))
+        gen = torch.Generator().manual_seed(_row_seed(11, 0))
+        ids, want = list(req.prompt_ids), []
+        chunk = torch.empty(0, eng.vocab_size)
+        for t in range(steps):
+            if t % eng.noise_chunk == 0:
+                chunk = torch.empty(eng.noise_chunk, eng.vocab_size).exponential_(generator=gen)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            tok = int((logits / temperature - chunk[t % eng.noise_chunk].clamp_min(torch.finfo(torch.float32).tiny)
+                       .log()).argmax())
+            want.append(tok)
+            ids.append(tok)
+        assert list(got.response_ids) == want
+        ids = list(greedy.prompt_ids)
+        for _ in range(steps):
+            with torch.no_grad():
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert list(greedy_got.response_ids) == ids[len(greedy.prompt_ids):]
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_tokens_follow_the_models_distribution(tiny_qwen3_dir, tmp_path: Path, temperature: float) -> None:
     """Every sampled token, at every position (across noise chunks), is a draw from softmax(logits / T).
@@ -747,3 +782,23 @@ def test_busy_seconds_grow_while_generating_and_not_while_idle(engine: TorchEngi
     time.sleep(0.2)  # idle: the clock runs on, the busy seconds do not
     idle = engine.health()
     assert idle["busy_s"] == after["busy_s"] and idle["clock_s"] - after["clock_s"] >= 0.2
+
+
+def test_a_row_draws_noise_only_for_tokens_it_may_still_sample(tiny_qwen3_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row draws the noise chunks its tokens use: 2 for 2 chunks' worth of tokens, not a third after its last."""
+    eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
+    try:
+        draws: list[int] = []
+        draw = eng._draw_noise
+        monkeypatch.setattr(eng, "_draw_noise", lambda slot, gen: (draws.append(slot), draw(slot, gen)))
+        sp = SamplingParams(temperature=1.0, max_new_tokens=2 * eng.noise_chunk)
+        reqs = _requests([3, 6], n=1)
+        got = eng.generate(reqs, sp)
+        lengths = [len(r.response_ids) for r in got]
+        assert 2 * eng.noise_chunk in lengths  # at least one row runs to its limit
+        assert len(draws) == sum(-(-n // eng.noise_chunk) for n in lengths)  # the chunks its tokens use
+        # a longer row draws its third chunk and begins with the same tokens
+        longer = eng.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=3 * eng.noise_chunk))
+        assert all(r.response_ids[: len(g.response_ids)] == g.response_ids for g, r in zip(got, longer, strict=True))
+    finally:
+        eng.close()

@@ -157,6 +157,11 @@ class FastQwen3:
     ``matmul_decode`` (on for an fp32 model on CPU, where it is faster): one-token forwards (decode
     steps) use :func:`decode_attention` instead of sdpa; equal to float rounding, not bitwise, so
     the start-up check compares decode steps to :attr:`decode_atol` and prefills still bitwise.
+    Those decode steps also run each layer with fewer, larger ops (:meth:`_decode_layer`): one
+    projection for q, k and v, one RMS norm and one rotation (rotate-half as a matmul) over the q
+    and k heads together, and one projection for a dense MLP's gate and up, over weights
+    concatenated once (:class:`_DecodeWeights`) and again whenever a source tensor was written or
+    replaced.
     """
 
     SUPPORTED = ("qwen3", "qwen3_moe")
@@ -171,6 +176,8 @@ class FastQwen3:
         self.rep = self.heads // self.kv_heads
         rotary = self.model.rotary_emb
         self.inv_freq, self.rope_scaling = rotary.inv_freq, rotary.attention_scaling
+        self._decode_weights: dict[int, _DecodeWeights | None] = {}
+        self._rot: Tensor | None = None
 
     @property
     def decode_atol(self) -> float:
@@ -203,6 +210,10 @@ class FastQwen3:
         half = d_ // 2
         bias = decode_bias(mask, x.dtype) if self.matmul_decode and t == 1 else None
         for i, layer in enumerate(self.layers):
+            fused = self._fused(i, layer) if bias is not None else None
+            if fused is not None:
+                x = self._decode_layer(x, layer, fused, cos, sin, bias, cache, i)
+                continue
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
             q = self._norm(attn.q_norm, _linear(attn.q_proj, h).view(b, t, h_, d_))
@@ -228,6 +239,107 @@ class FastQwen3:
             x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return self._norm(self.model.norm, x)
 
+    def _rotation(self, like: Tensor) -> Tensor:
+        """``[hd, hd]`` with ``x @ R == cat(-x[..., hd/2:], x[..., :hd/2])`` exactly (one signed 1 per column):
+        RoPE's rotate-half as one matmul."""
+        if self._rot is None or self._rot.dtype != like.dtype or self._rot.device != like.device:
+            d, half = self.head_dim, self.head_dim // 2
+            rot = torch.zeros(d, d, dtype=like.dtype, device=like.device)
+            idx = torch.arange(half, device=like.device)
+            rot[idx + half, idx] = -1.0
+            rot[idx, idx + half] = 1.0
+            self._rot = rot
+        return self._rot
+
+    def _fused(self, i: int, layer: torch.nn.Module) -> _DecodeWeights | None:
+        """Layer ``i``'s :class:`_DecodeWeights`, rebuilt when a source tensor changed since they were built."""
+        held = self._decode_weights.get(i)
+        if held is not None and held.current():
+            return held
+        if held is None and i in self._decode_weights:
+            return None  # the layer cannot be fused (see _DecodeWeights.build)
+        built = _DecodeWeights.build(layer, self.heads, self.kv_heads, self.head_dim)
+        self._decode_weights[i] = built
+        return built
+
+    def _decode_layer(self, x: Tensor, layer: torch.nn.Module, w: _DecodeWeights, cos: Tensor, sin: Tensor,
+                      bias: Tensor, cache: SlotCache, i: int) -> Tensor:
+        """One decoder layer over one token per row (x: [B, 1, D], fp32) with ``w``'s weights."""
+        F = torch.nn.functional
+        b, d = x.shape[0], x.shape[-1]
+        h_, kv_, d_ = self.heads, self.kv_heads, self.head_dim
+        nq, nqk = h_ * d_, (h_ + kv_) * d_
+        qkv = F.linear(F.rms_norm(x, (d,), w.in_norm, w.in_eps), w.qkv)  # [B, 1, (H + 2 KV) * hd]
+        qk = F.rms_norm(qkv[..., :nqk].view(b, 1, h_ + kv_, d_), (d_,), None, w.qk_eps).mul_(w.qk_norm)
+        qk = qk.transpose(1, 2)  # [B, H + KV, 1, hd]
+        qk = torch.addcmul(qk * cos, torch.matmul(qk, self._rotation(qk)), sin)
+        v = qkv[..., nqk:].view(b, 1, kv_, d_).transpose(1, 2)
+        keys, values = cache.update(qk[:, h_:], v, i)
+        out = decode_attention(qk[:, :h_], keys, values, bias, w.scaling)
+        x = x + F.linear(out.transpose(1, 2).reshape(b, 1, nq), w.o_proj)
+        h = F.rms_norm(x, (d,), w.post_norm, w.post_eps)
+        if w.gate_up is None:
+            return x + w.mlp(h)
+        gate_up = F.linear(h, w.gate_up)
+        inter = w.gate_up.shape[0] // 2
+        return x + F.linear(w.mlp.act_fn(gate_up[..., :inter]) * gate_up[..., inter:], w.down)
+
+
+class _DecodeWeights:
+    """A layer's weights for :meth:`FastQwen3._decode_layer`.
+
+    Concatenated at build: ``qkv`` (the q, k and v projections' rows, in that order), ``qk_norm``
+    (``[heads + kv_heads, head_dim]``: q_norm's weight for each query head, then k_norm's for each KV
+    head) and ``gate_up`` (a dense MLP's gate then up rows; None for any other MLP, called as ``mlp``).
+    Held as the layer's own parameters (read live): ``in_norm``, ``post_norm``, ``o_proj``, ``down``.
+    :meth:`current` tells whether the concatenated ones still match their sources (``sources``: the
+    parameters, whose data pointer changes when their storage is replaced and whose version counter
+    changes when they are written in place).
+    """
+
+    def __init__(self, layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        dense = _plain_mlp(mlp)
+        self.sources: tuple[Tensor, ...] = (
+            attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
+            *((mlp.gate_proj.weight, mlp.up_proj.weight) if dense else ()))
+        self.key = self._key()
+        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.qk_norm = torch.cat([attn.q_norm.weight.expand(heads, head_dim),
+                                  attn.k_norm.weight.expand(kv_heads, head_dim)])
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if dense else None
+        self.qk_eps = attn.q_norm.variance_epsilon
+        self.in_norm, self.in_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.post_eps = layer.post_attention_layernorm.variance_epsilon
+        self.o_proj, self.scaling, self.mlp = attn.o_proj.weight, attn.scaling, mlp
+        self.down = mlp.down_proj.weight if dense else None
+
+    def _key(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.data_ptr(), t._version) for t in self.sources)
+
+    def current(self) -> bool:
+        """Whether no source parameter was written or given new storage since the build."""
+        return self._key() == self.key
+
+    @staticmethod
+    def build(layer: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> _DecodeWeights | None:
+        """The layer's weights; None unless q, k, v and o are plain bias-free ``nn.Linear`` layers (not
+        LoRA-wrapped) and the two head norms share their epsilon."""
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        if (any(type(m) is not torch.nn.Linear or m.bias is not None for m in projections)
+                or attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon):
+            return None
+        return _DecodeWeights(layer, heads, kv_heads, head_dim)
+
+
+def _plain_mlp(mlp: torch.nn.Module) -> bool:
+    """Whether ``mlp`` is a dense gated MLP (``down(act(gate(x)) * up(x))``) of plain bias-free linears."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    return (type(mlp).__name__ == "Qwen3MLP" and hasattr(mlp, "act_fn")
+            and all(type(getattr(mlp, n, None)) is torch.nn.Linear and getattr(mlp, n).bias is None for n in names))
+
 
 def _linear(module: torch.nn.Module, x: Tensor) -> Tensor:
     """A projection: ``F.linear`` on a plain ``nn.Linear``'s weights, else the module itself (a LoRA layer
@@ -243,7 +355,7 @@ DECODE_ATOL = 1e-5
 
 def decode_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean attention mask (True: attend) as the additive bias :func:`decode_attention` takes."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return torch.where(mask, 0.0, float("-inf")).to(dtype)
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:

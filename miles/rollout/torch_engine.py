@@ -581,7 +581,7 @@ class TorchEngine(Reusable):
             "nidx": torch.zeros(s, **long), "stop": torch.full((s, 1), -1, **long),
             "temp": torch.ones(s, device=self.device), "top_p": torch.ones(s, device=self.device),
             "greedy": torch.zeros(s, dtype=torch.bool, device=self.device),
-            "noise": torch.ones(s, self.noise_chunk, v, device=self.device),
+            "noise": torch.zeros(s, self.noise_chunk, v, device=self.device),
             "out_tok": torch.zeros(s, 0, **long), "out_lp": torch.zeros(s, 0, device=self.device),
             "out_ver": torch.zeros(s, 0, **long),
             "top_v": torch.zeros(s, 0, 0, device=self.device), "top_i": torch.zeros(s, 0, 0, **long),
@@ -770,12 +770,13 @@ class TorchEngine(Reusable):
         self._n = hi
 
     def _draw_noise(self, slot: int, generator: torch.Generator) -> None:
-        """The next ``noise_chunk`` steps of Exp(1) noise of the row in ``slot``: [chunk, V]."""
+        """The next ``noise_chunk`` steps of the row in ``slot``: ``-log E`` with ``E ~ Exp(1)``, [chunk, V]."""
         buf = self._st["noise"][slot]
         if buf.device.type == "cpu":
             buf.exponential_(generator=generator)
         else:
             buf.copy_(torch.empty(buf.shape).exponential_(generator=generator))
+        buf.clamp_min_(_TINY).log_().neg_()
 
     def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row]) -> Tensor:
         """Base model forward through the slot cache: final-normed hidden states [B, T, D]; batch row
@@ -828,20 +829,18 @@ class TorchEngine(Reusable):
         rows = self._arange[sl]
         scaled = logits / st["temp"][sl, None] if count["temp"] else logits
         logp = scaled.log_softmax(dim=-1)
+        refill: list[int] = []  # rows (from lo) whose noise chunk is spent
         if count["sampled"]:
             z = filter_logits_rows(scaled, st["top_k"][sl], st["top_p"][sl]) if count["filter"] else scaled
             nidx = st["nidx"][sl]
-            gumbel = st["noise"][rows, nidx].clamp_min_(_TINY).log_().neg_()  # -log E: [B, V]
+            gumbel = st["noise"][rows, nidx]  # -log E: [B, V]
             if count["greedy"]:
                 gumbel.masked_fill_(st["greedy"][sl, None], 0.0)
             tok = (z + gumbel).argmax(dim=-1)
             nidx += 1
             spent = nidx == self.noise_chunk
             if bool(spent.any()):
-                for b in spent.nonzero()[:, 0].tolist():
-                    gen = self._rows[lo + b].generator  # type: ignore[union-attr]
-                    if gen is not None:
-                        self._draw_noise(lo + b, gen)
+                refill = spent.nonzero()[:, 0].tolist()
                 nidx.remainder_(self.noise_chunk)
         else:
             tok = logits.argmax(dim=-1)
@@ -868,6 +867,12 @@ class TorchEngine(Reusable):
         if count["stop_text"]:
             done = {s for s, _ in stopped}
             stopped += [(s, "stop_string") for s in range(lo, hi) if s not in done and self._hit_stop_text(s)]
+        if refill:  # the next chunk, for rows that go on (a stopped row never samples again)
+            done = {s for s, _ in stopped}
+            for b in refill:
+                gen = self._rows[lo + b].generator  # type: ignore[union-attr]
+                if gen is not None and lo + b not in done:
+                    self._draw_noise(lo + b, gen)
         return stopped
 
     def _hit_stop_text(self, slot: int) -> bool:
@@ -1012,7 +1017,7 @@ class TorchEngine(Reusable):
             saved = self._offload or {}
         for k, v in saved.items():
             self._weights[k].data = v.to(self.device)
-        self._st["noise"] = torch.ones(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
         self._offload, self._released = None, False
 
     def _reacquire(self) -> None:
@@ -1022,7 +1027,7 @@ class TorchEngine(Reusable):
         for k in self._required:
             w = self._weights[k]
             w.data = torch.empty(self._shapes[k], dtype=w.dtype, device=self.device)
-        self._st["noise"] = torch.ones(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
         self._offload, self._released = None, False
 
     # ---- MoE routing --------------------------------------------------------------------------
