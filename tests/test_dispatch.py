@@ -23,10 +23,12 @@ def _fakes(ray, k: int, delay_s: float = 0.0) -> list:
         def __init__(self, engine_id: int, delay_s: float = 0.0) -> None:
             self.engine_id, self.delay_s = engine_id, delay_s
             self.sessions: list[str | None] = []
+            self.calls: list[int] = []
 
         def generate(self, requests: list[GenerateRequest], sampling=None) -> list[GenerateResult]:
             time.sleep(self.delay_s)
             self.sessions += [r.session_id for r in requests]
+            self.calls.append(len(requests))
             return [GenerateResult(request_id=r.request_id, index=i, response_ids=(self.engine_id,), logprobs=(-0.1,),
                                    status=Status.COMPLETED, weight_version=0)
                     for r in requests for i in range(r.n)]
@@ -39,6 +41,9 @@ def _fakes(ray, k: int, delay_s: float = 0.0) -> list:
 
         def seen(self) -> list[str | None]:
             return self.sessions
+
+        def call_sizes(self) -> list[int]:
+            return self.calls
 
     actor = ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=8)
     engines = [actor.remote(i, delay_s) for i in range(k)]
@@ -87,6 +92,29 @@ def test_later_turns_go_to_the_engine_of_the_first(ray_cluster) -> None:
     assert pool.counts["affinity_hits"] == 24 * 2 and pool.counts["affinity_misses"] == 12
     seen = ray_cluster.get([e.seen.remote() for e in engines])
     assert sum(len(s) for s in seen) == 12 + 24 * 2, "no request was sent twice"
+    for e in engines:
+        ray_cluster.kill(e)
+
+
+def test_turns_homed_on_one_engine_go_to_it_in_one_call(ray_cluster) -> None:
+    """Eight later turns whose sessions all live on engine 0 (engine 1 idle): one call of eight, not a
+    call per engine's fair share of the queue; free requests queued with them are still split."""
+    engines = _fakes(ray_cluster, 2, delay_s=0.01)
+    pool = EnginePool(engines, RolloutConfig(max_inflight_samples_per_engine=16, max_requests_per_call=16))
+    for g in range(8):
+        pool.remember(GenerateRequest(request_id=f"s{g}", prompt_ids=(1,), n=1, session_id=f"s{g}"), 0)
+
+    async def main() -> list[list[GenerateResult]]:
+        queue = pool.session()
+        pinned = [GenerateRequest(request_id=f"s{g}-t2", prompt_ids=(1, 2), n=1, session_id=f"s{g}") for g in range(8)]
+        free = [GenerateRequest(request_id=f"f{i}", prompt_ids=(3,), n=1) for i in range(4)]
+        return await asyncio.gather(*(queue.generate(r, None) for r in pinned + free))
+
+    results = asyncio.run(main())
+    assert [r[0].response_ids for r in results[:8]] == [(0,)] * 8
+    sizes = ray_cluster.get([e.call_sizes.remote() for e in engines])
+    assert sizes[0][0] >= 8, sizes  # the pinned turns (and a share of the free ones) in the first call
+    assert sum(sizes[1]) >= 2, sizes  # the idle engine still took its share of the free requests
     for e in engines:
         ray_cluster.kill(e)
 

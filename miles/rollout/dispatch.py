@@ -4,7 +4,8 @@
   an engine holds at most ``rollout.max_inflight_samples_per_engine`` of them; the rest wait and
   are sent as calls finish (completion-driven, so a slow engine gets less work, never a fixed
   share). Queued requests with the same sampling parameters share one call, up to
-  ``rollout.max_requests_per_call`` and an even split of the queue over the engines with room.
+  ``rollout.max_requests_per_call`` and an even split of the queue over the engines with room
+  (requests homed on the call's engine, below, count whole: no other engine may take them).
   A request with ``n`` samples always goes whole to one engine (one prefill for the group).
 - **Session affinity** (``rollout.session_affinity``). The pool remembers, for the last 65536
   session keys (:func:`miles.types.session_key` of each completion of a request with a
@@ -202,6 +203,20 @@ class Session:
                 break
         return None, None
 
+    def _share(self, e: int) -> int:
+        """Rows of the queue a call on engine ``e`` may take: every row only ``e`` can serve (requests
+        whose home it is), plus an even split, over the engines with room, of the rows any engine may
+        take. Requests homed on other engines are theirs."""
+        pinned = free = 0
+        for p in self.queue:
+            home = self._home(p)
+            if home is None:
+                free += p.request.n
+            elif home == e:
+                pinned += p.request.n
+        with_room = sum(1 for x in self.pool.alive if self._spare(x) > 0) or 1
+        return pinned + math.ceil(free / with_room)
+
     def _dispatch(self) -> None:
         self.scheduled = False
         cfg = self.pool.cfg
@@ -216,9 +231,7 @@ class Session:
             head, e = self._next()
             if head is None or e is None:
                 return  # every engine is full: a finishing call dispatches again
-            with_room = sum(1 for x in self.pool.alive if self._spare(x) > 0) or 1
-            fair = math.ceil(sum(p.request.n for p in self.queue) / with_room)
-            budget = max(head.request.n, min(self._spare(e), fair))
+            budget = max(head.request.n, min(self._spare(e), self._share(e)))
             self.queue.remove(head)
             call, rows = [head], head.request.n
             for p in list(self.queue):
