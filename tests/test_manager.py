@@ -188,7 +188,7 @@ def test_evaluation_rollouts_score_with_the_eval_reward(pair, built, exact_rewar
             groups, _ = manager.rollout(problems, 4, SAMPLING, seed=0, evaluation=evaluation)
             texts = [s.response_text for g in groups for s in g]
             want = ([float(len(t) % 2) for t in texts] if evaluation
-                    else [exact_answer_reward(t, s.label) for t, s in zip(texts, (s for g in groups for s in g))])
+                    else [exact_answer_reward(t, s.label) for t, s in zip(texts, (s for g in groups for s in g), strict=True)])
             assert [s.reward for g in groups for s in g] == want
         assert {len(t) % 2 for t in texts} == {0, 1}  # the two scores differ on these responses
         with pytest.raises(TypeError, match="eval_reward must be a miles.rewards.RewardRunner"):

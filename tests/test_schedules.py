@@ -171,7 +171,8 @@ GOLDEN = Path(__file__).parent / "data" / "sync_before_schedules.json"
 
 def test_sync_schedule_computes_what_the_loop_did_before_schedules(ray_cluster) -> None:
     """The metrics of a short seeded run (timings left out), recorded with the loop as it was before
-    ``schedule=`` existed (commit 64a08b6): every train, rollout and eval metric is the same.
+    ``schedule=`` existed (commit 64a08b6): every train, rollout and eval metric is the same (the
+    engine-vs-trainer log-prob mismatch to within its fp32 rounding).
 
     Float results depend on the CPU's kernels, so the recording is per torch CPU capability (the file
     says which commit recorded each); a machine of another capability has nothing to compare with."""
@@ -189,7 +190,10 @@ def test_sync_schedule_computes_what_the_loop_did_before_schedules(ray_cluster) 
     assert sorted(before) == sorted(seen)
     for step, metrics in before.items():
         for k, v in metrics.items():
-            assert seen[step][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (step, k)
+            # the engine-vs-trainer log-prob mismatch is fp32 rounding (~1e-7) and follows the engine's
+            # decode kernels (joined projections round differently): equal to within that rounding
+            tolerance = {"abs": 1e-7} if "logp_mismatch" in k else {"rel": 1e-6, "abs": 1e-9}
+            assert seen[step][k] == pytest.approx(v, **tolerance), (step, k)
 
 
 @pytest.fixture
