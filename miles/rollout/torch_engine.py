@@ -86,6 +86,12 @@ an int16 tensor ``[T, moe_layers, top_k]``; ``GenerateResult.prompt_routing``
 (``[P - 1, moe_layers, top_k]``) holds the prefill's routes of positions
 ``0 .. P - 2``, so the two together cover every position ``0 .. P + T - 2`` of
 that forward (routing replay, :mod:`miles.train.routing_replay`).
+
+This module holds construction, the public API, the scheduler loop, admission, prefill and decode.
+The class's other parts are its bases: request checks and row construction in
+:mod:`miles.rollout.engine_intake`, sampling, stops and results in :mod:`miles.rollout.engine_emit`,
+weight updates and memory release in :mod:`miles.rollout.engine_weights`; the per-row records in
+:mod:`miles.rollout.engine_rows`.
 """
 
 from __future__ import annotations
@@ -95,13 +101,11 @@ import hashlib
 import inspect
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,59 +114,22 @@ from torch import Tensor
 from miles.adapters import lora
 from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
-from miles.precision.on_policy import generate_exact
 from miles.precision.recipe import apply_rollout_quant
+from miles.rollout.engine_emit import EngineEmission
+from miles.rollout.engine_intake import EngineIntake
+from miles.rollout.engine_rows import _ids, _Job, _Row
+from miles.rollout.engine_rows import _row_seed as _row_seed  # importable from here too
+from miles.rollout.engine_weights import EngineWeights
 from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
-from miles.rollout.sampling import check_sampling, filter_logits_rows
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status, session_key
+from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_TINY = torch.finfo(torch.float32).tiny
 
 
-def _ids(value: Any) -> list[int]:
-    """An int, a list of ints, or None -> list of ints."""
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
-
-
-def _row_seed(seed: int, index: int) -> int:
-    """The generator seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
-    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-@dataclass(eq=False)
-class _Job:
-    """One ``generate`` call: its results fill in as rows finish; ``done`` fires with the last."""
-
-    results: list[list[GenerateResult | None]]
-    remaining: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class _Row:
-    """One completion (request, index) from submission to result."""
-
-    job: _Job
-    request_pos: int  # the request's position in its generate() call
-    request: GenerateRequest
-    index: int
-    sampling: SamplingParams
-    greedy: bool
-    generator: torch.Generator | None  # None for greedy rows (no noise)
-    features: tuple[str, ...]  # per-row options the batched step must handle (see _emit)
-    prompt_route: Tensor | None = None  # capture_routing: [P - 1, moe_layers, top_k] int16, set at prefill
-    prefill_version: int = -1  # weight version of its prefill (a prefix is stored only if still current)
-
-
-class TorchEngine(Reusable):
+class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
     """Generates with per-token log-probs by continuous batching; receives weights between steps.
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
@@ -319,23 +286,6 @@ class TorchEngine(Reusable):
             raise RuntimeError(f"engine {self.engine_id}: generation failed: {job.error!r}") from job.error
         return [r for per_request in job.results for r in per_request]  # type: ignore[misc]
 
-    def _exact_result(self, row: _Row) -> GenerateResult:
-        """One completion through :func:`miles.precision.on_policy.generate_exact` (``true_on_policy``)."""
-        sp = row.sampling
-        if sp.top_p < 1.0 or sp.top_k > 0 or sp.stop or sp.logprobs_top_k:
-            raise ValueError("precision.true_on_policy=true samples from the full temperature-scaled distribution "
-                             f"and stops on token ids only; got top_p={sp.top_p}, top_k={sp.top_k}, "
-                             f"stop={sp.stop!r}, logprobs_top_k={sp.logprobs_top_k}")
-        tokens, logps, reason = generate_exact(
-            self.model, list(row.request.prompt_ids), max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature, greedy=row.greedy, generator=row.generator,
-            stop_ids=set(self.eos_ids) | set(sp.stop_token_ids), pad_id=self.pad_id)
-        if reason == "eos" and tokens[-1] not in self.eos_ids:
-            reason = "stop_token"
-        return GenerateResult(request_id=row.request.request_id, index=row.index, response_ids=tuple(tokens),
-                              logprobs=tuple(logps), status=Status.TRUNCATED if reason == "length" else Status.COMPLETED,
-                              weight_version=self._version, finish_reason=reason)
-
     def abort(self, request_ids: list[str]) -> int:
         """Stop every row of these requests (running or queued); returns how many requests were hit."""
         return self._run_op(lambda: self._abort(set(request_ids)))
@@ -363,112 +313,6 @@ class TorchEngine(Reusable):
     def weight_version(self) -> int:
         return self._version
 
-    @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> dict[str, float]:
-        """Replace every weight (HF names), re-apply rollout quantization, set ``version``.
-
-        All checks happen before any copy: on a ``ValueError`` the engine is unchanged. The copy
-        runs between two scheduler steps (see the module docstring for in-flight rows).
-        Returns ``{"update_s", "quant_s", "bytes", "bytes_per_s"}`` (bytes as received).
-        """
-        t0 = time.perf_counter()
-        self._check_open("update_weights")
-        if self._peft is not None:
-            return self._update_adapters(state_dict, version, t0)
-        missing = [k for k in self._required if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._weights]
-        if missing or unexpected:
-            raise ValueError(f"update_weights(version={version}): names must match the engine's model "
-                             f"exactly; missing {_listing(missing)}, unexpected {_listing(unexpected)}. "
-                             "Send the full HF state dict of the same architecture.")
-        bad = [f"{k}: sent {tuple(v.shape)}, expected {self._shapes[k]}"
-               for k, v in state_dict.items() if tuple(v.shape) != self._shapes[k]]
-        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
-                if self._weights[k].is_floating_point() and not v.is_floating_point()]
-        if bad:
-            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
-
-        def apply() -> tuple[float, float]:
-            self._check_open("update_weights")
-            if self._released:  # every weight is about to be overwritten: allocate, skip the offloaded copy
-                self._reacquire()
-            t_copy = time.perf_counter()
-            for k, v in state_dict.items():
-                self._weights[k].copy_(v)  # casts to the engine dtype and device
-            t1 = time.perf_counter()
-            apply_rollout_quant(self.model, self.precision)
-            self._version = int(version)
-            self._prefix.clear()
-            return t1 - t_copy, time.perf_counter() - t1
-
-        copy_s, quant_s = self._run_op(apply)
-        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
-        return {"update_s": time.perf_counter() - t0, "quant_s": quant_s, "bytes": nbytes,
-                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
-
-    def _update_adapters(self, state_dict: dict[str, Tensor], version: int, t0: float) -> dict[str, float]:
-        """:meth:`update_weights` of an engine with adapters: the state dict holds adapter tensors only
-        (:func:`miles.adapters.lora.sync_state`); the base weights are frozen and stay as loaded."""
-        if not lora.is_adapter_state(state_dict):
-            raise ValueError(f"update_weights(version={version}): this engine serves LoRA adapters on frozen base "
-                             f"weights and takes adapter tensors only (names '{lora.SYNC_PREFIX}<adapter>:<PEFT key>'); "
-                             f"got {_listing(sorted(state_dict))}")
-        sent = lora.split_sync_state(state_dict)
-        errors = [f"unknown adapter {n!r} (held: {sorted(self._adapters)})" for n in sent if n not in self._adapters]
-        for n, sd in sent.items():
-            if n not in self._adapters:
-                continue
-            held = self._adapters[n]
-            missing, unexpected = sorted(set(held) - set(sd)), sorted(set(sd) - set(held))
-            if missing or unexpected:
-                errors.append(f"adapter {n!r}: missing {_listing(missing)}, unexpected {_listing(unexpected)}")
-            errors += [f"{n}:{k}: sent {tuple(v.shape)}, expected {tuple(held[k].shape)}"
-                       for k, v in sd.items() if k in held and tuple(v.shape) != tuple(held[k].shape)]
-        if errors:
-            raise ValueError(f"update_weights(version={version}): {'; '.join(errors)}")
-
-        def apply() -> float:
-            self._check_open("update_weights")
-            self._restore()  # a released engine gets its base weights back (adapters are never offloaded)
-            t_copy = time.perf_counter()
-            for n, sd in sent.items():
-                for k, v in sd.items():
-                    self._adapters[n][k].copy_(v)
-            self._version = int(version)
-            self._prefix.clear()
-            return time.perf_counter() - t_copy
-
-        copy_s = self._run_op(apply)
-        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
-        return {"update_s": time.perf_counter() - t0, "quant_s": 0.0, "bytes": nbytes,
-                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
-
-    def adapter_state(self, name: str) -> dict[str, Tensor]:
-        """CPU copies of adapter ``name``'s tensors as the engine holds them: ``{PEFT key: tensor}``."""
-        if name not in self._adapters:
-            raise ValueError(f"engine {self.engine_id}: no adapter {name!r} (held: {sorted(self._adapters)})")
-        return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._adapters[name].items()})
-
-    def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
-        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
-        t0 = time.perf_counter()
-        state_dict = receiver.receive(self)
-        receive_s = time.perf_counter() - t0
-        return {**self.update_weights(state_dict, version), "receive_s": receive_s}
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """CPU copies of the engine's weights as it computes with them (after quantization)."""
-        self._check_usable("state_dict")
-        return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._weights.items()})
-
-    def release_memory(self) -> None:
-        """Drop the KV cache and offload the weights (colocation); rows still in flight are aborted."""
-        self._run_op(self._release)
-
-    def resume_memory(self) -> None:
-        """Restore what :meth:`release_memory` offloaded, bit-exactly."""
-        self._run_op(self._restore)
-
     def close(self) -> None:
         """Stop the scheduler thread; queued and running requests fail."""
         if not self._closed and self._thread.is_alive():
@@ -481,71 +325,7 @@ class TorchEngine(Reusable):
         if isinstance(self._offload, str):
             os.unlink(self._offload)
 
-    # ---- request intake (caller threads) ----------------------------------------------------
-
-    def _rows_for(self, job: _Job, i: int, r: GenerateRequest, sp: SamplingParams) -> list[_Row]:
-        """The request's ``n`` rows, each with its generator (seeded from the request's seed and index)."""
-        greedy = sp.greedy or sp.temperature == 0
-        seed = r.seed if r.seed is not None else sp.seed
-        if seed is None:
-            with self._seed_lock:
-                seed = int(torch.randint(2**62, (1,), generator=self._generator))
-        features = [name for name, on in (
-            ("greedy", greedy), ("sampled", not greedy), ("temp", not greedy and sp.temperature != 1.0),
-            ("filter", not greedy and (sp.top_k > 0 or sp.top_p < 1.0)), ("stop_ids", bool(sp.stop_token_ids)),
-            ("stop_text", bool(sp.stop)), ("top_logprobs", sp.logprobs_top_k > 0)) if on]
-        return [_Row(job=job, request_pos=i, request=r, index=j, sampling=sp, greedy=greedy,
-                     generator=None if greedy else torch.Generator().manual_seed(_row_seed(seed, j)),
-                     features=tuple(features)) for j in range(r.n)]
-
-    def _check_request(self, r: GenerateRequest, default: SamplingParams | None) -> SamplingParams:
-        """The request's sampling params, after checking them and the request; ``ValueError`` says what is wrong."""
-        rid = r.request_id
-        sp = r.sampling if r.sampling is not None else default
-        if sp is None:
-            raise ValueError(f"request {rid!r} has no sampling params: pass generate(..., sampling) "
-                             "or set GenerateRequest.sampling")
-        check_sampling(sp.temperature, sp.top_p, sp.top_k)
-        if sp.max_new_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
-        if not 0 <= sp.logprobs_top_k <= self.vocab_size:
-            raise ValueError(f"request {rid!r}: logprobs_top_k must be in [0, {self.vocab_size}], "
-                             f"got {sp.logprobs_top_k}")
-        if any(not 0 <= t < self.vocab_size for t in sp.stop_token_ids):
-            raise ValueError(f"request {rid!r}: stop_token_ids must be in [0, {self.vocab_size}); "
-                             f"got {list(sp.stop_token_ids)}")
-        if sp.stop:
-            if isinstance(sp.stop, str) or not all(isinstance(s, str) and s for s in sp.stop):
-                raise ValueError(f"request {rid!r}: stop must be a tuple of non-empty strings, got {sp.stop!r}")
-            self._get_tokenizer()
-        if r.n < 1:
-            raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
-        if r.adapter is not None and r.adapter != lora.BASE and r.adapter not in self._adapters:
-            raise ValueError(f"request {rid!r}: adapter {r.adapter!r} is not one this engine holds "
-                             f"({sorted(self._adapters) or 'none: it was built without adapters'})")
-        if not r.prompt_ids:
-            raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
-            raise ValueError(f"request {rid!r}: token ids must be in [0, {self.vocab_size}); "
-                             f"got min {min(r.prompt_ids)}, max {max(r.prompt_ids)}")
-        if self.max_positions and len(r.prompt_ids) + sp.max_new_tokens > self.max_positions:
-            raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens "
-                             f"({sp.max_new_tokens}) exceeds max_position_embeddings={self.max_positions}")
-        return sp
-
-    def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-            try:
-                if not any(os.path.isfile(os.path.join(self.checkpoint_dir, f)) for f in files):
-                    raise OSError(f"none of {', '.join(files)} is there")
-                self._tokenizer = AutoTokenizer.from_pretrained(self.checkpoint_dir)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"stop strings need a tokenizer, and none loads from {self.checkpoint_dir} "
-                                 f"({type(e).__name__}: {e}); use stop_token_ids instead") from e
-        return self._tokenizer
+    # ---- checks and scheduler ops (caller threads) ------------------------------------------
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -769,15 +549,6 @@ class TorchEngine(Reusable):
             self._count.update(r.features)
         self._n = hi
 
-    def _draw_noise(self, slot: int, generator: torch.Generator) -> None:
-        """The next ``noise_chunk`` steps of the row in ``slot``: ``-log E`` with ``E ~ Exp(1)``, [chunk, V]."""
-        buf = self._st["noise"][slot]
-        if buf.device.type == "cpu":
-            buf.exponential_(generator=generator)
-        else:
-            buf.copy_(torch.empty(buf.shape).exponential_(generator=generator))
-        buf.clamp_min_(_TINY).log_().neg_()
-
     def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row]) -> Tensor:
         """Base model forward through the slot cache: final-normed hidden states [B, T, D]; batch row
         ``i`` uses ``rows[i]``'s adapter when the engine holds adapters."""
@@ -822,214 +593,6 @@ class TorchEngine(Reusable):
         pos += 1
         self._finish_rows(self._emit(0, b, logits, routing))
 
-    def _emit(self, lo: int, hi: int, logits: Tensor, routing: Tensor | None) -> list[tuple[int, str]]:
-        """Sample one token for slots ``[lo, hi)`` from ``logits [hi - lo, V]`` (fp32), record it with
-        its log-prob (and top-k log-probs, routing), and return the rows that stopped: (slot, reason)."""
-        st, count, sl = self._st, self._count, slice(lo, hi)
-        rows = self._arange[sl]
-        scaled = logits / st["temp"][sl, None] if count["temp"] else logits
-        logp = scaled.log_softmax(dim=-1)
-        refill: list[int] = []  # rows (from lo) whose noise chunk is spent
-        if count["sampled"]:
-            z = filter_logits_rows(scaled, st["top_k"][sl], st["top_p"][sl]) if count["filter"] else scaled
-            nidx = st["nidx"][sl]
-            gumbel = st["noise"][rows, nidx]  # -log E: [B, V]
-            if count["greedy"]:
-                gumbel.masked_fill_(st["greedy"][sl, None], 0.0)
-            tok = (z + gumbel).argmax(dim=-1)
-            nidx += 1
-            spent = nidx == self.noise_chunk
-            if bool(spent.any()):
-                refill = spent.nonzero()[:, 0].tolist()
-                nidx.remainder_(self.noise_chunk)
-        else:
-            tok = logits.argmax(dim=-1)
-        ngen = st["ngen"][sl]
-        st["out_tok"][rows, ngen] = tok
-        st["out_lp"][rows, ngen] = logp.gather(1, tok[:, None])[:, 0]
-        st["out_ver"][rows, ngen] = self._version
-        if count["top_logprobs"]:
-            top_v, top_i = logp.topk(st["top_v"].shape[2], dim=-1)
-            st["top_v"][rows, ngen], st["top_i"][rows, ngen] = top_v, top_i
-        if routing is not None:
-            st["route"][rows, ngen] = routing.to(torch.int16)
-        ngen += 1
-        st["tok"][sl] = tok
-        # reason codes: 1 eos, 2 stop token, 3 length (first that applies)
-        code = torch.where(ngen >= st["max_new"][sl], 3, 0)
-        if count["stop_ids"]:
-            code = torch.where((tok[:, None] == st["stop"][sl]).any(dim=1), 2, code)
-        code = torch.where(torch.isin(tok, self._eos), 1, code)
-        stopped: list[tuple[int, str]] = []
-        if bool(code.any()):
-            names = ("", "eos", "stop_token", "length")
-            stopped = [(lo + b, names[c]) for b, c in enumerate(code.tolist()) if c]
-        if count["stop_text"]:
-            done = {s for s, _ in stopped}
-            stopped += [(s, "stop_string") for s in range(lo, hi) if s not in done and self._hit_stop_text(s)]
-        if refill:  # the next chunk, for rows that go on (a stopped row never samples again)
-            done = {s for s, _ in stopped}
-            for b in refill:
-                gen = self._rows[lo + b].generator  # type: ignore[union-attr]
-                if gen is not None and lo + b not in done:
-                    self._draw_noise(lo + b, gen)
-        return stopped
-
-    def _hit_stop_text(self, slot: int) -> bool:
-        row = self._rows[slot]
-        assert row is not None
-        if not row.sampling.stop:
-            return False
-        n = int(self._st["ngen"][slot])
-        window = 4 * max(len(s) for s in row.sampling.stop) + 4  # >= 1 byte per token, <= 4 bytes per char
-        text = self._get_tokenizer().decode(self._st["out_tok"][slot, max(0, n - window) : n].tolist(),
-                                            skip_special_tokens=False)
-        return any(s in text for s in row.sampling.stop)
-
-    def _finish_rows(self, stopped: list[tuple[int, str]]) -> None:
-        """Deliver the stopped rows' results and compact the occupied slots to ``[0, n - stopped)``."""
-        if not stopped:
-            return
-        for slot, reason in stopped:
-            row = self._rows[slot]
-            assert row is not None
-            result = self._result(slot, reason)
-            if self._prefix.enabled and row.request.session_id is not None and reason != "abort":
-                self._keep_prefix(slot, row, result)
-            self._deliver(row, result)
-            self._count.subtract(row.features)
-        n, gone = self._n, {s for s, _ in stopped}
-        keep = n - len(gone)
-        holes = sorted(s for s in gone if s < keep)
-        movers = [s for s in range(keep, n) if s not in gone]
-        if holes:
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
-            for t in self._st.values():
-                t[dst] = t[src]
-            self._cache.move(dst, src)
-            for d, s in zip(holes, movers, strict=True):
-                self._rows[d] = self._rows[s]
-        for s in range(keep, n):
-            self._rows[s] = None
-        self._n = keep
-
-    def _keep_prefix(self, slot: int, row: _Row, result: GenerateResult) -> None:
-        """Store the slot's K/V (prompt and response but the last token, never fed back) under the row's
-        session key, if no weight update happened while the row ran."""
-        if row.prefill_version != self._version or not result.response_ids:
-            return
-        ids = tuple(row.request.prompt_ids) + result.response_ids[:-1]
-        k, v = self._cache.read(slot, len(ids))
-        key = session_key(row.request.session_id, row.request.n, row.index)  # type: ignore[arg-type]
-        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter))
-
-    def _result(self, slot: int, reason: str) -> GenerateResult:
-        row, st = self._rows[slot], self._st
-        assert row is not None
-        n = int(st["ngen"][slot])
-        top = None
-        if row.sampling.logprobs_top_k:
-            k = row.sampling.logprobs_top_k
-            ids, vals = st["top_i"][slot, :n, :k].tolist(), st["top_v"][slot, :n, :k].tolist()
-            top = tuple(tuple(zip(i, v, strict=True)) for i, v in zip(ids, vals, strict=True))
-        status = {"length": Status.TRUNCATED, "abort": Status.ABORTED}.get(reason, Status.COMPLETED)
-        return GenerateResult(
-            request_id=row.request.request_id, index=row.index, response_ids=tuple(st["out_tok"][slot, :n].tolist()),
-            logprobs=tuple(st["out_lp"][slot, :n].tolist()), status=status, weight_version=self._version,
-            token_versions=tuple(st["out_ver"][slot, :n].tolist()), finish_reason=reason, top_logprobs=top,
-            routing=st["route"][slot, :n].cpu().clone() if self._routers else None,
-            prompt_routing=row.prompt_route if self._routers else None,
-        )
-
-    @staticmethod
-    def _deliver(row: _Row, result: GenerateResult) -> None:
-        job = row.job
-        job.results[row.request_pos][row.index] = result
-        job.remaining -= 1
-        if job.remaining == 0:
-            job.done.set()
-
-    def _abort(self, request_ids: set[str]) -> int:
-        hit: set[str] = set()
-        with self._cv:
-            queued = [r for r in self._waiting if r.request.request_id in request_ids]
-            self._waiting = deque(r for r in self._waiting if r.request.request_id not in request_ids)
-        for r in queued:
-            hit.add(r.request.request_id)
-            self._deliver(r, GenerateResult(request_id=r.request.request_id, index=r.index, response_ids=(),
-                                            logprobs=(), status=Status.ABORTED, weight_version=self._version,
-                                            finish_reason="abort", routing=None))
-        running = [s for s in range(self._n) if self._rows[s].request.request_id in request_ids]  # type: ignore
-        hit.update(self._rows[s].request.request_id for s in running)  # type: ignore[union-attr]
-        self._finish_rows([(s, "abort") for s in running])
-        return len(hit)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cv:
-            rows = [r for r in self._rows[: self._n] if r is not None] + list(self._waiting)
-            self._waiting.clear()
-        for r in rows:
-            r.job.error = error
-            r.job.done.set()
-        self._rows = [None] * self.max_batch_size
-        self._n = 0
-        self._count.clear()
-
-    # ---- memory -------------------------------------------------------------------------------
-
-    def _release(self) -> None:
-        if self._released:
-            return
-        if self._n or self._waiting:  # never left hanging: they come back ABORTED
-            log.warning("engine %d: release_memory aborts %d running and %d queued rows", self.engine_id,
-                        self._n, len(self._waiting))
-            self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
-        self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
-        self._prefix.clear()
-        for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
-            self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
-        unique = {k: self._weights[k] for k in self._required}
-        if self.device.type == "cpu":
-            from safetensors.torch import save_file
-
-            fd, path = tempfile.mkstemp(prefix=f"miles-engine{self.engine_id}-", suffix=".safetensors")
-            os.close(fd)
-            save_file({k: v.detach().contiguous() for k, v in unique.items()}, path)
-            self._offload = path
-        else:
-            self._offload = {k: v.detach().to("cpu", copy=True) for k, v in unique.items()}
-        for v in unique.values():
-            v.data = torch.empty(0, dtype=v.dtype, device=v.device)
-        self._released = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _restore(self) -> None:
-        if not self._released:
-            return
-        if isinstance(self._offload, str):
-            from safetensors.torch import load_file
-
-            saved = load_file(self._offload)
-            os.unlink(self._offload)
-        else:
-            saved = self._offload or {}
-        for k, v in saved.items():
-            self._weights[k].data = v.to(self.device)
-        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
-        self._offload, self._released = None, False
-
-    def _reacquire(self) -> None:
-        """Released -> usable with uninitialised weights (a full update fills them); drops the offloaded copy."""
-        if isinstance(self._offload, str):
-            os.unlink(self._offload)
-        for k in self._required:
-            w = self._weights[k]
-            w.data = torch.empty(self._shapes[k], dtype=w.dtype, device=self.device)
-        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
-        self._offload, self._released = None, False
-
     # ---- MoE routing --------------------------------------------------------------------------
 
     def _hook_routers(self) -> list[torch.nn.Module]:
@@ -1045,8 +608,3 @@ class TorchEngine(Reusable):
     def _router_top_k(self) -> int:
         return int(self._routers[0].top_k) if self._routers else 0
 
-
-def _listing(names: list[str], limit: int = 10) -> str:
-    """``[a, b, ...] (N)``: the first ``limit`` names and the count, for error messages."""
-    more = " ..." if len(names) > limit else ""
-    return f"{names[:limit]}{more} ({len(names)})"

@@ -1,0 +1,213 @@
+"""Weight updates and memory release of :class:`miles.rollout.torch_engine.TorchEngine`.
+
+:class:`EngineWeights` checks and applies a full weight update (or, for an engine holding LoRA adapters,
+an update of the adapter tensors only) between two scheduler steps, reports the engine's weights and
+adapters, and drops / restores the KV cache and the weights for colocation
+(``release_memory`` / ``resume_memory``; see :mod:`miles.rollout.torch_engine`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles.adapters import lora
+from miles.config.schema import PrecisionConfig
+from miles.precision.recipe import apply_rollout_quant
+from miles.rollout.engine_rows import _listing, _Row
+from miles.rollout.prefix_cache import PrefixStore
+from miles.rollout.slot_cache import SlotCache
+
+log = logging.getLogger("miles.rollout.torch_engine")
+
+
+class EngineWeights:
+    """Weight and adapter updates, state dicts, memory release and restore; a base of
+    :class:`~miles.rollout.torch_engine.TorchEngine`, whose constructor sets the attributes below."""
+
+    engine_id: int
+    model: Any
+    precision: PrecisionConfig
+    max_batch_size: int
+    noise_chunk: int
+    vocab_size: int
+    device: torch.device
+    _version: int
+    _weights: dict[str, Tensor]
+    _required: list[str]
+    _shapes: dict[str, tuple[int, ...]]
+    _peft: Any
+    _adapters: dict[str, dict[str, Tensor]]
+    _offload: str | dict[str, Tensor] | None
+    _released: bool
+    _st: dict[str, Tensor]
+    _rows: list[_Row | None]
+    _n: int
+    _waiting: deque[_Row]
+    _cache: SlotCache
+    _prefix: PrefixStore
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> dict[str, float]:
+        """Replace every weight (HF names), re-apply rollout quantization, set ``version``.
+
+        All checks happen before any copy: on a ``ValueError`` the engine is unchanged. The copy
+        runs between two scheduler steps (see :mod:`miles.rollout.torch_engine` for in-flight rows).
+        Returns ``{"update_s", "quant_s", "bytes", "bytes_per_s"}`` (bytes as received).
+        """
+        t0 = time.perf_counter()
+        self._check_open("update_weights")
+        if self._peft is not None:
+            return self._update_adapters(state_dict, version, t0)
+        missing = [k for k in self._required if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._weights]
+        if missing or unexpected:
+            raise ValueError(f"update_weights(version={version}): names must match the engine's model "
+                             f"exactly; missing {_listing(missing)}, unexpected {_listing(unexpected)}. "
+                             "Send the full HF state dict of the same architecture.")
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {self._shapes[k]}"
+               for k, v in state_dict.items() if tuple(v.shape) != self._shapes[k]]
+        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
+                if self._weights[k].is_floating_point() and not v.is_floating_point()]
+        if bad:
+            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
+
+        def apply() -> tuple[float, float]:
+            self._check_open("update_weights")
+            if self._released:  # every weight is about to be overwritten: allocate, skip the offloaded copy
+                self._reacquire()
+            t_copy = time.perf_counter()
+            for k, v in state_dict.items():
+                self._weights[k].copy_(v)  # casts to the engine dtype and device
+            t1 = time.perf_counter()
+            apply_rollout_quant(self.model, self.precision)
+            self._version = int(version)
+            self._prefix.clear()
+            return t1 - t_copy, time.perf_counter() - t1
+
+        copy_s, quant_s = self._run_op(apply)
+        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
+        return {"update_s": time.perf_counter() - t0, "quant_s": quant_s, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
+
+    def _update_adapters(self, state_dict: dict[str, Tensor], version: int, t0: float) -> dict[str, float]:
+        """:meth:`update_weights` of an engine with adapters: the state dict holds adapter tensors only
+        (:func:`miles.adapters.lora.sync_state`); the base weights are frozen and stay as loaded."""
+        if not lora.is_adapter_state(state_dict):
+            raise ValueError(f"update_weights(version={version}): this engine serves LoRA adapters on frozen base "
+                             f"weights and takes adapter tensors only (names '{lora.SYNC_PREFIX}<adapter>:<PEFT key>'); "
+                             f"got {_listing(sorted(state_dict))}")
+        sent = lora.split_sync_state(state_dict)
+        errors = [f"unknown adapter {n!r} (held: {sorted(self._adapters)})" for n in sent if n not in self._adapters]
+        for n, sd in sent.items():
+            if n not in self._adapters:
+                continue
+            held = self._adapters[n]
+            missing, unexpected = sorted(set(held) - set(sd)), sorted(set(sd) - set(held))
+            if missing or unexpected:
+                errors.append(f"adapter {n!r}: missing {_listing(missing)}, unexpected {_listing(unexpected)}")
+            errors += [f"{n}:{k}: sent {tuple(v.shape)}, expected {tuple(held[k].shape)}"
+                       for k, v in sd.items() if k in held and tuple(v.shape) != tuple(held[k].shape)]
+        if errors:
+            raise ValueError(f"update_weights(version={version}): {'; '.join(errors)}")
+
+        def apply() -> float:
+            self._check_open("update_weights")
+            self._restore()  # a released engine gets its base weights back (adapters are never offloaded)
+            t_copy = time.perf_counter()
+            for n, sd in sent.items():
+                for k, v in sd.items():
+                    self._adapters[n][k].copy_(v)
+            self._version = int(version)
+            self._prefix.clear()
+            return time.perf_counter() - t_copy
+
+        copy_s = self._run_op(apply)
+        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
+        return {"update_s": time.perf_counter() - t0, "quant_s": 0.0, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
+
+    def adapter_state(self, name: str) -> dict[str, Tensor]:
+        """CPU copies of adapter ``name``'s tensors as the engine holds them: ``{PEFT key: tensor}``."""
+        if name not in self._adapters:
+            raise ValueError(f"engine {self.engine_id}: no adapter {name!r} (held: {sorted(self._adapters)})")
+        return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._adapters[name].items()})
+
+    def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
+        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
+        t0 = time.perf_counter()
+        state_dict = receiver.receive(self)
+        receive_s = time.perf_counter() - t0
+        return {**self.update_weights(state_dict, version), "receive_s": receive_s}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """CPU copies of the engine's weights as it computes with them (after quantization)."""
+        self._check_usable("state_dict")
+        return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._weights.items()})
+
+    def release_memory(self) -> None:
+        """Drop the KV cache and offload the weights (colocation); rows still in flight are aborted."""
+        self._run_op(self._release)
+
+    def resume_memory(self) -> None:
+        """Restore what :meth:`release_memory` offloaded, bit-exactly."""
+        self._run_op(self._restore)
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        if self._n or self._waiting:  # never left hanging: they come back ABORTED
+            log.warning("engine %d: release_memory aborts %d running and %d queued rows", self.engine_id,
+                        self._n, len(self._waiting))
+            self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
+        self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
+        self._prefix.clear()
+        for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
+            self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
+        unique = {k: self._weights[k] for k in self._required}
+        if self.device.type == "cpu":
+            from safetensors.torch import save_file
+
+            fd, path = tempfile.mkstemp(prefix=f"miles-engine{self.engine_id}-", suffix=".safetensors")
+            os.close(fd)
+            save_file({k: v.detach().contiguous() for k, v in unique.items()}, path)
+            self._offload = path
+        else:
+            self._offload = {k: v.detach().to("cpu", copy=True) for k, v in unique.items()}
+        for v in unique.values():
+            v.data = torch.empty(0, dtype=v.dtype, device=v.device)
+        self._released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore(self) -> None:
+        if not self._released:
+            return
+        if isinstance(self._offload, str):
+            from safetensors.torch import load_file
+
+            saved = load_file(self._offload)
+            os.unlink(self._offload)
+        else:
+            saved = self._offload or {}
+        for k, v in saved.items():
+            self._weights[k].data = v.to(self.device)
+        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._offload, self._released = None, False
+
+    def _reacquire(self) -> None:
+        """Released -> usable with uninitialised weights (a full update fills them); drops the offloaded copy."""
+        if isinstance(self._offload, str):
+            os.unlink(self._offload)
+        for k in self._required:
+            w = self._weights[k]
+            w.data = torch.empty(self._shapes[k], dtype=w.dtype, device=self.device)
+        self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._offload, self._released = None, False
