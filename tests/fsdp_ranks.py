@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,16 +11,11 @@ import torch
 from miles.algos.advantages import group_normalized
 from miles.algos.logprobs import token_logprobs
 from miles.config.schema import MilesConfig
+from miles.core.cluster import free_port
 from miles.train.fsdp import FSDPTrainer
 from miles.types import TrainBatch
 
 TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hf_model_from(ckpt: Path) -> torch.nn.Module:

@@ -315,3 +315,18 @@ def test_two_nodes_engines_on_the_second_node(tmp_path: Path) -> None:
     assert m, out[-3000:]
     assert m.group(1) != m.group(2), "the engine (node2's resource) and the trainer (no room on node2) are on two nodes"
     assert "step 2/2" in out and "done in" in out
+
+
+
+def test_free_port_is_below_the_ephemeral_range_and_falls_back_when_it_is_taken(monkeypatch) -> None:
+    import miles.core.cluster as cluster
+
+    port = cluster.free_port()
+    assert cluster.RENDEZVOUS_PORTS[0] <= port < cluster.RENDEZVOUS_PORTS[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free when returned
+    with socket.socket() as held:  # the whole range taken: the kernel's free port instead
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(cluster, "RENDEZVOUS_PORTS", (taken, taken + 1))
+        assert cluster.free_port(attempts=1) != taken

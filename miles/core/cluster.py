@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import socket
 import time
 from collections.abc import Mapping
@@ -119,7 +120,23 @@ def actor_env(p: PlacementConfig, threads: int) -> dict[str, str]:
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+RENDEZVOUS_PORTS = (30000, 32768)
+"""Where :func:`free_port` looks first: below the kernel's ephemeral range (32768+ by default), so that
+no outgoing connection (Ray opens many) or ``bind(0)`` takes the port between picking it and the
+process group's store binding it; above Ray's worker ports (10002-19999) and the ports SGLang picks
+(below 30000)."""
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port ``host`` can bind now: one in :data:`RENDEZVOUS_PORTS`, else (all tried ones taken) any
+    free port the kernel gives."""
+    for port in random.sample(range(*RENDEZVOUS_PORTS), attempts):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
