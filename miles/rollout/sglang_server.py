@@ -26,9 +26,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -61,14 +59,7 @@ class ServerStartError(RuntimeError):
 
 def pick_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
     """A port in :data:`PORT_RANGE` that ``host`` can bind now (else any free port)."""
-    for port in random.sample(range(*PORT_RANGE), attempts):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return free_port(host)
+    return free_port(host, attempts=attempts, ports=PORT_RANGE)
 
 
 class ServerHTTPError(RuntimeError):
