@@ -67,6 +67,11 @@ def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
     return trainer.engine.from_last_stage(out.contiguous() if out is not None else torch.zeros(shape))
 
 
+def checkpoint_reads(trainer: Any) -> dict[str, int]:
+    """How many elements of each stored tensor the rank read from the checkpoint at start."""
+    return dict(trainer.checkpoint_reads)
+
+
 def redirected_sites(trainer: Any) -> dict[str, str]:
     """The CUDA call sites the compatibility layer redirected in this rank's process."""
     from miles.train.megatron import compat

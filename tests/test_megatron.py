@@ -25,7 +25,12 @@ pytest.importorskip("megatron.core")
 
 from conftest import _save_tiny  # noqa: E402
 from fsdp_ranks import free_port, hf_model_from, local_trainer, rl_batch  # noqa: E402
-from megatron_ranks import MegatronGroup, logits_of, redirected_sites  # noqa: E402
+from megatron_ranks import (  # noqa: E402
+    MegatronGroup,
+    checkpoint_reads,
+    logits_of,
+    redirected_sites,
+)
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.backends.contract import check_trainer, check_trainer_class  # noqa: E402
@@ -89,8 +94,14 @@ def _run(moe: bool = False, **trainer: int) -> Any:
 @pytest.fixture(scope="module")
 def checkpoints(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> dict[str, Path]:
-    tied = _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_tied"), moe=False, tie_word_embeddings=True)
-    return {"dense": tiny_qwen3_dir, "tied": tied, "moe": tiny_qwen3_moe_dir}
+    """The tied checkpoint is stored bf16 in several files with an index (ranks read slices of every form)."""
+    from transformers import AutoModelForCausalLM
+
+    tied = _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_tied_fp32"), moe=False, tie_word_embeddings=True)
+    stored = tmp_path_factory.mktemp("tiny_qwen3_tied")
+    AutoModelForCausalLM.from_pretrained(tied, dtype=torch.bfloat16).save_pretrained(stored, max_shard_size="20KB")
+    assert (stored / "model.safetensors.index.json").is_file()
+    return {"dense": tiny_qwen3_dir, "tied": stored, "moe": tiny_qwen3_moe_dir}
 
 
 def _ids(batch: Any) -> list[list[int]]:
@@ -118,6 +129,7 @@ class Seen:
     metrics: list[dict[str, float]]  # per rank
     after: dict[str, torch.Tensor]
     sites: dict[str, str]
+    reads: list[dict[str, int]]  # per rank: elements read of each stored tensor
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +162,7 @@ def layouts(ray_cluster, checkpoints: dict[str, Path], fsdp_reference: dict[str,
                 group = MegatronGroup(ray_cluster, 2, ckpt, run)
             else:
                 group.reinit(ckpt, run)
+            reads = group.probe(checkpoint_reads)
             state, none = group.call("full_state_dict")
             assert none is None
             logits = group.probe(logits_of, _ids(batch))[0]
@@ -159,7 +172,7 @@ def layouts(ray_cluster, checkpoints: dict[str, Path], fsdp_reference: dict[str,
             metrics = group.call("train_step", batch)
             after, _ = group.call("full_state_dict")
             sites = {k: v for s in group.probe(redirected_sites) for k, v in s.items()}
-            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites)
+            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites, reads)
             if name == "dp2":
                 group.call("save_state", str(saved))
                 continued = group.call("train_step", batch)
@@ -388,6 +401,36 @@ def test_layout_computes_what_fsdp_computes(layouts: Layouts, fsdp_reference: di
     assert moved > 1e-4
     for k in hf_sd:
         torch.testing.assert_close(seen.after[k], after[k], atol=3e-5, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_rank_reads_only_its_slices(layouts: Layouts, checkpoints: dict[str, Path], name: str):
+    """TP ranks read their rows or columns, PP stages their layers, EP ranks their experts; nothing twice."""
+    from safetensors import safe_open
+
+    ckpt_name, sizes = LAYOUTS[name]
+    stored: dict[str, int] = {}
+    for path in checkpoints[ckpt_name].glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            stored.update({n: int(torch.Size(f.get_slice(n).get_shape()).numel()) for n in f.keys()})
+    assert "lm_head.weight" not in stored if ckpt_name == "tied" else "lm_head.weight" in stored
+
+    def share(rank: int, n: str) -> float:
+        """The part of stored tensor ``n`` that ``rank`` keeps."""
+        layer = int(n.split(".")[2]) if n.startswith("model.layers.") else None
+        if sizes.get("pipeline_parallel", 1) == 2:
+            stage = {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 1}.get(n, layer)
+            tied_head = ckpt_name == "tied" and n == "model.embed_tokens.weight"  # the last stage's copy
+            return 1.0 if stage == rank or tied_head else 0.0
+        if sizes.get("tensor_parallel", 1) == 2:
+            return 1.0 if n.endswith("norm.weight") else 0.5
+        if sizes.get("expert_parallel", 1) == 2 and ".mlp.experts." in n:
+            return 1.0 if int(n.split(".")[5]) // 2 == rank else 0.0
+        return 1.0
+
+    for rank, reads in enumerate(layouts.seen[name].reads):
+        want = {n: int(numel * share(rank, n)) for n, numel in stored.items() if share(rank, n) > 0}
+        assert reads == want, (name, rank)
 
 
 def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoints: dict[str, Path], tmp_path: Path):

@@ -69,15 +69,17 @@ class Engine:
 
     # --- models ------------------------------------------------------------------------------------
 
-    def build(self, hf: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.nn.Module:
-        """This stage's model with the weights of ``hf`` (full HF state dict); DDP-wrapped when ``trainable``."""
+    def build(self, shards: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.nn.Module:
+        """This stage's model with the weights ``shards`` (``{local name: this rank's tensor}``, read one at a
+        time: :class:`~.load.CheckpointShards`, or another model's parameters); DDP-wrapped when ``trainable``."""
         config = transformer_config(self.arch, self.dims, bf16_autocast=self.bf16)
         model = build_gpt_model(self.arch, config, self.dims)
         names = [n for n, _ in model.named_parameters()]
         self.io.check_names(names)
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, t in self.io.shard(hf).items():
+            for name in names:
+                t = shards[name]
                 if params[name].shape != t.shape:
                     raise RuntimeError(f"megatron parameter {name}: shape {tuple(params[name].shape)}, the mapping "
                                        f"cut {tuple(t.shape)} from the checkpoint")

@@ -1,8 +1,7 @@
 """Megatron-core trainer rank: one instance per rank of a TP x PP x DP (x EP) group, a Ray actor of the driver.
 
-The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (every
-rank reads all of it with transformers, then keeps its shards: :mod:`.mapping`, :mod:`.collect`),
-wrapped in megatron's
+The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (each rank
+reads only its slices of the safetensors files, in fp32: :mod:`.load`, :mod:`.mapping`), wrapped in megatron's
 ``DistributedDataParallel`` (fp32 gradient buffers, one all-reduce per bucket after the last
 micro-batch), trained by ``torch.optim.AdamW`` on ``p.grad = p.main_grad``. Process groups:
 megatron's ``parallel_state`` over the rank's torch.distributed group (gloo on CPU, with the
@@ -23,7 +22,7 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
    (``calculate_per_token_loss``) and ``finalize_model_grads`` adds the TP-split q/k-norm gradients
    and the tied-embedding gradients of the first and last stage;
 3. the proximal log-probs (``num_minibatches > 1``) and the reference model's (``algo.kl_coef > 0``,
-   a second sharded copy of the checkpoint) come from no-grad passes through the same schedule;
+   a copy of the policy's initial shards) come from no-grad passes through the same schedule;
 4. global grad norm and clipping (:mod:`.grads`), AdamW step and the schedule of
    :func:`miles.train.optim.lr_multiplier`, unless the loss or the norm is not finite (skipped and
    counted). Metrics (same names as FSDP's) are summed over replicas and read by every rank.
@@ -131,7 +130,7 @@ class MegatronTrainer(Reusable):
         num_threads: int = 0,
         device: str = "cpu",
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from miles.train.megatron import load
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -148,20 +147,23 @@ class MegatronTrainer(Reusable):
         if self.device.type == "cpu":
             compat.install()
         torch.manual_seed(run.seed)
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-        self.arch = Arch.from_hf(hf.config)
+        config = load.read_config(checkpoint_dir)
+        self.arch = Arch.from_hf(config)
         self.dims = _dims(run, world_size)
         check_dims(self.dims, self.arch)
-        self.pad_id = pad_token_id(hf.config)
-        hf_sd = hf.state_dict()
-        self.hf_shapes = {k: tuple(v.shape) for k, v in hf_sd.items()}
-        self.hf_param_names = [n for n, _ in hf.named_parameters()]
-        del hf
+        self.pad_id = pad_token_id(config)
+        self.hf_shapes, self.hf_param_names = load.hf_layout(config)
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
                                     bf16=run.precision.train_dtype == "bfloat16")
-        self.model = self.engine.build(hf_sd, trainable=True)
-        self.ref_model = self.engine.build(hf_sd, trainable=False) if run.algo.kl_coef > 0 else None
-        del hf_sd
+        with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
+            io = self.engine.io
+            self.model = self.engine.build(load.CheckpointShards(reader, io.entries, io.piece_shapes, self.arch,
+                                                                 tp=self.dims.tp, tp_rank=io.coords.tp_rank),
+                                           trainable=True)
+            self.checkpoint_reads = dict(reader.read_elements)
+        # the reference policy starts as a copy of the policy's weights
+        self.ref_model = (self.engine.build(dict(self.engine.named_parameters(self.model)), trainable=False)
+                          if run.algo.kl_coef > 0 else None)
         self.params = dict(self.engine.named_parameters(self.model))
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
