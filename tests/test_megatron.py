@@ -7,7 +7,9 @@ at lr 1e-4 atol 3e-5 (Adam's first update is ~lr * sign(g): a gradient entry tha
 summation order can move by up to lr; measured 1.8e-5). Weight round trips are exact.
 
 The multi-rank layouts run once (module fixture ``layouts``): two Ray actors in one gloo group,
-reused from layout to layout through ``reinit`` (as the driver reuses parked actors).
+reused from layout to layout through ``reinit`` (as the driver reuses parked actors). Each rank reads
+only its slices of the checkpoint (the tied one is stored bf16 in several files); ``pp2_recompute``
+runs PP=2 with megatron's activation recompute.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fsdp_ranks import free_port, hf_model_from, local_trainer, rl_batch  # noqa
 from megatron_ranks import (  # noqa: E402
     MegatronGroup,
     checkpoint_reads,
+    gradients_and_layer_calls,
     logits_of,
     redirected_sites,
 )
@@ -53,6 +56,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
     "pp2_tied": ("tied", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
     "dp2": ("dense", {"max_tokens_per_microbatch": 12}),
     "ep2": ("moe", {"expert_parallel": 2, "max_tokens_per_microbatch": 24}),
+    "pp2_recompute": ("dense", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24,
+                                "activation_checkpointing": True}),
 }
 
 # megatron-core 0.16.1 on CPU: every CUDA call site the compatibility layer redirected in the layouts above
@@ -73,6 +78,8 @@ EXPECTED_SITES = {
     "tensor_parallel/mappings.py:141": "torch.cuda.current_device()",
     "tensor_parallel/mappings.py:442": "torch.cuda.current_device()",
     "tensor_parallel/mappings.py:444": "all_to_all_single split sizes as tensors",
+    "tensor_parallel/random.py:55": "torch.cuda.random.get_rng_state()",
+    "tensor_parallel/random.py:111": "torch.cuda._lazy_call() (CUDA generator state)",
     "transformer/moe/router.py:90": "torch.cuda.current_device()",
     "transformer/moe/token_dispatcher.py:445": "torch.cuda.Stream()",
     "transformer/moe/token_dispatcher.py:871": "torch.cuda.current_stream()",
@@ -130,6 +137,7 @@ class Seen:
     after: dict[str, torch.Tensor]
     sites: dict[str, str]
     reads: list[dict[str, int]]  # per rank: elements read of each stored tensor
+    layer_calls: list[int]  # per rank: decoder-layer forwards during compute_gradients
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +175,12 @@ def layouts(ray_cluster, checkpoints: dict[str, Path], fsdp_reference: dict[str,
             assert none is None
             logits = group.probe(logits_of, _ids(batch))[0]
             logprobs = group.call("compute_logprobs", batch)
-            grads, none = group.call("compute_gradients", batch)
+            (grads, calls), (none, calls_1) = group.probe(gradients_and_layer_calls, batch)
             assert none is None
             metrics = group.call("train_step", batch)
             after, _ = group.call("full_state_dict")
             sites = {k: v for s in group.probe(redirected_sites) for k, v in s.items()}
-            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites, reads)
+            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites, reads, [calls, calls_1])
             if name == "dp2":
                 group.call("save_state", str(saved))
                 continued = group.call("train_step", batch)
@@ -215,7 +223,6 @@ def test_check_config_refuses_impossible_layouts():
     refused(r"trainer.tensor_parallel=2 with an MoE model", "moe", placement__trainer_world_size=2,
             trainer__tensor_parallel=2)
     refused(r"trainer.shared_prompt_forward=true", trainer__shared_prompt_forward=True)
-    refused(r"trainer.activation_checkpointing=true", trainer__activation_checkpointing=True)
     refused(r"precision.train_dtype=bfloat16 on the CPU", precision__train_dtype="bfloat16", placement__device="cpu")
     if not torch.cuda.is_available():  # placement.device=auto (the default) on a machine without CUDA
         refused(r"precision.train_dtype=bfloat16 on the CPU", precision__train_dtype="bfloat16")
@@ -431,6 +438,16 @@ def test_each_rank_reads_only_its_slices(layouts: Layouts, checkpoints: dict[str
     for rank, reads in enumerate(layouts.seen[name].reads):
         want = {n: int(numel * share(rank, n)) for n, numel in stored.items() if share(rank, n) > 0}
         assert reads == want, (name, rank)
+
+
+def test_activation_recompute_gives_the_same_gradients_at_pp2(layouts: Layouts):
+    """megatron's full recompute: every layer runs its forward again in the backward; the gradients are the
+    plain run's, bit for bit (CPU ops are deterministic; the recompute repeats them)."""
+    plain, recomputed = layouts.seen["pp2"], layouts.seen["pp2_recompute"]
+    assert min(plain.layer_calls) > 0 and recomputed.layer_calls == [2 * c for c in plain.layer_calls]
+    assert list(recomputed.grads) == list(plain.grads)
+    for k, g in plain.grads.items():
+        assert torch.equal(recomputed.grads[k], g), k
 
 
 def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoints: dict[str, Path], tmp_path: Path):

@@ -27,8 +27,13 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
    :func:`miles.train.optim.lr_multiplier`, unless the loss or the norm is not finite (skipped and
    counted). Metrics (same names as FSDP's) are summed over replicas and read by every rank.
 
+``trainer.activation_checkpointing``: megatron's full activation recompute, one layer per checkpoint
+(:func:`.model.transformer_config`); each layer keeps its input and runs again in the backward, with the
+same gradients (on CPU through :mod:`.compat`, which stands in for the CUDA generator megatron saves
+around a recompute; on a GPU megatron's own CUDA path, untested on a GPU).
+
 Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
-``trainer.activation_checkpointing``, bf16 on CPU, MoE with TP > 1.
+bf16 on CPU, MoE with TP > 1.
 """
 
 from __future__ import annotations
@@ -91,9 +96,6 @@ class MegatronTrainer(Reusable):
             raise ConfigError("trainer.shared_prompt_forward=true: the megatron trainer has no shared-prompt forward "
                               "(it needs a KV cache across passes); set trainer.shared_prompt_forward=false "
                               "(conf/trainer/megatron.yaml does)")
-        if t.activation_checkpointing:
-            raise ConfigError("trainer.activation_checkpointing=true: not wired into the megatron trainer yet; set "
-                              "it to false or use trainer=fsdp")
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
                               "(transformers) forward; use trainer=fsdp")
@@ -154,7 +156,7 @@ class MegatronTrainer(Reusable):
         self.pad_id = pad_token_id(config)
         self.hf_shapes, self.hf_param_names = load.hf_layout(config)
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
-                                    bf16=run.precision.train_dtype == "bfloat16")
+                                    bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing)
         with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
             io = self.engine.io
             self.model = self.engine.build(load.CheckpointShards(reader, io.entries, io.piece_shapes, self.arch,
