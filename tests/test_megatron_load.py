@@ -168,7 +168,7 @@ def test_reader_errors_name_the_tensor_and_what_to_try(stored: dict[str, Path], 
                 shards[k]
 
     missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
-    with pytest.raises(KeyError, match=r"has no tensor 'model.layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(KeyError, match=r"has no tensor 'model.layers.1.mlp.up_proj.weight' \(the megatron mapping"):
         first_shard(_write(tmp_path / "missing", missing, stored["dense"], files=1))
     ints = {**tensors, "model.norm.weight": tensors["model.norm.weight"].to(torch.int8)}
     with pytest.raises(ValueError, match=r"model.norm.weight is stored as I8; the megatron trainer reads F32, BF16, "

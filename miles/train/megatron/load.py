@@ -17,7 +17,8 @@ same code that cuts a state dict in memory, so the weights equal those of a full
   ones (``mlp.experts.<e>.{gate,up,down}_proj.weight``, how transformers saves Qwen3-MoE).
 
 safetensors maps each file into memory; the pages a read touches stay resident until the file is closed,
-so the reader closes its files whenever ``release_bytes`` have been read since it last did.
+so the reader closes its files whenever the rows it read since it last did span ``release_bytes`` (32 MiB
+by default).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class SafetensorsReader:
     ``read_elements``: how many elements of each stored tensor were read (what this rank touched).
     """
 
-    def __init__(self, directory: str | Path, *, release_bytes: int = 256 << 20) -> None:
+    def __init__(self, directory: str | Path, *, release_bytes: int = 32 << 20) -> None:
         self.directory, self.release_bytes = Path(directory), release_bytes
         index = self.directory / INDEX_FILE
         if index.is_file():
@@ -149,14 +150,15 @@ class SafetensorsReader:
                 if p.name not in self.files:
                     raise KeyError(p.name)
         except KeyError as e:
-            raise KeyError(f"{self.directory}: the checkpoint has no tensor {e.args[0]!r} (needed for {piece!r}, "
-                           f"shape {list(shape)}); is it a {len(self.files)}-tensor checkpoint of another "
-                           "model?") from None
+            raise KeyError(f"{self.directory}: the checkpoint has no tensor {e.args[0]!r} (the megatron mapping "
+                           f"needs it for {piece!r}, shape {list(shape)}); do config.json and the safetensors "
+                           "files belong to the same model?") from None
+        row_elements = int(torch.Size(shape[1:]).numel())
+        overlapping = [p for p in parts if max(start, p.offset) < min(stop, p.offset + p.rows)] or parts[:1]
         out = []
-        for p in parts:
-            lo, hi = max(start, p.offset) - p.offset, min(stop, p.offset + p.rows) - p.offset
-            if hi <= lo and len(parts) > 1:
-                continue
+        for p in overlapping:
+            lo = max(start, p.offset) - p.offset
+            hi = max(lo, min(stop, p.offset + p.rows) - p.offset)
             sl = self._slice(p.name)
             stored, want = list(sl.get_shape()), [p.rows, *shape[1:]]
             if stored != (want if p.expert is None else [stored[0], *want]):
@@ -166,13 +168,13 @@ class SafetensorsReader:
             if dtype not in DTYPES:
                 raise ValueError(f"{self.files[p.name]}: tensor {p.name} is stored as {dtype}; the megatron trainer "
                                  f"reads {', '.join(DTYPES)} (dequantize the checkpoint first)")
-            index: tuple[Any, ...] = (slice(lo, max(lo, hi)),) if cols is None else (slice(lo, max(lo, hi)), cols)
+            index: tuple[Any, ...] = (slice(lo, hi),) if cols is None else (slice(lo, hi), cols)
             if p.expert is not None:
                 index = (p.expert, *index)
             t = sl[index].to(torch.float32, copy=True)
             out.append(t)
             self.read_elements[p.name] = self.read_elements.get(p.name, 0) + t.numel()
-            self._since_release += t.numel() * DTYPES[dtype]
+            self._since_release += (hi - lo) * row_elements * DTYPES[dtype]  # the pages of whole rows are touched
         region = out[0] if len(out) == 1 else torch.cat(out)
         if self._since_release >= self.release_bytes:
             self.close()
