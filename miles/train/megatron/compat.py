@@ -49,7 +49,7 @@ tensor_parallel/mappings.py:141, :442                  all-gather / all-to-all o
                                                        device
 tensor_parallel/mappings.py:444                        ``all_to_all_single`` with tensor split sizes
 tensor_parallel/random.py:55                           CUDA generator state saved (activation checkpoint)
-tensor_parallel/random.py:113                          CUDA generator state set (``_lazy_call``)
+tensor_parallel/random.py:111                          CUDA generator state set (``_lazy_call``)
 transformer/moe/moe_utils.py:1192                      ``te_general_gemm`` (undefined without TE)
 =====================================================  ================================================
 

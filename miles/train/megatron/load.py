@@ -190,6 +190,11 @@ class CheckpointShards(Mapping[str, torch.Tensor]):
         self.reader, self.piece_shapes, self.arch, self.tp, self.tp_rank = reader, piece_shapes, arch, tp, tp_rank
         self._entries = {e.local: e for e in entries}
 
+    @classmethod
+    def of(cls, reader: SafetensorsReader, io: Any) -> CheckpointShards:
+        """The shards of the rank whose :class:`~.collect.ShardedIO` is ``io`` (its entries, shapes, TP rank)."""
+        return cls(reader, io.entries, io.piece_shapes, io.arch, tp=io.coords.tp, tp_rank=io.coords.tp_rank)
+
     def __getitem__(self, local: str) -> torch.Tensor:
         entry = self._entries[local]
 

@@ -158,11 +158,8 @@ class MegatronTrainer(Reusable):
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
                                     bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing)
         with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
-            io = self.engine.io
-            self.model = self.engine.build(load.CheckpointShards(reader, io.entries, io.piece_shapes, self.arch,
-                                                                 tp=self.dims.tp, tp_rank=io.coords.tp_rank),
-                                           trainable=True)
-            self.checkpoint_reads = dict(reader.read_elements)
+            self.model = self.engine.build(load.CheckpointShards.of(reader, self.engine.io), trainable=True)
+            self.checkpoint_reads = dict(reader.read_elements)  # {stored tensor: elements this rank read}
         # the reference policy starts as a copy of the policy's weights
         self.ref_model = (self.engine.build(dict(self.engine.named_parameters(self.model)), trainable=False)
                           if run.algo.kl_coef > 0 else None)
