@@ -67,6 +67,27 @@ def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
     return trainer.engine.from_last_stage(out.contiguous() if out is not None else torch.zeros(shape))
 
 
+def gradients_and_layer_calls(trainer: Any, batch: Any) -> tuple[Any, int]:
+    """``compute_gradients(batch)``, and how many forwards this rank's decoder layers ran meanwhile (a layer
+    that recomputes its activations runs twice per micro-batch). Collective."""
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    hooks = [layer.register_forward_hook(count) for layer in trainer.model.module.decoder.layers]
+    try:
+        return trainer.compute_gradients(batch), calls[0]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def checkpoint_reads(trainer: Any) -> dict[str, int]:
+    """How many elements of each stored tensor the rank read from the checkpoint at start."""
+    return dict(trainer.checkpoint_reads)
+
+
 def redirected_sites(trainer: Any) -> dict[str, str]:
     """The CUDA call sites the compatibility layer redirected in this rank's process."""
     from miles.train.megatron import compat

@@ -7,7 +7,9 @@ at lr 1e-4 atol 3e-5 (Adam's first update is ~lr * sign(g): a gradient entry tha
 summation order can move by up to lr; measured 1.8e-5). Weight round trips are exact.
 
 The multi-rank layouts run once (module fixture ``layouts``): two Ray actors in one gloo group,
-reused from layout to layout through ``reinit`` (as the driver reuses parked actors).
+reused from layout to layout through ``reinit`` (as the driver reuses parked actors). Each rank reads
+only its slices of the checkpoint (the tied one is stored bf16 in several files); ``pp2_recompute``
+runs PP=2 with megatron's activation recompute.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ pytest.importorskip("megatron.core")
 
 from conftest import _save_tiny  # noqa: E402
 from fsdp_ranks import free_port, hf_model_from, local_trainer, rl_batch  # noqa: E402
-from megatron_ranks import MegatronGroup, logits_of, redirected_sites  # noqa: E402
+from megatron_ranks import (  # noqa: E402
+    MegatronGroup,
+    checkpoint_reads,
+    gradients_and_layer_calls,
+    logits_of,
+    redirected_sites,
+)
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.backends.contract import check_trainer, check_trainer_class  # noqa: E402
@@ -48,6 +56,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
     "pp2_tied": ("tied", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
     "dp2": ("dense", {"max_tokens_per_microbatch": 12}),
     "ep2": ("moe", {"expert_parallel": 2, "max_tokens_per_microbatch": 24}),
+    "pp2_recompute": ("dense", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24,
+                                "activation_checkpointing": True}),
 }
 
 # megatron-core 0.16.1 on CPU: every CUDA call site the compatibility layer redirected in the layouts above
@@ -68,6 +78,8 @@ EXPECTED_SITES = {
     "tensor_parallel/mappings.py:141": "torch.cuda.current_device()",
     "tensor_parallel/mappings.py:442": "torch.cuda.current_device()",
     "tensor_parallel/mappings.py:444": "all_to_all_single split sizes as tensors",
+    "tensor_parallel/random.py:55": "torch.cuda.random.get_rng_state()",
+    "tensor_parallel/random.py:111": "torch.cuda._lazy_call() (CUDA generator state)",
     "transformer/moe/router.py:90": "torch.cuda.current_device()",
     "transformer/moe/token_dispatcher.py:445": "torch.cuda.Stream()",
     "transformer/moe/token_dispatcher.py:871": "torch.cuda.current_stream()",
@@ -89,8 +101,14 @@ def _run(moe: bool = False, **trainer: int) -> Any:
 @pytest.fixture(scope="module")
 def checkpoints(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> dict[str, Path]:
-    tied = _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_tied"), moe=False, tie_word_embeddings=True)
-    return {"dense": tiny_qwen3_dir, "tied": tied, "moe": tiny_qwen3_moe_dir}
+    """The tied checkpoint is stored bf16 in several files with an index (ranks read slices of every form)."""
+    from transformers import AutoModelForCausalLM
+
+    tied = _save_tiny(tmp_path_factory.mktemp("tiny_qwen3_tied_fp32"), moe=False, tie_word_embeddings=True)
+    stored = tmp_path_factory.mktemp("tiny_qwen3_tied")
+    AutoModelForCausalLM.from_pretrained(tied, dtype=torch.bfloat16).save_pretrained(stored, max_shard_size="20KB")
+    assert (stored / "model.safetensors.index.json").is_file()
+    return {"dense": tiny_qwen3_dir, "tied": stored, "moe": tiny_qwen3_moe_dir}
 
 
 def _ids(batch: Any) -> list[list[int]]:
@@ -118,6 +136,8 @@ class Seen:
     metrics: list[dict[str, float]]  # per rank
     after: dict[str, torch.Tensor]
     sites: dict[str, str]
+    reads: list[dict[str, int]]  # per rank: elements read of each stored tensor
+    layer_calls: list[int]  # per rank: decoder-layer forwards during compute_gradients
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +170,17 @@ def layouts(ray_cluster, checkpoints: dict[str, Path], fsdp_reference: dict[str,
                 group = MegatronGroup(ray_cluster, 2, ckpt, run)
             else:
                 group.reinit(ckpt, run)
+            reads = group.probe(checkpoint_reads)
             state, none = group.call("full_state_dict")
             assert none is None
             logits = group.probe(logits_of, _ids(batch))[0]
             logprobs = group.call("compute_logprobs", batch)
-            grads, none = group.call("compute_gradients", batch)
+            (grads, calls), (none, calls_1) = group.probe(gradients_and_layer_calls, batch)
             assert none is None
             metrics = group.call("train_step", batch)
             after, _ = group.call("full_state_dict")
             sites = {k: v for s in group.probe(redirected_sites) for k, v in s.items()}
-            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites)
+            seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites, reads, [calls, calls_1])
             if name == "dp2":
                 group.call("save_state", str(saved))
                 continued = group.call("train_step", batch)
@@ -202,7 +223,6 @@ def test_check_config_refuses_impossible_layouts():
     refused(r"trainer.tensor_parallel=2 with an MoE model", "moe", placement__trainer_world_size=2,
             trainer__tensor_parallel=2)
     refused(r"trainer.shared_prompt_forward=true", trainer__shared_prompt_forward=True)
-    refused(r"trainer.activation_checkpointing=true", trainer__activation_checkpointing=True)
     refused(r"precision.train_dtype=bfloat16 on the CPU", precision__train_dtype="bfloat16", placement__device="cpu")
     if not torch.cuda.is_available():  # placement.device=auto (the default) on a machine without CUDA
         refused(r"precision.train_dtype=bfloat16 on the CPU", precision__train_dtype="bfloat16")
@@ -388,6 +408,46 @@ def test_layout_computes_what_fsdp_computes(layouts: Layouts, fsdp_reference: di
     assert moved > 1e-4
     for k in hf_sd:
         torch.testing.assert_close(seen.after[k], after[k], atol=3e-5, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_rank_reads_only_its_slices(layouts: Layouts, checkpoints: dict[str, Path], name: str):
+    """TP ranks read their rows or columns, PP stages their layers, EP ranks their experts; nothing twice."""
+    from safetensors import safe_open
+
+    ckpt_name, sizes = LAYOUTS[name]
+    stored: dict[str, int] = {}
+    for path in checkpoints[ckpt_name].glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            stored.update({n: int(torch.Size(f.get_slice(n).get_shape()).numel()) for n in f.keys()})
+    assert "lm_head.weight" not in stored if ckpt_name == "tied" else "lm_head.weight" in stored
+
+    def share(rank: int, n: str) -> float:
+        """The part of stored tensor ``n`` that ``rank`` keeps."""
+        layer = int(n.split(".")[2]) if n.startswith("model.layers.") else None
+        if sizes.get("pipeline_parallel", 1) == 2:
+            stage = {"model.embed_tokens.weight": 0, "model.norm.weight": 1, "lm_head.weight": 1}.get(n, layer)
+            tied_head = ckpt_name == "tied" and n == "model.embed_tokens.weight"  # the last stage's copy
+            return 1.0 if stage == rank or tied_head else 0.0
+        if sizes.get("tensor_parallel", 1) == 2:
+            return 1.0 if n.endswith("norm.weight") else 0.5
+        if sizes.get("expert_parallel", 1) == 2 and ".mlp.experts." in n:
+            return 1.0 if int(n.split(".")[5]) // 2 == rank else 0.0
+        return 1.0
+
+    for rank, reads in enumerate(layouts.seen[name].reads):
+        want = {n: int(numel * share(rank, n)) for n, numel in stored.items() if share(rank, n) > 0}
+        assert reads == want, (name, rank)
+
+
+def test_activation_recompute_gives_the_same_gradients_at_pp2(layouts: Layouts):
+    """megatron's full recompute: every layer runs its forward again in the backward; the gradients are the
+    plain run's, bit for bit (CPU ops are deterministic; the recompute repeats them)."""
+    plain, recomputed = layouts.seen["pp2"], layouts.seen["pp2_recompute"]
+    assert min(plain.layer_calls) > 0 and recomputed.layer_calls == [2 * c for c in plain.layer_calls]
+    assert list(recomputed.grads) == list(plain.grads)
+    for k, g in plain.grads.items():
+        assert torch.equal(recomputed.grads[k], g), k
 
 
 def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoints: dict[str, Path], tmp_path: Path):

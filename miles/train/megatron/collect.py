@@ -10,7 +10,8 @@ and AdamW's moments (checkpoints).
   0 receives every owner's pieces as one flat buffer, in an order both sides derive from the layout
   (:func:`~.mapping.entries` of the owner's coordinates). Rank 0 ends with the full fp32 CPU dict.
 * :meth:`ShardedIO.shard`: from a full HF dict (every rank holds one) to this rank's shards;
-  :meth:`ShardedIO.broadcast` first copies rank 0's dict to every rank.
+  :meth:`ShardedIO.broadcast` first copies rank 0's dict to every rank (trainer state, :mod:`.state`;
+  the initial weights are read from the checkpoint's files instead: :mod:`.load`).
 """
 
 from __future__ import annotations

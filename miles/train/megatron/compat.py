@@ -15,6 +15,12 @@ no-op otherwise, so on a GPU megatron runs its own CUDA paths). Each redirect is
 * **Tensor.cuda() during one method.** ``LanguageModule.setup_embeddings_and_output_layer`` moves the
   tied output weight with ``weight.data.cuda()`` (tied embeddings + PP); while that method runs,
   ``Tensor.cuda`` returns the tensor itself.
+* **no CUDA generator.** megatron's activation checkpoint (``tensor_parallel.random.CheckpointFunction``)
+  saves the CPU and the CUDA generator states before a layer's forward and restores them around its
+  recompute. A process without CUDA has no CUDA generator: in ``random.py``
+  ``torch.cuda.random.get_rng_state`` returns an empty tensor and ``_lazy_call`` (through which
+  ``_set_cuda_rng_state`` sets the state) does nothing (torch would queue each call until a CUDA init
+  that never comes). The CPU generator, the one CPU ops draw from, is still saved and restored by megatron.
 * **a missing name.** ``moe_utils`` names ``te_general_gemm`` only when Transformer Engine imports;
   without it the router's gating GEMM hits a NameError. It is set to ``None`` (megatron's own
   fallback then runs ``torch.mm``).
@@ -42,6 +48,8 @@ transformer/moe/token_dispatcher.py:445, :871, :874    side stream for device-to
 tensor_parallel/mappings.py:141, :442                  all-gather / all-to-all outputs on the current
                                                        device
 tensor_parallel/mappings.py:444                        ``all_to_all_single`` with tensor split sizes
+tensor_parallel/random.py:55                           CUDA generator state saved (activation checkpoint)
+tensor_parallel/random.py:111                          CUDA generator state set (``_lazy_call``)
 transformer/moe/moe_utils.py:1192                      ``te_general_gemm`` (undefined without TE)
 =====================================================  ================================================
 
@@ -75,6 +83,7 @@ PROXIED_MODULES = (
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.random",
 )
 """Modules whose global ``torch`` becomes a :class:`_TorchOnCpu`."""
 
@@ -139,8 +148,26 @@ class _NullStream:
 _STREAM = _NullStream()
 
 
+class _CudaRandomOnCpu:
+    """``torch.cuda.random`` as the proxied modules see it: no CUDA generator, an empty state."""
+
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        _record("torch.cuda.random.get_rng_state()")
+        return torch.empty(0, dtype=torch.uint8)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda.random, name)
+
+
+def _no_cuda_lazy_call(callable: Any, **kwargs: Any) -> None:
+    """``torch.cuda._lazy_call`` in ``tensor_parallel/random.py`` (sets the CUDA generator's state): nothing."""
+    _record("torch.cuda._lazy_call() (CUDA generator state)")
+
+
 class _CudaOnCpu:
     """``torch.cuda`` as the proxied modules see it."""
+
+    random = _CudaRandomOnCpu()
 
     def current_device(self) -> torch.device:
         _record("torch.cuda.current_device()")
@@ -258,6 +285,10 @@ def install() -> bool:
         module = importlib.import_module(name)
         _installed.append((module, "torch", module.torch))
         module.torch = _TorchOnCpu(distributed=name.endswith(".mappings"))
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    _installed.append((megatron_random, "_lazy_call", megatron_random._lazy_call))
+    megatron_random._lazy_call = _no_cuda_lazy_call
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     _wrap_setup_embeddings(LanguageModule)

@@ -17,9 +17,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,12 @@ class Engine:
     """Parallel groups, models and passes of one rank (see the module docstring)."""
 
     def __init__(self, arch: Arch, dims: ParallelDims, hf_shapes: Mapping[str, tuple[int, ...]], *, seed: int,
-                 device: torch.device, bf16: bool = False) -> None:
+                 device: torch.device, bf16: bool = False, recompute: bool = False) -> None:
         if device.type == "cpu" and torch.cuda.is_available():
             raise ValueError("the megatron trainer on the CPU in a process that sees a CUDA device: megatron-core "
                              "allocates on the current CUDA device there. Use placement.device=cuda, or hide the "
                              "GPUs from the trainer (CUDA_VISIBLE_DEVICES=)")
-        self.arch, self.dims, self.device, self.bf16 = arch, dims, device, bf16
+        self.arch, self.dims, self.device, self.bf16, self.recompute = arch, dims, device, bf16, recompute
         logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every bucket's parameters
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      expert_model_parallel_size=dims.ep)
@@ -69,15 +70,17 @@ class Engine:
 
     # --- models ------------------------------------------------------------------------------------
 
-    def build(self, hf: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.nn.Module:
-        """This stage's model with the weights of ``hf`` (full HF state dict); DDP-wrapped when ``trainable``."""
-        config = transformer_config(self.arch, self.dims, bf16_autocast=self.bf16)
+    def build(self, shards: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.nn.Module:
+        """This stage's model with the weights ``shards`` (``{local name: this rank's tensor}``, read one at a
+        time: :class:`~.load.CheckpointShards`, or another model's parameters); DDP-wrapped when ``trainable``."""
+        config = transformer_config(self.arch, self.dims, bf16_autocast=self.bf16, recompute=self.recompute)
         model = build_gpt_model(self.arch, config, self.dims)
         names = [n for n, _ in model.named_parameters()]
         self.io.check_names(names)
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, t in self.io.shard(hf).items():
+            for name in names:
+                t = shards[name]
                 if params[name].shape != t.shape:
                     raise RuntimeError(f"megatron parameter {name}: shape {tuple(params[name].shape)}, the mapping "
                                        f"cut {tuple(t.shape)} from the checkpoint")
@@ -162,8 +165,22 @@ class Engine:
             logp, entropy = self._logp_entropy(logits, micro[j], temperature, with_entropy=True)
             return objective(j, logp, entropy)
 
-        self._run(model, micro, on_logits, forward_only=False)
+        with self._recomputing(model):
+            self._run(model, micro, on_logits, forward_only=False)
         finalize_model_grads([model])
+
+    @contextlib.contextmanager
+    def _recomputing(self, model: torch.nn.Module) -> Iterator[None]:
+        """With ``recompute``: the decoder block in training mode while the pass runs. megatron's
+        ``TransformerBlock`` recomputes layers only when ``self.training``; its layers stay in eval mode (as
+        every module of these models does: dropout is 0, and the engines' forward is eval too)."""
+        block = (model.module if isinstance(model, DistributedDataParallel) else model).decoder
+        was = block.training
+        block.training = self.recompute or was
+        try:
+            yield
+        finally:
+            block.training = was
 
     @torch.no_grad()
     def logps(self, model: torch.nn.Module, micro: list[PaddedBatch], temperature: float

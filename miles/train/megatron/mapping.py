@@ -13,6 +13,9 @@ per group, ``T`` = tensor-parallel size, ``V'`` = vocabulary padded to a multipl
     glu     per TP rank ``[gate rows of the rank; up rows]``    gate_proj / up_proj (or an expert's
                                                                ``gate_up_proj[e]`` = [gate; up])
 
+:func:`cut_shard` reads only the regions of the HF tensors a rank keeps, through a ``read`` function:
+from the checkpoint's files (:mod:`.load`) or from tensors in memory (:func:`shard`).
+
 Layers: local layer ``j`` of pipeline stage ``p`` is global layer ``p * L / P + j`` (megatron's even
 split). Experts: local expert ``j`` of expert-parallel rank ``r`` is global expert ``r * E / EP + j``.
 
@@ -24,7 +27,7 @@ split by :func:`split_experts` and stacked back by :func:`join_experts`. Every s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,8 +122,18 @@ def entries(arch: Arch, c: Coords) -> list[Entry]:
 
 # ---- HF tensors -> one rank's shard ---------------------------------------------------------------
 
-def _rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    return t.chunk(tp, dim=0)[rank]
+ALL = slice(None)
+
+Read = Callable[[str, slice, "slice | None"], torch.Tensor]
+"""``read(piece, rows, cols)``: the region ``[rows, cols]`` of an HF tensor / expert piece (``cols`` None:
+every column; 1-D tensors take ``rows`` only), as a tensor of its own (not a view of the source)."""
+
+
+def chunk_bounds(n: int, parts: int, index: int) -> slice:
+    """``torch.arange(n).chunk(parts)[index]`` as a slice (megatron's even split when ``parts`` divides ``n``)."""
+    size = -(-n // parts)
+    start = min(n, index * size)
+    return slice(start, min(n, start + size))
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -140,27 +153,56 @@ def split_qkv(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
-def shard(entry: Entry, pieces: Mapping[str, torch.Tensor], arch: Arch, tp: int, tp_rank: int) -> torch.Tensor:
-    """This TP rank's part of ``entry`` from full HF tensors / expert pieces (contiguous)."""
-    src = [pieces[n] for n in entry.hf]
+def cut_shard(entry: Entry, read: Read, shapes: Mapping[str, tuple[int, ...]], arch: Arch, tp: int,
+              tp_rank: int) -> torch.Tensor:
+    """This TP rank's part of ``entry`` (contiguous), reading only the regions of the HF pieces it keeps.
+
+    ``shapes``: the full shape of each piece of ``entry``. The regions, per ``kind`` (``T`` TP ranks, ``r``
+    this rank): ``vocab`` rows ``r`` of ``V'/T`` (rows past ``V`` are zeros), ``row`` columns ``r`` of
+    ``X/T``, ``qkv`` the query groups ``r`` of ``kv_heads/T`` (their q, k and v rows, interleaved),
+    ``glu`` rows ``r`` of ``I/T`` of the gate and of the up projection.
+    """
+    first = shapes[entry.hf[0]]
     if entry.kind == "copy":
-        out = src[0]
+        out = read(entry.hf[0], ALL, None)
     elif entry.kind == "vocab":
-        full = src[0]
-        pad = padded_vocab(arch, tp) - full.shape[0]
+        rows = chunk_bounds(padded_vocab(arch, tp), tp, tp_rank)
+        real = slice(min(rows.start, first[0]), min(rows.stop, first[0]))
+        out = read(entry.hf[0], real, None)
+        pad = (rows.stop - rows.start) - (real.stop - real.start)
         if pad:
-            full = torch.cat([full, full.new_zeros(pad, full.shape[1])])
-        out = _rows(full, tp, tp_rank)
+            out = torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
     elif entry.kind == "row":
-        out = src[0].chunk(tp, dim=1)[tp_rank]
+        out = read(entry.hf[0], ALL, chunk_bounds(first[1], tp, tp_rank))
     elif entry.kind == "qkv":
-        out = _rows(interleave_qkv(*src, arch.num_kv_heads), tp, tp_rank)
+        assert arch.num_kv_heads % tp == 0, "each TP rank holds whole query groups (check_dims)"
+        groups = chunk_bounds(arch.num_kv_heads, tp, tp_rank)
+        d, g = arch.head_dim, arch.num_heads // arch.num_kv_heads
+        q = read(entry.hf[0], slice(groups.start * g * d, groups.stop * g * d), None)
+        k, v = (read(n, slice(groups.start * d, groups.stop * d), None) for n in entry.hf[1:])
+        out = interleave_qkv(q, k, v, groups.stop - groups.start)
     elif entry.kind == "glu":
-        gate, up = src if len(src) == 2 else src[0].chunk(2, dim=0)
-        out = torch.cat([_rows(gate, tp, tp_rank), _rows(up, tp, tp_rank)])
+        if len(entry.hf) == 2:
+            gate, up = (read(n, chunk_bounds(shapes[n][0], tp, tp_rank), None) for n in entry.hf)
+        else:  # one piece [gate; up]
+            half = first[0] // 2
+            rows = chunk_bounds(half, tp, tp_rank)
+            gate = read(entry.hf[0], rows, None)
+            up = read(entry.hf[0], slice(half + rows.start, half + rows.stop), None)
+        out = torch.cat([gate, up])
     else:
         raise AssertionError(f"unknown kind {entry.kind!r}")
-    return out.detach().clone().contiguous()
+    return out.contiguous()
+
+
+def shard(entry: Entry, pieces: Mapping[str, torch.Tensor], arch: Arch, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's part of ``entry`` from full HF tensors / expert pieces in memory (contiguous, a copy)."""
+
+    def read(name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        t = pieces[name].detach()
+        return (t[rows] if cols is None else t[rows, cols]).clone()
+
+    return cut_shard(entry, read, {n: tuple(pieces[n].shape) for n in entry.hf}, arch, tp, tp_rank)
 
 
 # ---- all TP shards -> HF tensors ------------------------------------------------------------------

@@ -71,12 +71,18 @@ class HFTopKRouter(TopKRouter):
         return hf_topk_routing(logits.view(-1, self.config.num_moe_experts), self.topk, normalize=self.normalize)
 
 
-def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = False) -> TransformerConfig:
+def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = False,
+                       recompute: bool = False) -> TransformerConfig:
     """megatron's ``TransformerConfig`` for ``arch`` over ``dims`` (fusions and dropout off).
 
     Parameters are fp32 (they are the master weights AdamW updates); ``bf16_autocast`` runs the forward
     under megatron's ``enable_autocast`` (``torch.autocast("cuda", bfloat16)``: CUDA only, untested on a GPU).
+    ``recompute``: megatron's full activation recompute, one layer per checkpoint (``recompute_method=
+    "uniform"``, ``recompute_num_layers=1``): each layer keeps only its input; the backward recomputes it.
     """
+    recompute_kw: dict[str, Any] = {}
+    if recompute:
+        recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     moe: dict[str, Any] = {}
     if arch.is_moe:
         moe = dict(
@@ -104,6 +110,7 @@ def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = 
         cuda_graph_scope=[],  # the default "full" only warns that it is deprecated; no CUDA graphs here
         # the objective is already this rank's share of the global sum: DDP sums, nothing divides
         calculate_per_token_loss=True,
+        **recompute_kw,
         **moe,
     )
 

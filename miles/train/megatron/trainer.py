@@ -1,8 +1,7 @@
 """Megatron-core trainer rank: one instance per rank of a TP x PP x DP (x EP) group, a Ray actor of the driver.
 
-The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (every
-rank reads all of it with transformers, then keeps its shards: :mod:`.mapping`, :mod:`.collect`),
-wrapped in megatron's
+The policy is megatron's ``GPTModel`` (:mod:`.model`) with the weights of the HF checkpoint (each rank
+reads only its slices of the safetensors files, in fp32: :mod:`.load`, :mod:`.mapping`), wrapped in megatron's
 ``DistributedDataParallel`` (fp32 gradient buffers, one all-reduce per bucket after the last
 micro-batch), trained by ``torch.optim.AdamW`` on ``p.grad = p.main_grad``. Process groups:
 megatron's ``parallel_state`` over the rank's torch.distributed group (gloo on CPU, with the
@@ -23,13 +22,18 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
    (``calculate_per_token_loss``) and ``finalize_model_grads`` adds the TP-split q/k-norm gradients
    and the tied-embedding gradients of the first and last stage;
 3. the proximal log-probs (``num_minibatches > 1``) and the reference model's (``algo.kl_coef > 0``,
-   a second sharded copy of the checkpoint) come from no-grad passes through the same schedule;
+   a copy of the policy's initial shards) come from no-grad passes through the same schedule;
 4. global grad norm and clipping (:mod:`.grads`), AdamW step and the schedule of
    :func:`miles.train.optim.lr_multiplier`, unless the loss or the norm is not finite (skipped and
    counted). Metrics (same names as FSDP's) are summed over replicas and read by every rank.
 
+``trainer.activation_checkpointing``: megatron's full activation recompute, one layer per checkpoint
+(:func:`.model.transformer_config`); each layer keeps its input and runs again in the backward, with the
+same gradients (on CPU through :mod:`.compat`, which stands in for the CUDA generator megatron saves
+around a recompute; on a GPU megatron's own CUDA path, untested on a GPU).
+
 Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
-``trainer.activation_checkpointing``, bf16 on CPU, MoE with TP > 1.
+bf16 on CPU, MoE with TP > 1.
 """
 
 from __future__ import annotations
@@ -92,9 +96,6 @@ class MegatronTrainer(Reusable):
             raise ConfigError("trainer.shared_prompt_forward=true: the megatron trainer has no shared-prompt forward "
                               "(it needs a KV cache across passes); set trainer.shared_prompt_forward=false "
                               "(conf/trainer/megatron.yaml does)")
-        if t.activation_checkpointing:
-            raise ConfigError("trainer.activation_checkpointing=true: not wired into the megatron trainer yet; set "
-                              "it to false or use trainer=fsdp")
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
                               "(transformers) forward; use trainer=fsdp")
@@ -131,7 +132,7 @@ class MegatronTrainer(Reusable):
         num_threads: int = 0,
         device: str = "cpu",
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from miles.train.megatron import load
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -148,20 +149,20 @@ class MegatronTrainer(Reusable):
         if self.device.type == "cpu":
             compat.install()
         torch.manual_seed(run.seed)
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
-        self.arch = Arch.from_hf(hf.config)
+        config = load.read_config(checkpoint_dir)
+        self.arch = Arch.from_hf(config)
         self.dims = _dims(run, world_size)
         check_dims(self.dims, self.arch)
-        self.pad_id = pad_token_id(hf.config)
-        hf_sd = hf.state_dict()
-        self.hf_shapes = {k: tuple(v.shape) for k, v in hf_sd.items()}
-        self.hf_param_names = [n for n, _ in hf.named_parameters()]
-        del hf
+        self.pad_id = pad_token_id(config)
+        self.hf_shapes, self.hf_param_names = load.hf_layout(config)
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
-                                    bf16=run.precision.train_dtype == "bfloat16")
-        self.model = self.engine.build(hf_sd, trainable=True)
-        self.ref_model = self.engine.build(hf_sd, trainable=False) if run.algo.kl_coef > 0 else None
-        del hf_sd
+                                    bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing)
+        with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
+            self.model = self.engine.build(load.CheckpointShards.of(reader, self.engine.io), trainable=True)
+            self.checkpoint_reads = dict(reader.read_elements)  # {stored tensor: elements this rank read}
+        # the reference policy starts as a copy of the policy's weights
+        self.ref_model = (self.engine.build(dict(self.engine.named_parameters(self.model)), trainable=False)
+                          if run.algo.kl_coef > 0 else None)
         self.params = dict(self.engine.named_parameters(self.model))
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
                                            weight_decay=t.weight_decay)
