@@ -38,8 +38,14 @@ CFG: dict[str, Any] = {
              "loss_agg": "seq_mean_token_mean"},
     "precision": {"tis_clip": 2.0},
 }
-LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24},
-           "dp2": {"max_tokens_per_microbatch": 12}}
+LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
+    # name: (checkpoint, trainer.* sizes); budgets force several micro-batches
+    "tp2": ("dense", {"tensor_parallel": 2}),
+    "pp2": ("dense", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
+    "dp2": ("dense", {"max_tokens_per_microbatch": 12}),
+    "ep2": ("moe", {"expert_parallel": 2, "max_tokens_per_microbatch": 24}),
+}
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]  # a Qwen3-MoE layer has no dense MLP
 TENANTS = ("x", "y")
 COMPARED = ("train/loss", "train/pg_loss", "train/grad_norm", "train/kl", "train/entropy", "train/clip_frac_low",
             "train/clip_frac_high", "train/num_tokens", "train/lr", "train/trainable_param_frac")
@@ -47,10 +53,13 @@ COMPARED = ("train/loss", "train/pg_loss", "train/grad_norm", "train/kl", "train
 TENANT_COMPARED = (*(f"tenant/{n}/{k}" for n in TENANTS for k in COMPARED[:-2]), *COMPARED[-3:])
 
 
-def _run(world_size: int = 1, **trainer: int) -> Any:
+def _run(world_size: int = 1, moe: bool = False, **trainer: int) -> Any:
     cfg = copy.deepcopy(CFG)
     cfg["trainer"].update(trainer)
     cfg["placement"] = {"trainer_world_size": world_size}
+    if moe:
+        cfg["model"] = {"_target_": "miles.models.qwen3.qwen3_moe_spec"}
+        cfg["adapter"]["target_modules"] = MOE_TARGETS
     return validate(cfg)
 
 
@@ -98,22 +107,34 @@ def _randomize(trainer: FSDPTrainer, seed: int) -> None:
 def starts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Trainer states with random adapters that the FSDP trainer writes (one adapter; the two tenants')."""
     root = tmp_path_factory.mktemp("lora_starts")
-    return {"default": root / "default", "tenants": root / "tenants"}
+    return {"dense": root / "dense", "moe": root / "moe", "tenants": root / "tenants"}
+
+
+def _reference(ckpt: Path, run: Any, start: Path) -> Seen:
+    """The FSDP trainer's peft model at world size 1: random adapters saved to ``start``, then two steps."""
+    batch = rl_batch(hf_model_from(ckpt))
+    with local_trainer(ckpt, run) as t:
+        peft_init = lora.sync_state(t.model, ("default",))
+        _randomize(t, 0)
+        t.save_state(str(start))
+        before = lora.sync_state(t.model, ("default",))
+        logprobs = t.compute_logprobs(batch)
+        grads = {k: v for k, v in t.compute_gradients(batch).items() if ".lora_" in k}
+        metrics = [t.train_step(batch), t.train_step(batch)]
+        after = lora.sync_state(t.model, ("default",))
+    return Seen(before, logprobs, grads, metrics, after, peft_init=peft_init)
+
+
+@pytest.fixture(scope="module")
+def fsdp_moe(tiny_qwen3_moe_dir: Path, starts: dict[str, Path]) -> Seen:
+    return _reference(tiny_qwen3_moe_dir, _run(moe=True), starts["moe"])
 
 
 @pytest.fixture(scope="module")
 def fsdp(tiny_qwen3_dir: Path, hf: torch.nn.Module, starts: dict[str, Path]) -> Seen:
     """The FSDP trainer's peft model at world size 1 from random adapters: two steps on the batch; a tenants step."""
     batch = rl_batch(hf)
-    with local_trainer(tiny_qwen3_dir, _run()) as t:
-        peft_init = lora.sync_state(t.model, ("default",))
-        _randomize(t, 0)
-        t.save_state(str(starts["default"]))
-        before = lora.sync_state(t.model, ("default",))
-        logprobs = t.compute_logprobs(batch)
-        grads = {k: v for k, v in t.compute_gradients(batch).items() if ".lora_" in k}
-        metrics = [t.train_step(batch), t.train_step(batch)]
-        after = lora.sync_state(t.model, ("default",))
+    seen = _reference(tiny_qwen3_dir, _run(), starts["dense"])
     tenants = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                           checkpoint_dir=str(tiny_qwen3_dir), run=_run(), num_threads=1, adapter_names=TENANTS)
     try:
@@ -123,7 +144,7 @@ def fsdp(tiny_qwen3_dir: Path, hf: torch.nn.Module, starts: dict[str, Path]) -> 
         tenant_after = lora.sync_state(tenants.model, TENANTS)
     finally:
         tenants.shutdown()
-    return Seen(before, logprobs, grads, metrics, after, tenant_metrics, tenant_after, peft_init)
+    return dataclasses.replace(seen, tenant_metrics=tenant_metrics, tenant_after=tenant_after)
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, what: str) -> None:
@@ -216,7 +237,7 @@ def test_one_rank_trains_fsdps_adapters_exports_them_and_writes_fsdps_state(
         assert not any(p.requires_grad for p in trainer.params.values())
         base = {k: p.detach().clone() for k, p in trainer.params.items()}
         peft_init = sent_weights(trainer)
-        trainer.load_state(str(starts["default"]))
+        trainer.load_state(str(starts["dense"]))
         seen = Seen(sent_weights(trainer), trainer.compute_logprobs(batch), trainer.compute_gradients(batch),
                     [trainer.train_step(batch), trainer.train_step(batch)], {}, peft_init=peft_init)
         seen.after = sent_weights(trainer)
@@ -301,22 +322,25 @@ def test_one_rank_tenants_never_move_each_other(tiny_qwen3_dir: Path, hf: torch.
 # ---- two ranks: TP=2, PP=2, DP=2 (and tenants at TP=2) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def layouts(ray_cluster, tiny_qwen3_dir: Path, hf: torch.nn.Module, fsdp: Seen, starts: dict[str, Path],
-            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    batch = rl_batch(hf)
+def layouts(ray_cluster, tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, fsdp: Seen, fsdp_moe: Seen,
+            starts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every layout of :data:`LAYOUTS` on two ranks from the FSDP trainer's start state; DP=2 also saves,
+    continues and reloads; then a tenants step at TP=2."""
+    ckpts = {"dense": tiny_qwen3_dir, "moe": tiny_qwen3_moe_dir}
     out: dict[str, Any] = {}
     saved = tmp_path_factory.mktemp("megatron_lora_state") / "state"
     group = None
     try:
-        for name, sizes in LAYOUTS.items():
-            run = _run(2, **sizes)
+        for name, (ckpt_name, sizes) in LAYOUTS.items():
+            ckpt, run = ckpts[ckpt_name], _run(2, ckpt_name == "moe", **sizes)
+            batch = rl_batch(hf_model_from(ckpt))
             if group is None:
-                group = MegatronGroup(ray_cluster, 2, tiny_qwen3_dir, run)
+                group = MegatronGroup(ray_cluster, 2, ckpt, run)
             else:
-                group.reinit(tiny_qwen3_dir, run)
+                group.reinit(ckpt, run)
             peft_init, none = group.probe(sent_weights)
             assert none is None
-            group.call("load_state", str(starts["default"]))
+            group.call("load_state", str(starts[ckpt_name]))
             before = group.probe(sent_weights)[0]
             logprobs = group.call("compute_logprobs", batch)
             assert logprobs[0] == logprobs[1], "every rank must return the same log-probs"
@@ -331,9 +355,11 @@ def layouts(ray_cluster, tiny_qwen3_dir: Path, hf: torch.nn.Module, fsdp: Seen, 
                 out["continued"] = group.call("train_step", batch)[0]
                 group.call("load_state", str(saved))
                 out["reloaded"] = group.call("train_step", batch)[0]
-        group.reinit(tiny_qwen3_dir, _run(2, **LAYOUTS["tp2"]), adapter_names=TENANTS)
+        group.reinit(tiny_qwen3_dir, _run(2, **LAYOUTS["tp2"][1]), adapter_names=TENANTS)
+        with pytest.raises(Exception, match="load_state: .* lacks 60 tensor"):  # every rank leaves, none hangs
+            group.call("load_state", str(starts["dense"]))
         group.call("load_state", str(starts["tenants"]))
-        out["tenants"] = group.call("train_step", _mixed(batch))[0]
+        out["tenants"] = group.call("train_step", _mixed(rl_batch(hf_model_from(tiny_qwen3_dir))))[0]
         out["tenants_after"] = group.probe(sent_weights)[0]
     finally:
         if group is not None:
@@ -342,8 +368,8 @@ def layouts(ray_cluster, tiny_qwen3_dir: Path, hf: torch.nn.Module, fsdp: Seen, 
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_what_fsdp_trains(layouts: dict[str, Any], fsdp: Seen, name: str):
-    _compare(layouts[name], fsdp)
+def test_layout_trains_what_fsdp_trains(layouts: dict[str, Any], fsdp: Seen, fsdp_moe: Seen, name: str):
+    _compare(layouts[name], fsdp_moe if LAYOUTS[name][0] == "moe" else fsdp)
 
 
 def test_tp2_tenants_train_what_fsdp_trains(layouts: dict[str, Any], fsdp: Seen):

@@ -27,7 +27,7 @@ peft adapts the HF modules of those names (the fused experts are not ``Linear`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,8 +225,5 @@ def initial_adapters(hf_config: Any, cfg: Any, names: Sequence[str], seed: int) 
 
 
 def full_numel(entries: Sequence[LoraEntry]) -> int:
+    """Elements of the full (unsplit) tensors of ``entries``."""
     return sum(e.shape[0] * e.shape[1] for e in entries)
-
-
-def by_key(entries: Sequence[LoraEntry]) -> Mapping[tuple[str, str], LoraEntry]:
-    return {(e.adapter, e.peft_key): e for e in entries}

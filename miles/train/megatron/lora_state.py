@@ -121,10 +121,20 @@ def load_state(trainer: MegatronTrainer, directory: str) -> None:
         model, tensors = read_train_tensors(directory)
     targets = trainer.run.adapter.target_modules
     names = list(io.hf_shapes)
+    every = [e for stage in lora.io.stages for e in stage]
+    missing = []  # rank 0 reads; every rank must leave before the broadcasts if it lacks a tensor
+    if trainer.rank == 0:
+        missing = [k for k in [peft_base_name(n, targets) for n in names] + [e.param_name for e in every]
+                   if k not in model]
+    lacking = torch.tensor([len(missing)], device=trainer.device)
+    if trainer.world_size > 1:
+        dist.broadcast(lacking, src=0)
+    if int(lacking):
+        raise ValueError(f"load_state: {directory}/model.safetensors lacks {int(lacking)} tensor(s) this trainer "
+                         f"holds{' (e.g. ' + ', '.join(missing[:3]) + ')' if missing else ''}; it was written for "
+                         f"other adapters ({list(lora.names)} here, adapter.target_modules={list(targets)})")
     base = io.shard(io.broadcast({n: model[peft_base_name(n, targets)] for n in names} if trainer.rank == 0
                                  else None, names))
-
-    every = [e for stage in lora.io.stages for e in stage]
 
     def adapters_of(fn: Callable[[LoraEntry], torch.Tensor]) -> Adapters | None:
         """Rank 0: ``fn(entry)`` for every adapter tensor of every stage; other ranks None."""
