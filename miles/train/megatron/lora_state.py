@@ -1,7 +1,7 @@
 """What leaves the megatron trainer with LoRA adapters: weight sync, PEFT export, merged weights, trainer state.
 
-Everything is in the names the FSDP trainer's peft model uses, so either trainer (and every engine and
-transport) takes the other's files and messages unchanged:
+Everything is in the names the FSDP trainer's peft model uses, so either trainer loads the other's files
+and the engines take the weight sync as they take the FSDP trainer's (``tests/test_megatron_lora.py``):
 
 * :func:`send_weights`: the adapters' tensors only, ``adapter:<name>:<PEFT key>``
   (:func:`miles.adapters.lora.sync_state`'s names, shapes and order);
