@@ -16,17 +16,18 @@ from miles.config.schema import MilesConfig
 class MegatronGroup:
     """``world_size`` MegatronTrainer actors forming one gloo group; :meth:`reinit` starts the next job in them."""
 
-    def __init__(self, ray: Any, world_size: int, ckpt: Path, run: MilesConfig) -> None:
+    def __init__(self, ray: Any, world_size: int, ckpt: Path, run: MilesConfig, **extra: Any) -> None:
         from miles.train.megatron import MegatronTrainer
 
         self.ray, self.world_size = ray, world_size
         actor_cls = ray.remote(num_cpus=0.5)(MegatronTrainer)
         port = free_port()
-        self.actors = [actor_cls.remote(**self._kwargs(r, port, ckpt, run)) for r in range(world_size)]
+        self.actors = [actor_cls.remote(**self._kwargs(r, port, ckpt, run, extra)) for r in range(world_size)]
 
-    def _kwargs(self, rank: int, port: int, ckpt: Path, run: MilesConfig) -> dict[str, Any]:
+    def _kwargs(self, rank: int, port: int, ckpt: Path, run: MilesConfig, extra: dict[str, Any]) -> dict[str, Any]:
+        """The driver's constructor arguments, and ``extra`` ones (e.g. ``adapter_names``)."""
         return dict(rank=rank, world_size=self.world_size, master_addr="127.0.0.1", master_port=port,
-                    checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                    checkpoint_dir=str(ckpt), run=run, num_threads=1, **extra)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=TIMEOUT_S)
@@ -35,11 +36,11 @@ class MegatronGroup:
         """``fn(trainer, *args)`` inside every actor (Ray's ``__ray_call__``)."""
         return self.ray.get([a.__ray_call__.remote(fn, *args) for a in self.actors], timeout=TIMEOUT_S)
 
-    def reinit(self, ckpt: Path, run: MilesConfig) -> None:
+    def reinit(self, ckpt: Path, run: MilesConfig, **extra: Any) -> None:
         """Park every rank and construct it anew for ``run`` (a new process group on a new port)."""
         port = free_port()
-        self.ray.get([a.reinit.remote(**self._kwargs(r, port, ckpt, run)) for r, a in enumerate(self.actors)],
-                     timeout=TIMEOUT_S)
+        self.ray.get([a.reinit.remote(**self._kwargs(r, port, ckpt, run, extra))
+                      for r, a in enumerate(self.actors)], timeout=TIMEOUT_S)
 
     def close(self) -> None:
         try:
@@ -86,6 +87,21 @@ def gradients_and_layer_calls(trainer: Any, batch: Any) -> tuple[Any, int]:
 def checkpoint_reads(trainer: Any) -> dict[str, int]:
     """How many elements of each stored tensor the rank read from the checkpoint at start."""
     return dict(trainer.checkpoint_reads)
+
+
+def sent_weights(trainer: Any) -> dict[str, Any] | None:
+    """What ``send_weights`` hands its sender on this rank (None where it sends nothing). Collective."""
+
+    class Keep:
+        got: dict[str, Any] | None = None
+
+        def send(self, state_dict: dict[str, Any], version: int) -> int:
+            self.got = {k: v.detach().clone() for k, v in state_dict.items()}
+            return version
+
+    keep = Keep()
+    trainer.send_weights(keep, 0)
+    return keep.got
 
 
 def redirected_sites(trainer: Any) -> dict[str, str]:

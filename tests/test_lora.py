@@ -164,7 +164,7 @@ def test_adapter_only_sync_equals_full_weight_sync(tiny_qwen3_dir, hf_model):
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    ({"trainer": {"_target_": "miles.train.megatron.trainer.MegatronTrainer"}}, "does not train adapters"),
+    ({"trainer": {"_target_": "miles.train.critic.FSDPCritic"}}, "does not train adapters"),
     ({"adapter": {"dropout": 0.1}}, "adapter.dropout=0.1"),
     ({"adapter": {"rank": 0}}, "adapter.rank"),
     ({"precision": {"true_on_policy": True}}, "true_on_policy"),

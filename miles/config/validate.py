@@ -325,8 +325,12 @@ def _check_hooks(run: MilesConfig) -> None:
                               f"points, not a function to bind; remove _partial_ from '{h.target}'")
 
 
+ADAPTER_TRAINERS = ("fsdp.FSDPTrainer", "megatron.MegatronTrainer", "megatron.trainer.MegatronTrainer")
+"""Trainer targets (by their ending) that train LoRA adapters."""
+
+
 def _check_adapter(run: MilesConfig) -> None:
-    """LoRA needs the backends that hold adapters (FSDP trainer, torch engine) and knobs in range."""
+    """LoRA needs the backends that hold adapters (FSDP or megatron trainer, torch engine) and knobs in range."""
     a = run.adapter
     if a.kind == "none":
         return
@@ -336,9 +340,9 @@ def _check_adapter(run: MilesConfig) -> None:
         check_adapter_config(a)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not run.trainer.target.endswith("fsdp.FSDPTrainer"):
+    if not run.trainer.target.endswith(ADAPTER_TRAINERS):
         raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
-                          "with adapter=lora, or adapter=none")
+                          "or trainer=megatron with adapter=lora, or adapter=none")
     if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
         raise ConfigError(f"adapter=lora: the rollout engine {run.rollout.engine.target} does not take adapter-only "
                           "weight updates; use rollout=torch with adapter=lora, or adapter=none")

@@ -70,9 +70,11 @@ class Engine:
 
     # --- models ------------------------------------------------------------------------------------
 
-    def build(self, shards: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.nn.Module:
+    def build(self, shards: Mapping[str, torch.Tensor], *, trainable: bool,
+              adapt: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
         """This stage's model with the weights ``shards`` (``{local name: this rank's tensor}``, read one at a
-        time: :class:`~.load.CheckpointShards`, or another model's parameters); DDP-wrapped when ``trainable``."""
+        time: :class:`~.load.CheckpointShards`, or another model's parameters); DDP-wrapped when ``trainable``.
+        ``adapt``: called with the frozen model before DDP wraps it (LoRA adds its trainable adapters)."""
         config = transformer_config(self.arch, self.dims, bf16_autocast=self.bf16, recompute=self.recompute)
         model = build_gpt_model(self.arch, config, self.dims)
         names = [n for n, _ in model.named_parameters()]
@@ -89,8 +91,11 @@ class Engine:
         model.eval()  # dropout is 0 anyway; the same mode as FSDP's model and the engines'
         if model.post_process:
             model.output_layer.register_forward_pre_hook(self._keep_positions, with_kwargs=True)
-        if not trainable:
+        if not trainable or adapt is not None:
             model.requires_grad_(False)
+        if adapt is not None:
+            adapt(model)
+        if not trainable:
             return model
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)

@@ -32,6 +32,11 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
 same gradients (on CPU through :mod:`.compat`, which stands in for the CUDA generator megatron saves
 around a recompute; on a GPU megatron's own CUDA path, untested on a GPU).
 
+LoRA (``adapter=lora``, and ``tenants:``): adapters on megatron's parallel linears with peft's
+parametrization of the HF model (:mod:`.lora`), the base frozen, AdamW on the adapters at
+``adapter.lr``; ``train_step`` per adapter as the FSDP trainer's (:mod:`.tenants`); adapter-only weight
+sync, PEFT export, state in the FSDP trainer's peft layout (:mod:`.lora_state`).
+
 Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
 bf16 on CPU, MoE with TP > 1.
 """
@@ -119,6 +124,13 @@ class MegatronTrainer(Reusable):
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
         check_dims(_dims(run, run.placement.trainer_world_size), arch)
+        if run.adapter.kind == "lora":
+            from miles.train.megatron.lora_layout import check_lora
+
+            try:
+                check_lora(run.adapter.target_modules, arch, run.trainer.pipeline_parallel)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def __init__(
         self,
@@ -131,6 +143,7 @@ class MegatronTrainer(Reusable):
         run: MilesConfig,
         num_threads: int = 0,
         device: str = "cpu",
+        adapter_names: tuple[str, ...] = ("default",),
     ) -> None:
         from miles.train.megatron import load
 
@@ -157,21 +170,39 @@ class MegatronTrainer(Reusable):
         self.hf_shapes, self.hf_param_names = load.hf_layout(config)
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
                                     bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing)
+        # adapter=lora: the base frozen, one LoRA adapter per name trains (the reference model is the base alone)
+        self.lora = None
+        if run.adapter.kind == "lora":
+            from miles.train.megatron.lora import MegatronLora
+
+            self.lora = MegatronLora(self.arch, run.adapter, adapter_names, config, seed=run.seed, device=self.device)
         with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
-            self.model = self.engine.build(load.CheckpointShards.of(reader, self.engine.io), trainable=True)
+            self.model = self.engine.build(load.CheckpointShards.of(reader, self.engine.io), trainable=True,
+                                           adapt=self.lora.attach if self.lora else None)
             self.checkpoint_reads = dict(reader.read_elements)  # {stored tensor: elements this rank read}
-        # the reference policy starts as a copy of the policy's weights
-        self.ref_model = (self.engine.build(dict(self.engine.named_parameters(self.model)), trainable=False)
-                          if run.algo.kl_coef > 0 else None)
-        self.params = dict(self.engine.named_parameters(self.model))
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
-                                           weight_decay=t.weight_decay)
+        self.params = {k: p for k, p in self.engine.named_parameters(self.model) if ".lora." not in k}
+        """The base model's parameters by local name (what the mapping gathers and shards)."""
+        # the reference policy starts as a copy of the policy's base weights
+        self.ref_model = self.engine.build(dict(self.params), trainable=False) if run.algo.kl_coef > 0 else None
+        base_numel = sum(int(torch.Size(self.hf_shapes[n]).numel()) for n in self.hf_param_names)
+        self.trainable_frac = 1.0
+        if self.lora is not None:
+            self.optimizer = torch.optim.AdamW(self.lora.param_groups(), lr=run.adapter.lr or t.lr, betas=t.betas,
+                                               weight_decay=t.weight_decay)
+            self.trainable_frac = self.lora.numel() / (self.lora.numel() + base_numel)
+        else:
+            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
+                                               weight_decay=t.weight_decay)
         self.scheduler = lr_scheduler(self.optimizer, run)
         self.metric_names = self._metric_names()
         if rank == 0:
             log.info("megatron trainer: %s over %d rank(s), %s", self.dims.describe(), world_size,
                      "MoE " + f"{self.arch.num_experts} experts top-{self.arch.moe_top_k}" if self.arch.is_moe
                      else "dense")
+            if self.lora is not None:
+                log.info("megatron trainer: LoRA adapters %s train %d of %d parameters (%.2f%%)",
+                         list(self.lora.names), self.lora.numel(), self.lora.numel() + base_numel,
+                         100 * self.trainable_frac)
 
     # --- batches -----------------------------------------------------------------------------------
 
@@ -249,7 +280,12 @@ class MegatronTrainer(Reusable):
         """One RL update on ``batch`` (the full batch; every rank gets the same). Collective.
 
         Returns the same metrics dict on every rank (summed over replicas; mini-batch values averaged).
+        With LoRA: :func:`.tenants.train_step` (per adapter, ``tenant/<name>/...`` metrics with tenants).
         """
+        if self.lora is not None:
+            from miles.train.megatron import tenants
+
+            return tenants.train_step(self, batch)
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
         plans, counts, old, ref = self._prepare(batch, num_mb)
@@ -280,7 +316,7 @@ class MegatronTrainer(Reusable):
         out["train/grad_norm"] = float(torch.stack(grad_norms).mean())
         out["train/nonfinite_skipped"] = float(skipped)
         out["train/lr"] = lr_used
-        out["train/trainable_param_frac"] = 1.0  # every parameter trains (no adapters on this trainer)
+        out["train/trainable_param_frac"] = self.trainable_frac
         out["train/num_tokens"] = float(counts[:, 0].sum())
         out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
         forward_tokens = float(sum(p.input_ids.numel() for micro in plans for p in micro))
@@ -310,22 +346,53 @@ class MegatronTrainer(Reusable):
         return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(batch))]
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective. Rank 0 gets the full fp32 CPU state dict with HF names; others None."""
+        """Collective. Rank 0 gets the full fp32 CPU state dict with HF names (LoRA: the first adapter merged
+        into the base, :func:`.lora_state.full_state_dict`); others None."""
+        if self.lora is not None:
+            from miles.train.megatron import lora_state
+
+            return lora_state.full_state_dict(self)
         return self.engine.io.gather({k: p.detach() for k, p in self.params.items()})
 
     def send_weights(self, sender: Any, version: int) -> Any:
         """Collective. Rank 0 hands the full HF state dict to ``sender.send(state_dict, version)`` and returns
-        what it returns (:mod:`miles.weights.sync`); other ranks return None."""
+        what it returns (:mod:`miles.weights.sync`); other ranks return None. With LoRA adapters it sends their
+        tensors only, as the FSDP trainer does (:func:`.lora_state.send_weights`)."""
+        if self.lora is not None:
+            from miles.train.megatron import lora_state
+
+            return lora_state.send_weights(self, sender, version)
         sd = self.full_state_dict()
         return None if sd is None else sender.send(sd, version)
+
+    def trainable_parameters(self) -> dict[str, int]:
+        """``{"trainable": ..., "total": ...}`` parameter counts of the policy (full sizes)."""
+        total = sum(int(torch.Size(self.hf_shapes[n]).numel()) for n in self.hf_param_names)
+        if self.lora is None:
+            return {"trainable": total, "total": total}
+        return {"trainable": self.lora.numel(), "total": total + self.lora.numel()}
+
+    def export_adapters(self, directory: str) -> list[str]:
+        """Collective. Every LoRA adapter in PEFT format to ``directory/<name>``; rank 0 returns the paths,
+        other ranks an empty list (:func:`.lora_state.export_adapters`)."""
+        if self.lora is None:
+            raise ValueError("export_adapters: this trainer trains no adapters (adapter=none)")
+        from miles.train.megatron import lora_state
+
+        return lora_state.export_adapters(self, directory)
 
     def compute_gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
         """Collective. The gradient of the objective on ``batch`` as one mini-batch, without an update.
 
         The same path as :meth:`train_step` (micro-batches, reductions over ranks; the proximal policy is
         the current one), no clipping, no step, gradients cleared afterwards. Rank 0 gets ``{HF parameter
-        name: full fp32 CPU gradient}`` (as FSDP's ``named_parameters``), other ranks None.
+        name: full fp32 CPU gradient}`` (as FSDP's ``named_parameters``), other ranks None. With LoRA: the
+        adapters' gradients in peft's parameter names (:func:`.tenants.compute_gradients`).
         """
+        if self.lora is not None:
+            from miles.train.megatron import tenants
+
+            return tenants.compute_gradients(self, batch)
         plans, counts, old, ref = self._prepare(batch, 1)
         self.engine.zero_grad(self.model)
         self._backward(plans[0], counts[0], old[0], ref[0], {}, 1.0)
@@ -334,16 +401,17 @@ class MegatronTrainer(Reusable):
         return None if grads is None else {k: grads[k] for k in self.hf_param_names}
 
     def save_state(self, directory: str) -> None:
-        """Collective. Model, AdamW state and schedule in the layout of :mod:`miles.train.optim` (HF names)."""
-        from miles.train.megatron.state import save_state
+        """Collective. Model, AdamW state and schedule in the layout of :mod:`miles.train.optim` (HF names; with
+        LoRA the FSDP trainer's peft names and the adapters in PEFT format, :mod:`.lora_state`)."""
+        from miles.train.megatron import lora_state, state
 
-        save_state(self, directory)
+        (state if self.lora is None else lora_state).save_state(self, directory)
 
     def load_state(self, directory: str) -> None:
         """Collective. Restore what :meth:`save_state` (or FSDP's) wrote, at any layout."""
-        from miles.train.megatron.state import load_state
+        from miles.train.megatron import lora_state, state
 
-        load_state(self, directory)
+        (state if self.lora is None else lora_state).load_state(self, directory)
 
     def shutdown(self) -> None:
         """Barrier, megatron's model-parallel state destroyed, the process group destroyed."""
