@@ -89,6 +89,8 @@ def actors(ray_cluster, built) -> dict[str, Any]:
 class Remote:
     """An engine actor behind the plain-object interface :func:`check_engine` drives."""
 
+    reports_token_versions = True  # as SGLangEngine
+
     def __init__(self, ray: Any, actor: Any) -> None:
         self.ray, self.actor = ray, actor
 
@@ -293,7 +295,7 @@ def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(se
         reference = _greedy(serving, prompt, n_tokens, rid="ref")
         assert len(reference.response_ids) == n_tokens and reference.token_versions == (v,) * n_tokens
         url = serving.health()["url"]
-        _server_call(url, "/slow_down", {"forward_sleep_time": 0.02})
+        _server_call(url, "/slow_down", {"forward_sleep_time": 0.01})
         try:
             rows, out = _in_thread(serving.generate, [GenerateRequest(request_id="a", prompt_ids=prompt),
                                                       GenerateRequest(request_id="b", prompt_ids=prompt)], greedy)
