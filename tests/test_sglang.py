@@ -331,6 +331,27 @@ def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(se
         serving.update_weights(built.state_dict, v + 2)
 
 
+def test_a_parked_engine_keeps_its_server_for_the_next_job_with_the_checkpoint_reloaded(
+        ray_cluster, actors, serving, built) -> None:
+    """Parking (between jobs) keeps the idle server; the next engine built in the actor with the same
+    launch takes it and serves its checkpoint's weights as version 0, whatever the last job pushed."""
+    original = _greedy(serving, PROMPTS[1])
+    g = torch.Generator().manual_seed(4)
+    serving.update_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()},
+                           serving.weight_version() + 1)
+    assert _greedy(serving, PROMPTS[1]).logprobs != original.logprobs
+    pid = serving.health()["pid"]
+    actor = actors["serving"]
+    ray_cluster.get(actor.park.remote(), timeout=60)
+    ray_cluster.get(actor.reinit.remote(built.path, PrecisionConfig(), seed=0, num_threads=1, engine_id=0,
+                                        **ENGINE_KW), timeout=300)
+    h = serving.health()
+    assert (h["ok"], h["pid"], h["version"]) == (True, pid, 0)
+    again = _greedy(serving, PROMPTS[1])
+    assert (again.response_ids, again.logprobs, again.token_versions) == (
+        original.response_ids, original.logprobs, (0,) * len(original.response_ids))
+
+
 def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:
     first = _greedy(serving, PROMPTS[1], 8)
     stop = first.response_ids[3]

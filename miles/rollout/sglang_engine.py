@@ -7,14 +7,6 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - ``generate`` -> one ``POST /generate`` per call with every completion as its own row (``rid``
   ``<request_id>#<index>.<post>.``), ``return_logprob``; results in request then index order.
   Every result carries the weight version of each token (``token_versions``).
-- Weight updates while rows generate (partial rollouts, :mod:`miles.rollout.sglang_calls`):
-  ``update_weights`` aborts the rows in flight on the server, loads the weights on the idle server,
-  and continues each interrupted row as a new row on the new weights (prompt + its tokens so far,
-  the tokens left, the same sampling params); the result joins the pieces, its tokens before the
-  update tagged with the old version and the rest with the new one, each log-prob the one its token
-  was sampled with. Calls that arrive during an update wait for it. A user's ``abort`` still ends
-  a row ``ABORTED``, also while an update interrupts it. So the async schedules run on this engine
-  (``reports_token_versions``).
   SGLang's reported log-probs are ``log(softmax(logits / T))`` of the unfiltered distribution for
   sampled rows and ``log_softmax(logits)`` for greedy ones (``sglang/srt/layers/sampler.py``, the
   ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
@@ -35,18 +27,26 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - The weight load (``_load_weights``) checks names and shapes against the checkpoint (SGLang's loader silently
   skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
   version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; no row
-  is in flight then (above), and every result
+  is in flight then (next item), and every result
   carries the version SGLang reports. A refused load (``ValueError``) still interrupts the rows in
   flight; they continue on the unchanged weights. The disk path works on CPU and on every node (the directory
   is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
   ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
   here, and the disk path has not been run on a GPU.
+- Weight updates while rows generate (partial rollouts, :mod:`miles.rollout.sglang_calls`):
+  ``update_weights`` aborts the rows in flight on the server, loads the weights on the idle server,
+  and continues each interrupted row as a new row on the new weights (prompt + its tokens so far,
+  the tokens left, the same sampling params); the result joins the pieces, its tokens before the
+  update tagged with the old version and the rest with the new one, each log-prob the one its token
+  was sampled with. Calls that arrive during an update wait for it. A user's ``abort`` still ends
+  a row ``ABORTED``, also while an update interrupts it. So the async schedules run on this engine
+  (``reports_token_versions``).
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
-- ``health`` also reports ``busy_s``: seconds with at least one generate request in flight on the
-  server (the loop's ``perf/engine_busy_*``; it counts time rows wait in SGLang's queue too).
-- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``. A
+- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``; its
+  ``busy_s`` counts the seconds with at least one generate request in flight on the server (the
+  loop's ``perf/engine_busy_*``; time rows wait in SGLang's queue counts too). A
   watchdog thread probes every ``health_interval_s``; after ``max_health_failures`` misses in a row
   (a hung or stopped server), or as soon as the process exits, the engine is dead: the server is
   killed, every call in flight and every later call raises
@@ -290,7 +290,7 @@ class SGLangEngine(SGLangCalls, Reusable):
         server.kill()
         return None
 
-    # ---- Protocol -------------------------------------------------------------------------------
+    # ---- Protocol (generate, abort, pause, resume, update_weights: miles.rollout.sglang_calls) ----
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
@@ -385,7 +385,7 @@ class SGLangEngine(SGLangCalls, Reusable):
         server dies with the actor, as any server does."""
         global _KEPT
         with self._cv:
-            keep = not self._stopped() and not self._posts
+            keep = not self._stopped() and not self._posts and not getattr(self, "_released", False)
             self._closed = True
             self._stop_watch.set()
             self._cv.notify_all()
