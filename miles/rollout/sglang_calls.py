@@ -38,7 +38,9 @@ the load.
 SGLang 0.5.23 can itself continue rows across an update (``/pause_generation`` ``retract``, then the
 update, then ``/continue_generation``; its answers then carry ``meta_info.weight_versions`` spans),
 but its update refuses ``flush_cache`` while retracted rows are queued, and without a flush a radix
-cache (on by default on a GPU) would keep old-weight prefixes: the engine uses abort and continue.
+cache (on by default on a GPU) would keep old-weight prefixes (read in SGLang's code
+``scheduler_components/weight_updater.py``, not tried here): the engine uses abort and continue,
+which leaves the server idle for the load whatever the transport.
 """
 
 from __future__ import annotations
