@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = "needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)"
-    if any("sglang" in item.keywords for item in items):
+    if any(item.get_closest_marker("sglang") for item in items):
         from miles.rollout.sglang_server import find_python
 
         try:
@@ -71,5 +71,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             skips["sglang"] = f"needs the SGLang venv: {e}"
     for item in items:
         for marker, reason in skips.items():
-            if marker in item.keywords:
+            if item.get_closest_marker(marker) is not None:  # the marker, not a test id that holds its name
                 item.add_marker(pytest.mark.skip(reason=reason))

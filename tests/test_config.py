@@ -132,10 +132,15 @@ def test_async_schedule_refuses_colocated_placement_and_says_what_to_use(schedul
     run = validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated"]))
     assert run.schedule.name == schedule and run.schedule.max_staleness >= 1
     for bad, match in ((["schedule.max_staleness=0"], "max_staleness: must be at least 1"),
-                       (["schedule.behaviour_is_clip=0.5"], "behaviour_is_clip: must be >= 1"),
-                       (["rollout=sglang"], "does not report the weight version of each token")):
+                       (["schedule.behaviour_is_clip=0.5"], "behaviour_is_clip: must be >= 1")):
         with pytest.raises(ConfigError, match=match):
             validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", *bad]))
+    # both built-in engines report each token's weight version (an engine class that does not is refused
+    # by its contract check: tests/test_backends.py)
+    from miles.core.actors import backends
+
+    sglang = validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", "rollout=sglang"]))
+    assert backends(sglang).engine.reports_token_versions
     # run checkpoints hold the async stream's open prompts (miles.core.schedules)
     saving = ["trainer.save_every=2", "trainer.save_dir=/tmp/x"]
     assert validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", *saving])).trainer.save_every == 2

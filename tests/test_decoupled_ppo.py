@@ -1,5 +1,7 @@
 """Decoupled PPO (async schedules): the loss against hand-computed values, and the trainer's objective
-applying it under an async schedule."""
+applying it under an async schedule on either rollout engine. The metrics of real async runs
+(staleness, partial rollouts, behaviour IS clip, mismatch) are checked per engine in
+tests/test_schedules.py."""
 
 from __future__ import annotations
 
@@ -53,10 +55,16 @@ def test_the_ratio_is_taken_against_the_proximal_policy_not_the_behaviour_one() 
     torch.testing.assert_close(fresh, plain)
 
 
-def test_async_schedules_train_with_the_decoupled_objective() -> None:
+ENGINES = {"torch": {}, "sglang": {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLangEngine"}}}}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_async_schedules_train_with_the_decoupled_objective(engine: str) -> None:
+    """On either engine (the runs themselves: tests/test_schedules.py, per engine)."""
     sync = validate({})
     one_off = validate({"schedule": {"name": "one_step_off", "max_staleness": 1},
-                        "placement": {"name": "disaggregated"}})
+                        "placement": {"name": "disaggregated"}, **ENGINES[engine]})
+    assert one_off.rollout.engine.target.split(".")[2] == f"{engine}_engine"
     assert mismatch_settings(sync)["tis_clip"] is None
     assert mismatch_settings(one_off) == {"tis_clip": 2.0, "mismatch_mode": "tis", "mismatch_level": "token"}
     logp, prox, behav, adv, mask = _inputs()

@@ -1,5 +1,11 @@
 """Schedules (sync, one_step_off, fully_async): the sample ledger is exact, the staleness bound holds,
-and ``sync`` computes what it computed before the schedules existed."""
+and ``sync`` computes what it computed before the schedules existed.
+
+The async runs go on both engines: ``torch``, and ``sglang`` (real SGLang servers, ``-m sglang``; its
+jobs run one after another on the same parked engine actor, whose server is kept between them, so
+the module starts one server). The sync recording is not replayed on SGLang: on CPU SGLang cannot
+seed requests (``--enable-deterministic-inference`` needs a GPU attention backend), so its samples
+are not reproducible per request."""
 
 from __future__ import annotations
 
@@ -113,14 +119,29 @@ def probe(tmp_path_factory: pytest.TempPathFactory):
 SHORT = {"seed": 1, "tracking": {"backend": "none"}, "trainer": {"num_steps": 4, "eval_every": 0},
          "algo": {"num_prompts_per_step": 8, "num_samples_per_prompt": 4}, "task": {"num_eval_prompts": 16}}
 
+SGLANG = {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLangEngine", "max_total_tokens": 8192}},
+          "cluster": {"reuse_actors": True}}
+"""The config sections of an SGLang run (the parked actor and its server serve the next job)."""
 
-@pytest.mark.parametrize("schedule,extra", [
+ENGINES = [pytest.param("torch"), pytest.param("sglang", marks=pytest.mark.sglang)]
+
+SCHEDULES = [
     ("sync", {"algo": {"dynamic_sampling": True}}),
     ("one_step_off", {}),
     ("fully_async", {"algo": {"dynamic_sampling": True}, "schedule": {"max_staleness": 1, "buffer_batches": 2}}),
+]
+
+
+@pytest.mark.parametrize("engine,schedule,extra", [
+    *(pytest.param("torch", schedule, extra, id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
+    *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=pytest.mark.sglang)
+      for schedule, extra in SCHEDULES if schedule != "sync"),
 ])
 def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_bound(
-        ray_cluster, probe, schedule: str, extra: dict) -> None:
+        ray_cluster, probe, engine: str, schedule: str, extra: dict) -> None:
+    """Every drawn prompt is trained once or settled (ledger); no trained sample is older than
+    ``max_staleness``; the decoupled PPO metrics (staleness, partial rollouts, behaviour IS clip,
+    behaviour-vs-proximal mismatch) are those of the samples trained."""
     from miles.core.run import run_job
 
     probe.TRAINED.clear()
@@ -131,6 +152,8 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
     cfg |= {"hooks": [{"_target_": "schedule_probe.Probe"}], "plugins": {"allow": ["schedule_probe."]}}
     if schedule != "sync":
         cfg["placement"] = {"name": "disaggregated"}
+    if engine == "sglang":
+        cfg |= SGLANG
     run = validate(cfg)
     seen: dict[int, dict] = {}
     final = run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
@@ -153,15 +176,30 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
     bound = run.schedule.max_staleness
     for step, batch in enumerate(probe.TRAINED, start=1):
         version = step - 1  # the trainer's weights when it takes the batch
-        ages = [version - min(v) for _, group in batch for v in group if v]
+        versions = [v for _, group in batch for v in group if v]
+        ages = [version - min(v) for v in versions]
         assert max(ages) <= bound, (step, ages)  # no trained sample older than max_staleness
-        assert seen[step]["train/staleness_max"] == max(ages) if schedule != "sync" else max(ages) == 0
+        assert all(v == sorted(v) and max(v) <= version for v in versions), step  # each token's version, in order
+        if schedule == "sync":
+            assert max(ages) == 0 and all(len(set(v)) == 1 for v in versions)
+            continue
+        m = seen[step]
+        assert m["train/staleness_max"] == max(ages) and m["train/staleness_mean"] == pytest.approx(
+            sum(ages) / len(ages))
+        assert m["train/partial_rollout_frac"] == pytest.approx(
+            sum(len(set(v)) > 1 for v in versions) / len(versions))
+        assert 0 <= m["train/tis_clip_frac"] <= 1 and m["train/logp_mismatch_abs_mean"] >= 0  # decoupled PPO
+        if max(ages) == 0:  # every sample on the trainer's weights: behaviour = proximal policy
+            assert m["train/logp_mismatch_abs_mean"] < 1e-3
     for step in range(1, steps + 1):  # the engines' own counters: generating for part of every step
         assert 0 < seen[step]["perf/engine_busy_frac"] <= 1, (step, seen[step]["perf/engine_busy_frac"])
         if schedule == "sync":  # the engine generates only in the rollout phase
             assert seen[step]["perf/engine_busy_s"] <= seen[step]["perf/rollout_s"] + 0.05, step
     if schedule == "one_step_off":  # every batch after the first was generated while the step before trained
-        assert all(seen[s]["train/staleness_max"] == 1 for s in range(2, steps + 1))
+        one_old = [seen[s]["train/staleness_max"] == 1 for s in range(2, steps + 1)]
+        # SGLang admits a row over HTTP: under load the push after a short train step can land before a
+        # batch has its first token, and a row interrupted then continues wholly on the new weights
+        assert all(one_old) if engine == "torch" else any(one_old), one_old
     if schedule == "fully_async" and counts["filtered"]:
         assert all(seen[s]["train/reward_std"] > 0 for s in range(1, steps + 1))  # DAPO: no all-equal groups
 
@@ -208,7 +246,8 @@ def plugin_engines():
 
 
 def _async_job(schedule: str, extra: dict) -> dict:
-    """SHORT under an async schedule, disaggregated, with the probe hook; ``extra`` merged per section."""
+    """SHORT under an async schedule, disaggregated, with the probe hook; ``extra`` merged per section
+    (its keys win)."""
     cfg = json.loads(json.dumps(SHORT)) | {"schedule": {"name": schedule, "max_staleness": 1},
                                            "placement": {"name": "disaggregated"},
                                            "cluster": {"reuse_actors": False},
@@ -266,8 +305,9 @@ def test_every_engine_dead_fails_the_run_with_the_ledger_accounting(ray_cluster,
 
 
 @pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+@pytest.mark.parametrize("engine", ENGINES)  # the engine varies slowest: its jobs run one after another
 def test_async_run_resumed_mid_stream_trains_every_prompt_once(ray_cluster, probe, tmp_path: Path,
-                                                               schedule: str) -> None:
+                                                               schedule: str, engine: str) -> None:
     """A 4-step run checkpoints at step 2 with prompts still in flight; the run resumed from there
     generates those again and, with the first run's steps 1-2, trains every drawn prompt exactly once."""
     from miles.core import resume
@@ -275,7 +315,7 @@ def test_async_run_resumed_mid_stream_trains_every_prompt_once(ray_cluster, prob
 
     def job(trainer: dict) -> list[list[int]]:
         probe.TRAINED.clear()
-        run = validate(_async_job(schedule, {"trainer": trainer}))
+        run = validate(_async_job(schedule, {"trainer": trainer, **(SGLANG if engine == "sglang" else {})}))
         run_job(run, resolved_yaml="", overrides=[])
         return [[gid for gid, _ in batch] for batch in probe.TRAINED]
 

@@ -33,6 +33,7 @@ from miles.core.actors import ENGINE_MAX_CONCURRENCY
 from miles.rewards import RewardRunner
 from miles.rollout.dispatch import AllEnginesDeadError, EngineDeadError
 from miles.rollout.manager import RolloutManager
+from miles.rollout.sglang_wire import Checkpoint
 from miles.rollout.torch_engine import TorchEngine
 from miles.types import GenerateRequest, SamplingParams, Status
 
@@ -87,6 +88,8 @@ def actors(ray_cluster, built) -> dict[str, Any]:
 
 class Remote:
     """An engine actor behind the plain-object interface :func:`check_engine` drives."""
+
+    reports_token_versions = True  # as SGLangEngine
 
     def __init__(self, ray: Any, actor: Any) -> None:
         self.ray, self.actor = ray, actor
@@ -243,6 +246,110 @@ def test_a_weight_update_moves_sglang_as_it_moves_the_torch_engine(serving, torc
         serving.update_weights(built.state_dict, version + 1)
         torch_engine.update_weights(built.state_dict, version + 1)
     assert _greedy(serving, PROMPTS[0]).logprobs == before.logprobs
+
+
+def _server_call(url: str, path: str, body: dict) -> None:
+    """``POST path`` straight to an engine's SGLang server (SGLang's own test knobs)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
+
+
+def _in_thread(fn, *args) -> tuple[Any, dict]:
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - asserted by the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(serving, built) -> None:
+    """Two long greedy rows are in flight when the weights change, and the user aborts one of them
+    meanwhile: the other ends with its tokens before the update equal to the old weights' own greedy
+    tokens (and log-probs), tagged with the old version, and the rest equal to what the new weights
+    generate greedily from that prefix, tagged with the new version; the aborted one ends ABORTED.
+
+    SGLang's ``/slow_down`` (a sleep per forward step) keeps the rows running for seconds, so the
+    update lands mid-generation; the EOS rows of the LM head are zeroed so that no row stops early."""
+    eos = Checkpoint.read(Path(built.path)).eos_ids
+    g = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    old_sd, new_sd = ({**sd, "lm_head.weight": sd["lm_head.weight"].clone().index_fill_(0, torch.tensor(eos), 0.0)}
+                      for sd in (built.state_dict, perturbed))
+    n_tokens, prompt = 200, PROMPTS[0]
+    greedy = SamplingParams(greedy=True, max_new_tokens=n_tokens)
+    v = serving.weight_version() + 1
+    serving.update_weights(old_sd, v)
+    try:
+        reference = _greedy(serving, prompt, n_tokens, rid="ref")
+        assert len(reference.response_ids) == n_tokens and reference.token_versions == (v,) * n_tokens
+        url = serving.health()["url"]
+        _server_call(url, "/slow_down", {"forward_sleep_time": 0.01})
+        try:
+            rows, out = _in_thread(serving.generate, [GenerateRequest(request_id="a", prompt_ids=prompt),
+                                                      GenerateRequest(request_id="b", prompt_ids=prompt)], greedy)
+            deadline = time.monotonic() + 60
+            while serving.health()["running"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.5)  # tokens on the old weights
+            update, pushed = _in_thread(serving.update_weights, new_sd, v + 1)
+            assert serving.abort(["b"]) == 1
+            update.join(120)
+            rows.join(120)
+            assert not update.is_alive() and not rows.is_alive(), "a generation or the update hung"
+        finally:
+            _server_call(url, "/slow_down", {"forward_sleep_time": None})
+        assert "error" not in out and "error" not in pushed, (out.get("error"), pushed.get("error"))
+        a, b = out["value"]
+        k = a.token_versions.count(v)
+        assert 0 < k < n_tokens and a.token_versions == (v,) * k + (v + 1,) * (n_tokens - k)
+        assert (a.status, a.finish_reason, len(a.response_ids), a.weight_version) == (
+            Status.TRUNCATED, "length", n_tokens, v + 1)
+        assert a.response_ids[:k] == reference.response_ids[:k]  # the old weights' tokens ...
+        assert _max_diff(a.logprobs[:k], reference.logprobs[:k]) <= LOGPROB_ATOL
+        rest = _greedy(serving, prompt + a.response_ids[:k], n_tokens - k, rid="rest")  # ... then the new ones'
+        assert rest.response_ids == a.response_ids[k:] and _max_diff(rest.logprobs, a.logprobs[k:]) <= LOGPROB_ATOL
+        kb = b.token_versions.count(v)  # aborted by the user before, during or after the update's drain
+        assert (b.status, b.finish_reason) == (Status.ABORTED, "abort") and len(b.response_ids) < n_tokens
+        assert b.token_versions == (v,) * kb + (v + 1,) * (len(b.response_ids) - kb)
+        assert b.response_ids[:kb] == reference.response_ids[:kb]
+        assert pushed["value"]["interrupted_rows"] >= 1 and pushed["value"]["interrupt_s"] >= 0
+        h = serving.health()
+        assert (h["running"], h["waiting"], h["updating"]) == (0, 0, False)
+    finally:
+        serving.update_weights(built.state_dict, v + 2)
+
+
+def test_a_parked_engine_keeps_its_server_for_the_next_job_with_the_checkpoint_reloaded(
+        ray_cluster, actors, serving, built) -> None:
+    """Parking (between jobs) keeps the idle server; the next engine built in the actor with the same
+    launch takes it and serves its checkpoint's weights as version 0, whatever the last job pushed."""
+    original = _greedy(serving, PROMPTS[1])
+    g = torch.Generator().manual_seed(4)
+    serving.update_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()},
+                           serving.weight_version() + 1)
+    assert _greedy(serving, PROMPTS[1]).logprobs != original.logprobs
+    pid = serving.health()["pid"]
+    actor = actors["serving"]
+    ray_cluster.get(actor.park.remote(), timeout=60)
+    ray_cluster.get(actor.reinit.remote(built.path, PrecisionConfig(), seed=0, num_threads=1, engine_id=0,
+                                        **ENGINE_KW), timeout=300)
+    h = serving.health()
+    assert (h["ok"], h["pid"], h["version"]) == (True, pid, 0)
+    again = _greedy(serving, PROMPTS[1])
+    assert (again.response_ids, again.logprobs, again.token_versions) == (
+        original.response_ids, original.logprobs, (0,) * len(original.response_ids))
 
 
 def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:

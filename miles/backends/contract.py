@@ -183,6 +183,10 @@ def check_engine(engine: Any, state_dict: Mapping[str, torch.Tensor], *, prompt_
             raise _fail(who, f"completion {r.index}: status {r.status!r}; a finished row is COMPLETED or TRUNCATED")
         if r.weight_version != h["version"]:
             raise _fail(who, f"completion {r.index}: weight_version {r.weight_version}, health() says {h['version']}")
+        if getattr(engine, "reports_token_versions", False) and r.token_versions != (h["version"],) * len(
+                r.response_ids):
+            raise _fail(who, f"completion {r.index}: token_versions {r.token_versions}; an engine that reports "
+                             f"them gives one per token, here all {h['version']}")
     first, again = greedy("c-greedy-1"), greedy("c-greedy-2")
     if first.response_ids != again.response_ids or first.logprobs != again.logprobs:
         raise _fail(who, "greedy decoding of the same prompt must repeat exactly (tokens and log-probs)")

@@ -17,7 +17,14 @@ The trainer, on the driver's main thread, repeats:
    the decoupled PPO correction (:func:`miles.train.objective.mismatch_settings`);
 3. every ``schedule.update_interval`` steps, push the weights to the engines without waiting for the
    generations in flight: their remaining tokens come from the new weights (partial rollout; each
-   token carries its version, :attr:`miles.types.Sample.token_versions`).
+   token carries its version, :attr:`miles.types.Sample.token_versions`). The torch engine swaps
+   the weights between two decode steps and its rows go on with their K/V cache
+   (:mod:`miles.rollout.torch_engine`); the SGLang engine aborts the rows in flight on its server,
+   loads the weights, and continues each row as a new request on the new weights (prompt + the
+   tokens so far, the tokens left, the same sampling; its K/V recomputed), joining the pieces into
+   one result (:mod:`miles.rollout.sglang_calls`). Either way each token keeps the log-prob it was
+   sampled with, and an engine must report each token's version (``reports_token_versions``; an
+   engine class without it is refused before Ray starts).
 
 ``one_step_off`` is this with ``capacity`` one batch and a push after every step: the rollout of
 step k+1 starts from the weights of step k-1 while step k trains and finishes on those of step k.

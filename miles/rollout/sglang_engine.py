@@ -5,7 +5,8 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 (``--skip-tokenizer-init``):
 
 - ``generate`` -> one ``POST /generate`` per call with every completion as its own row (``rid``
-  ``<request_id>#<index>.<call>``), ``return_logprob``; results in request then index order.
+  ``<request_id>#<index>.<post>.``), ``return_logprob``; results in request then index order.
+  Every result carries the weight version of each token (``token_versions``).
   SGLang's reported log-probs are ``log(softmax(logits / T))`` of the unfiltered distribution for
   sampled rows and ``log_softmax(logits)`` for greedy ones (``sglang/srt/layers/sampler.py``, the
   ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
@@ -23,19 +24,29 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - Prefix caching (SGLang's radix cache) is off on CPU by default (``radix_cache``): a prompt
   whose prefix is cached is prefilled in a different shape, and its log-probs then differ from an
   uncached run's by ~5e-7 in fp32 (measured), so greedy decoding would not repeat bit for bit.
-- ``update_weights`` checks names and shapes against the checkpoint (SGLang's loader silently
+- The weight load (``_load_weights``) checks names and shapes against the checkpoint (SGLang's loader silently
   skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
-  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; requests
-  in flight finish on the old weights first (SGLang's update takes a lock that waits for them, in
-  ``TokenizerManager.update_weights_from_disk``), and every result
-  carries the version SGLang reports. The disk path works on CPU and on every node (the directory
+  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; no row
+  is in flight then (next item), and every result
+  carries the version SGLang reports. A refused load (``ValueError``) still interrupts the rows in
+  flight; they continue on the unchanged weights. The disk path works on CPU and on every node (the directory
   is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
   ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
   here, and the disk path has not been run on a GPU.
+- Weight updates while rows generate (partial rollouts, :mod:`miles.rollout.sglang_calls`):
+  ``update_weights`` aborts the rows in flight on the server, loads the weights on the idle server,
+  and continues each interrupted row as a new row on the new weights (prompt + its tokens so far,
+  the tokens left, the same sampling params); the result joins the pieces, its tokens before the
+  update tagged with the old version and the rest with the new one, each log-prob the one its token
+  was sampled with. Calls that arrive during an update wait for it. A user's ``abort`` still ends
+  a row ``ABORTED``, also while an update interrupts it. So the async schedules run on this engine
+  (``reports_token_versions``).
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
-- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``. A
+- ``health`` -> the process is alive and ``GET /health`` answers within ``health_timeout_s``; its
+  ``busy_s`` counts the seconds with at least one generate request in flight on the server (the
+  loop's ``perf/engine_busy_*``; time rows wait in SGLang's queue counts too). A
   watchdog thread probes every ``health_interval_s``; after ``max_health_failures`` misses in a row
   (a hung or stopped server), or as soon as the process exits, the engine is dead: the server is
   killed, every call in flight and every later call raises
@@ -53,6 +64,13 @@ Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kil
 CPU, so :class:`SGLangEngine` offers no ``release_memory``: with ``placement.offload_engines=null``
 (the default) its engines keep their memory while the trainer trains, and ``true`` is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
 
+Jobs one after another (``cluster.reuse_actors``, :mod:`miles.backends.reuse`): a parked engine keeps
+its idle server, and the next engine built in the same actor with the same launch flags (model
+path, dtype, seed, server knobs, threads) takes it instead of starting one (35-60 s on 2 CPU cores)
+and loads its checkpoint into it as version 0, caches flushed. Its sampling generator is not
+reset (SGLang has no call for that): on CPU, where requests are not seeded, a job on a kept server
+samples differently from one on a new server.
+
 Several engines: one server per engine actor, spread by miles' own dispatcher
 (:mod:`miles.rollout.dispatch`), not by ``sglang-router``. The router works on CPU (0.3.2 installs
 in seconds without torch; in front of two of these servers it routed ``/generate``, retried on the
@@ -66,14 +84,12 @@ serves a request and which version it holds, and each per-engine call would bypa
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +98,7 @@ import torch
 from miles.backends.reuse import Reusable
 from miles.config.schema import PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
+from miles.rollout.sglang_calls import SGLangCalls
 from miles.rollout.sglang_server import (
     ServerHTTPError,
     ServerStartError,
@@ -89,24 +106,18 @@ from miles.rollout.sglang_server import (
     find_python,
     server_env,
 )
-from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, row_seed, sampling_params, to_result
-from miles.types import GenerateRequest, GenerateResult, SamplingParams
+from miles.rollout.sglang_wire import Checkpoint, row_seed
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CONTROL_TIMEOUT_S = 30.0  # pause / continue / abort / weight-update calls that should answer at once
 
-
-@dataclass(eq=False)
-class _Call:
-    """One ``generate`` call while it waits on a pause; ``aborted`` fills as ``abort`` hits its requests."""
-
-    request_ids: set[str]
-    aborted: set[str] = field(default_factory=set)
+_KEPT: tuple[str, SGLangServer] | None = None
+"""The server of the engine parked last in this process, and its launch (:meth:`SGLangEngine._end_job`)."""
 
 
-class SGLangEngine(Reusable):
+class SGLangEngine(SGLangCalls, Reusable):
     """Generates through an SGLang server process it owns; see the module docstring.
 
     Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
@@ -118,6 +129,9 @@ class SGLangEngine(Reusable):
     ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
     ``max_health_failures``.
     """
+
+    reports_token_versions = True
+    """Every result carries the weight version of each token (``token_versions``): async schedules need it."""
 
     @staticmethod
     def check_config(run: Any) -> None:
@@ -193,12 +207,9 @@ class SGLangEngine(Reusable):
         self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
         self.context_length = context_length or self.ckpt.max_positions
         self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
-        self._cv = threading.Condition()
-        self._held: set[_Call] = set()
-        self._inflight: dict[str, set[str]] = {}  # request id -> SGLang rids in flight
-        self._calls = itertools.count()
+        self._init_calls()
         self._update_lock = threading.Lock()
-        self._paused = self._closed = False
+        self._closed = False
         self._dead: str | None = None
         self._version = 0
         self._weights_dir = _weights_dir(engine_id)
@@ -226,9 +237,13 @@ class SGLangEngine(Reusable):
                 args += [flag, str(value)]
         logs = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "miles-sglang-logs"
         log_path = logs / f"engine{engine_id}-{os.getpid()}-{int(time.time())}.log"
+        self._launch = repr((str(py), args, device, num_threads))
         t0 = time.perf_counter()
+        kept = self._take_kept(request_timeout_s)
+        if kept is not None:
+            self.server = kept
         try:
-            for attempt in range(3):  # a port taken by another process between the pick and the bind: another port
+            for attempt in range(3 if kept is None else 0):  # a port taken before the server bound it: another port
                 try:
                     self.server = SGLangServer(py, args, server_env(py, device, num_threads), log_path,
                                                start_timeout_s=start_timeout_s)
@@ -244,57 +259,40 @@ class SGLangEngine(Reusable):
             raise
         self.start_s = time.perf_counter() - t0
         log.info("engine %d: SGLang server pid %d on %s up in %.1f s (log %s)", engine_id, self.server.pid,
-                 self.server.url, self.start_s, log_path)
-        self._watchdog = threading.Thread(target=self._watch, name=f"sglang-watchdog-{engine_id}", daemon=True)
+                 self.server.url, self.start_s, self.server.log_path)
+        self._stop_watch = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, args=(self.server, self._stop_watch),
+                                          name=f"sglang-watchdog-{engine_id}", daemon=True)
         self._watchdog.start()
 
-    # ---- Protocol -------------------------------------------------------------------------------
-
-    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
-                 ) -> list[GenerateResult]:
-        """Complete each request ``n`` times; results ordered by request then index (see the module docstring)."""
-        self._check_usable("generate")
-        params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
-        seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
-        call = _Call(request_ids={r.request_id for r in requests})
-        tag = next(self._calls)
-        rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]] = []  # (pos, request, sampling, index, seed)
-        with self._cv:
-            self._held.add(call)
+    def _take_kept(self, timeout_s: float) -> SGLangServer | None:
+        """The server a parked engine of this process kept, when it was launched as this engine's would be:
+        it loads this engine's checkpoint as version 0 (``/update_weights_from_disk``, caches flushed).
+        Any other kept server is killed. None: start a new one."""
+        global _KEPT
+        kept, _KEPT = _KEPT, None
+        if kept is None:
+            return None
+        launch, server = kept
+        if launch == self._launch and server.alive():
             try:
-                while self._paused and not self._stopped() and not call.request_ids <= call.aborted:
-                    self._cv.wait()
-            finally:
-                self._held.discard(call)
-            self._check_usable("generate")
-            for pos, (r, sp, seed) in enumerate(zip(requests, params, seeds, strict=True)):
-                if r.request_id not in call.aborted:
-                    rows += [(pos, r, sp, j, seed) for j in range(r.n)]
-            rids = [f"{r.request_id}#{j}.{tag}" for _, r, _, j, _ in rows]
-            for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
-                self._inflight.setdefault(r.request_id, set()).add(rid)
-        results: dict[tuple[int, int], GenerateResult] = {}
-        for pos, r in enumerate(requests):
-            if r.request_id in call.aborted:
-                for j in range(r.n):
-                    results[pos, j] = aborted(r.request_id, j, self._version)
-        if rows:
-            try:
-                outs = self._post_generate(rows, rids)
-            finally:
-                with self._cv:
-                    for (_, r, _, _, _), rid in zip(rows, rids, strict=True):
-                        left = self._inflight.get(r.request_id)
-                        if left is not None:
-                            left.discard(rid)
-                            if not left:
-                                del self._inflight[r.request_id]
-            for (pos, r, sp, j, _), out in zip(rows, outs, strict=True):
-                results[pos, j] = to_result(r.request_id, j, sp, out, self.ckpt, version=self._version,
-                                            routing=self.capture_routing)
-        return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
+                out = server.post("/update_weights_from_disk", {
+                    "model_path": self.checkpoint_dir, "weight_version": "0", "flush_cache": True},
+                    timeout_s=timeout_s)
+                if isinstance(out, dict) and out.get("success"):
+                    log.info("engine %d: the SGLang server pid %d of the last job serves this one (checkpoint "
+                             "reloaded)", self.engine_id, server.pid)
+                    return server
+                log.warning("engine %d: the kept SGLang server refused the checkpoint (%s); a new one starts",
+                            self.engine_id, out)
+            except (OSError, ServerHTTPError, ValueError) as e:
+                log.warning("engine %d: the kept SGLang server failed (%s); a new one starts", self.engine_id, e)
+        server.kill()
+        return None
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+    # ---- Protocol (generate, abort, pause, resume, update_weights: miles.rollout.sglang_calls) ----
+
+    def _load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
 
         On a ``ValueError`` (wrong names, shapes or dtypes) nothing was sent to the server. Returns
@@ -357,47 +355,16 @@ class SGLangEngine(Reusable):
         receive_s = time.perf_counter() - t0
         return {**self.update_weights(state_dict, version), "receive_s": receive_s}
 
-    def pause(self) -> None:
-        """Running rows stop stepping (they keep their KV cache); new calls wait in the engine."""
-        self._check_usable("pause")
-        with self._cv:
-            self._paused = True
-        self._control("/pause_generation", {"mode": "in_place"})
-
-    def resume(self) -> None:
-        """Undo :meth:`pause`: the server continues and the waiting calls are sent."""
-        self._check_usable("resume")
-        self._control("/continue_generation", {})
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
-    def abort(self, request_ids: list[str]) -> int:
-        """End these requests ``ABORTED``: those in flight on the server, and calls waiting on a pause."""
-        wanted, hit, rids = set(request_ids), set(), []
-        with self._cv:
-            for call in self._held:
-                found = (call.request_ids & wanted) - call.aborted
-                call.aborted |= found
-                hit |= found
-            for rid in wanted:
-                if rid in self._inflight:
-                    hit.add(rid)
-                    rids += sorted(self._inflight[rid])
-            self._cv.notify_all()
-        if rids and not self._stopped():
-            self._abort_rids(rids)
-            # a row whose HTTP call has not reached the server yet misses the first abort; once more
-            threading.Timer(0.25, self._abort_rids, args=(rids, True)).start()
-        return len(hit)
-
     def health(self) -> dict[str, Any]:
-        """``ok``: the process runs, the engine is not dead, and ``/health`` answered within ``health_timeout_s``."""
+        """``ok``: the process runs, the engine is not dead, and ``/health`` answered within ``health_timeout_s``.
+
+        ``running``: rows in flight on the server; ``waiting``: calls held by a pause or a weight update;
+        ``busy_s``: seconds with at least one generate request in flight on the server since the engine
+        started, ``clock_s``: the engine's ``time.perf_counter()`` (two readings give the busy share).
+        """
         ok = not self._stopped() and self.server.healthy(self.health_timeout_s)
-        with self._cv:
-            inflight, waiting = sum(len(v) for v in self._inflight.values()), len(self._held)
         return {"ok": ok, "version": self._version, "engine_id": self.engine_id, "pid": self.server.pid,
-                "url": self.server.url, "paused": self._paused, "running": inflight, "waiting": waiting,
+                "url": self.server.url, "paused": self._paused, **self._activity(), "updating": self._updating,
                 "dead": self._dead, "closed": self._closed, "log": str(self.server.log_path)}
 
     def weight_version(self) -> int:
@@ -407,44 +374,36 @@ class SGLangEngine(Reusable):
         """Kill the server (its whole process group) and remove the weight directories; calls in flight fail."""
         with self._cv:
             self._closed = True
+            self._stop_watch.set()
             self._cv.notify_all()
         self.server.kill()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     def _end_job(self) -> None:
-        """Parking (:mod:`miles.backends.reuse`): the server goes with the job."""
-        self.close()
+        """Parking (:mod:`miles.backends.reuse`): an idle, healthy server is kept (unpaused) for the next
+        engine constructed in this process (:meth:`_take_kept`); otherwise it goes with the job. A kept
+        server dies with the actor, as any server does."""
+        global _KEPT
+        with self._cv:
+            keep = not self._stopped() and not self._posts and not getattr(self, "_released", False)
+            self._closed = True
+            self._stop_watch.set()
+            self._cv.notify_all()
+        try:
+            if keep and self._paused:
+                self.server.post("/continue_generation", {}, timeout_s=_CONTROL_TIMEOUT_S)
+            keep = keep and self.server.healthy(self.health_timeout_s)
+        except (OSError, ServerHTTPError, ValueError):
+            keep = False
+        if keep:
+            if _KEPT is not None:
+                _KEPT[1].kill()
+            _KEPT = (self._launch, self.server)
+        else:
+            self.server.kill()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     # ---- HTTP calls -----------------------------------------------------------------------------
-
-    def _post_generate(self, rows: list[tuple[int, GenerateRequest, SamplingParams, int, int]],
-                       rids: list[str]) -> list[dict[str, Any]]:
-        body: dict[str, Any] = {
-            "input_ids": [list(r.prompt_ids) for _, r, _, _, _ in rows],
-            "sampling_params": [sampling_params(sp, seed, j) for _, _, sp, j, seed in rows],
-            "rid": rids,
-            "return_logprob": True,
-        }
-        if any(sp.logprobs_top_k for _, _, sp, _, _ in rows):
-            body["top_logprobs_num"] = [sp.logprobs_top_k for _, _, sp, _, _ in rows]
-        if self.capture_routing:
-            body["return_routed_experts"] = True
-        try:
-            outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
-        except (OSError, ServerHTTPError, ValueError) as e:
-            self._raise_if_dead("generate")
-            if isinstance(e, TimeoutError) or "timed out" in str(e):
-                self._abort_rids(rids, quiet=True)
-                raise RuntimeError(f"engine {self.engine_id}: SGLang did not answer a generate call of {len(rows)} "
-                                   f"row(s) within rollout.engine.request_timeout_s={self.request_timeout_s:g}s; "
-                                   "its rows were aborted") from e
-            raise RuntimeError(f"engine {self.engine_id}: SGLang generate failed: {e}") from e
-        if isinstance(outs, dict):
-            outs = [outs]
-        if not isinstance(outs, list) or len(outs) != len(rows):
-            raise RuntimeError(f"engine {self.engine_id}: SGLang answered {type(outs).__name__} "
-                               f"{len(outs) if isinstance(outs, list) else ''} for {len(rows)} rows")
-        return outs
 
     def _control(self, path: str, body: dict[str, Any], timeout_s: float = _CONTROL_TIMEOUT_S) -> Any:
         try:
@@ -453,42 +412,26 @@ class SGLangEngine(Reusable):
             self._raise_if_dead(path.lstrip("/"))
             raise RuntimeError(f"engine {self.engine_id}: SGLang {path} failed: {e}") from e
 
-    def _abort_rids(self, rids: list[str], quiet: bool = False) -> None:
-        for rid in rids:
-            if self._stopped():
-                return
-            try:
-                self.server.post("/abort_request", {"rid": rid}, timeout_s=min(5.0, self.health_timeout_s))
-            except (OSError, ServerHTTPError, ValueError) as e:
-                if not quiet:
-                    log.warning("engine %d: abort of %s failed: %s", self.engine_id, rid, e)
-                return
-
-    # ---- requests and results -------------------------------------------------------------------
-
-    def _request_seed(self, r: GenerateRequest, sp: SamplingParams) -> int:
-        seed = r.seed if r.seed is not None else sp.seed
-        if seed is None:
-            with self._cv:
-                seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return seed
-
     # ---- liveness -------------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Every ``health_interval_s``: the process runs and answers ``/health``; else the engine is dead."""
+    def _watch(self, server: SGLangServer, stop: threading.Event) -> None:
+        """Every ``health_interval_s``: the process runs and answers ``/health``; else the engine is dead.
+        Ends when ``stop`` is set (the job ends; a kept server is watched by the next job's engine)."""
+        interval, timeout, limit = self.health_interval_s, self.health_timeout_s, self.max_health_failures
         misses = 0
-        while not self._closed and self._dead is None:
-            if self.server.exited.wait(self.health_interval_s):
+        while True:
+            exited = server.exited.wait(interval)
+            if stop.is_set() or self._dead is not None:
+                return
+            if exited:
                 self._die_exited()
                 return
-            if self._closed:
+            misses = 0 if server.healthy(timeout) else misses + 1
+            if stop.is_set():
                 return
-            misses = 0 if self.server.healthy(self.health_timeout_s) else misses + 1
-            if misses >= self.max_health_failures:
-                self._die(f"the SGLang server (pid {self.server.pid}) did not answer /health within "
-                          f"{self.health_timeout_s:g} s {misses} times in a row (hung or stopped); it was killed "
-                          f"(log: {self.server.log_path})")
+            if misses >= limit:
+                self._die(f"the SGLang server (pid {server.pid}) did not answer /health within {timeout:g} s "
+                          f"{misses} times in a row (hung or stopped); it was killed (log: {server.log_path})")
                 return
 
     def _die_exited(self) -> None:
