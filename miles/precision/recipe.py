@@ -128,24 +128,32 @@ def _ste(fq: Callable[[Tensor], Tensor], w: Tensor) -> Tensor:
     return w + (fq(w.detach()) - w).detach()
 
 
-def quantize_train_forward(model: nn.Module, precision: PrecisionConfig) -> list[str]:
+def quantize_train_forward(model: nn.Module, precision: PrecisionConfig, *,
+                           select: Callable[[str, Tensor], bool] = is_quantized_weight,
+                           dtype: torch.dtype | None = None) -> list[str]:
     """Make ``model``'s forward compute with ``precision.train_quant`` weights, gradients straight through.
 
-    Each module owning a weight that :func:`is_quantized_weight` selects gets its ``forward``
-    wrapped (on the instance, like activation checkpointing): for the duration of the call the
-    parameter is swapped for ``w + (fake_quant(w) - w).detach()``, then restored. The parameter is
-    read at call time, so the wrap composes with FSDP2 (which installs the unsharded parameter before
-    the layer's forward) and with activation checkpointing (the recompute quantizes again).
-    Returns the wrapped parameter names (empty for ``"none"``). Parameter names and state dicts
-    are unchanged.
+    Each module owning a weight that ``select(name, tensor)`` picks (default :func:`is_quantized_weight`
+    on HF names) gets its ``forward`` wrapped (on the instance, like activation checkpointing): for the
+    duration of the call the parameter is swapped for ``w + (fake_quant(w) - w).detach()``, then
+    restored. The parameter is read at call time, so the wrap composes with FSDP2 (which installs the
+    unsharded parameter before the layer's forward) and with activation checkpointing (the recompute
+    quantizes again). ``dtype``: quantize ``w`` rounded to it (the dtype autocast computes in), the result
+    back in ``w``'s dtype. Returns the wrapped parameter names (empty for ``"none"``). Parameter names
+    and state dicts are unchanged.
     """
     if precision.train_quant == "none":
         return []
     fq = fake_quantizer(precision.train_quant, precision.quant_block_size)
+    if dtype is not None:
+        fq_in_own_dtype = fq
+
+        def fq(w: Tensor) -> Tensor:
+            return fq_in_own_dtype(w.to(dtype)).to(w.dtype)
     wrapped: list[str] = []
     for mod_name, module in model.named_modules():
         names = [n for n, p in module.named_parameters(recurse=False)
-                 if is_quantized_weight(f"{mod_name}.{n}" if mod_name else n, p)]
+                 if select(f"{mod_name}.{n}" if mod_name else n, p)]
         if names:
             module.forward = _swapping_forward(module, names, fq)
             wrapped += [f"{mod_name}.{n}" for n in names]

@@ -7,8 +7,8 @@ megatron: :class:`MegatronTrainer` is loaded on first access, and megatron with 
 Modules: :mod:`.arch` (what is read from the HF config), :mod:`.dims` (parallel sizes, validated
 together), :mod:`.compat` (CPU redirects), :mod:`.model` (the ``GPTModel``), :mod:`.mapping` and
 :mod:`.collect` (HF <-> megatron shards), :mod:`.logits` (vocab-parallel log-probs), :mod:`.grads`
-(global grad-norm clipping), :mod:`.engine` (groups, passes, reductions), :mod:`.state`
-(checkpoints), :mod:`.trainer`.
+(global grad-norm clipping), :mod:`.quant` (quantization-aware forward), :mod:`.replay` (MoE routing
+replay), :mod:`.engine` (groups, passes, reductions), :mod:`.state` (checkpoints), :mod:`.trainer`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from miles.config.schema import PrecisionConfig
 from miles.train.batching import PaddedBatch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.collect import ShardedIO
@@ -38,6 +39,8 @@ from miles.train.megatron.grads import clip_, global_grad_norm
 from miles.train.megatron.logits import vocab_parallel_logp_entropy
 from miles.train.megatron.mapping import padded_vocab
 from miles.train.megatron.model import build_gpt_model, causal_mask, transformer_config
+from miles.train.megatron.quant import quantize_megatron_forward
+from miles.train.megatron.replay import RouteReplay
 
 Objective = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(micro-batch index, logp [B, Tr], entropy [B, Tr]) -> loss share`` (called on the last stage)."""
@@ -47,12 +50,15 @@ class Engine:
     """Parallel groups, models and passes of one rank (see the module docstring)."""
 
     def __init__(self, arch: Arch, dims: ParallelDims, hf_shapes: Mapping[str, tuple[int, ...]], *, seed: int,
-                 device: torch.device, bf16: bool = False) -> None:
+                 device: torch.device, bf16: bool = False, precision: PrecisionConfig | None = None,
+                 routing_replay: bool = False) -> None:
         if device.type == "cpu" and torch.cuda.is_available():
             raise ValueError("the megatron trainer on the CPU in a process that sees a CUDA device: megatron-core "
                              "allocates on the current CUDA device there. Use placement.device=cuda, or hide the "
                              "GPUs from the trainer (CUDA_VISIBLE_DEVICES=)")
         self.arch, self.dims, self.device, self.bf16 = arch, dims, device, bf16
+        self.precision, self.routing_replay = precision or PrecisionConfig(), routing_replay
+        self.replays: dict[int, RouteReplay] = {}  # per model (the object passes get), MoE only
         logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every bucket's parameters
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      expert_model_parallel_size=dims.ep)
@@ -86,12 +92,17 @@ class Engine:
         model.eval()  # dropout is 0 anyway; the same mode as FSDP's model and the engines'
         if model.post_process:
             model.output_layer.register_forward_pre_hook(self._keep_positions, with_kwargs=True)
+        quantize_megatron_forward(model, self.io.entries, self.precision, bf16=self.bf16)  # precision.train_quant
         if not trainable:
             model.requires_grad_(False)
-            return model
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
-        return DistributedDataParallel(config, ddp, model)
+            wrapped = model
+        else:
+            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+            wrapped = DistributedDataParallel(config, ddp, model)
+        if self.arch.is_moe:  # routes are measured whenever a batch carries them, replayed under routing replay
+            self.replays[id(wrapped)] = RouteReplay(model, self.arch, replay=self.routing_replay)
+        return wrapped
 
     def _keep_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Forward pre-hook of the output layer: only the hidden states at ``self._keep`` ([S, B, H] ->
@@ -120,6 +131,7 @@ class Engine:
         """Every micro-batch through megatron's schedule; ``on_logits(j, logits)`` on the last stage returns
         the loss share to backpropagate. logits: [B, Tr, V/TP] at the positions that predict the response
         tokens (``logit_index``), or [B, L, V/TP] at every position without ``responses_only``."""
+        replay = self.replays.get(id(model))
 
         def loss_func(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss = on_logits(j, logits)
@@ -129,8 +141,12 @@ class Engine:
             j = next(data_iterator)  # type: ignore[call-overload]
             p = micro[j]
             self._keep = p.logit_index if responses_only else None
+            if replay is not None:  # this micro-batch's routes, in its forward and its backward's recomputes
+                replay.set_routes(p.routes)
             out = model(input_ids=p.input_ids, position_ids=p.position_ids,
                         attention_mask=causal_mask(p.input_ids.shape[1], self.device))
+            if replay is not None:
+                replay.hold(out, p.routes)
             return out, functools.partial(loss_func, j)
 
         get_forward_backward_func()(
@@ -194,6 +210,12 @@ class Engine:
 
         self._run(model, micro, keep, forward_only=True, responses_only=False)
         return out
+
+    def route_counts(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """The routing-replay counts of ``model`` since the last call, summed over every rank (None: no MoE).
+        Collective (:mod:`.replay`)."""
+        replay = self.replays.get(id(model))
+        return None if replay is None else self.world_sum(replay.take_counts())
 
     # --- gradients ---------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ local ``DotProductAttention``), configured from :class:`~miles.train.megatron.ar
   :class:`HFTopKRouter` (transformers' Qwen3-MoE routing, :func:`hf_topk_routing`);
 * embeddings: tied or untied as in the checkpoint; the vocabulary padded up to a multiple of TP
   (:func:`padded_vocab_size`; padded logits are masked in :mod:`.logits`);
-* numerics: fp32 parameters and compute on the CPU (bf16 refused there); on CUDA, bf16 compute under
-  megatron's autocast with fp32 parameters (untested on a GPU). Every fusion and every dropout is
-  off, so the forward is deterministic and matches transformers' to fp32 rounding
-  (``tests/test_megatron.py``).
+* numerics: fp32 parameters; fp32 compute, or with ``precision.train_dtype=bfloat16`` bf16 compute under
+  megatron's autocast (``enable_autocast``; on the CPU through :mod:`.compat`, tested; on CUDA untested
+  on a GPU). Every fusion and every dropout is off, so the fp32 forward is deterministic and matches
+  transformers' to fp32 rounding (``tests/test_megatron.py``).
 """
 
 from __future__ import annotations
@@ -60,22 +60,29 @@ def hf_topk_routing(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tup
 
 
 class HFTopKRouter(TopKRouter):
-    """megatron's ``TopKRouter`` (gating GEMM, dispatch interface) with :func:`hf_topk_routing`."""
+    """megatron's ``TopKRouter`` (gating GEMM, dispatch interface) with :func:`hf_topk_routing`; with a
+    :class:`~miles.train.megatron.replay.RouteReplay` attached (``replay``), the rollout's experts."""
 
     def __init__(self, config: TransformerConfig, pg_collection: Any = None, *, normalize: bool = True) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.normalize = normalize
+        self.replay: Any = None
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return hf_topk_routing(logits.view(-1, self.config.num_moe_experts), self.topk, normalize=self.normalize)
+        logits = logits.view(-1, self.config.num_moe_experts)
+        probs, routing_map = hf_topk_routing(logits, self.topk, normalize=self.normalize)
+        if self.replay is not None:
+            return self.replay.route(self, logits, probs, routing_map)
+        return probs, routing_map
 
 
 def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = False) -> TransformerConfig:
     """megatron's ``TransformerConfig`` for ``arch`` over ``dims`` (fusions and dropout off).
 
     Parameters are fp32 (they are the master weights AdamW updates); ``bf16_autocast`` runs the forward
-    under megatron's ``enable_autocast`` (``torch.autocast("cuda", bfloat16)``: CUDA only, untested on a GPU).
+    under megatron's ``enable_autocast`` (``torch.autocast("cuda", bfloat16)``, which :mod:`.compat` makes
+    CPU autocast in a process without CUDA; untested on a GPU).
     """
     moe: dict[str, Any] = {}
     if arch.is_moe:

@@ -28,8 +28,18 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
    :func:`miles.train.optim.lr_multiplier`, unless the loss or the norm is not finite (skipped and
    counted). Metrics (same names as FSDP's) are summed over replicas and read by every rank.
 
+Precision and MoE options, as the FSDP trainer's: ``precision.train_dtype=bfloat16`` computes in bf16
+under megatron's autocast with fp32 weights, gradients and AdamW state (on the CPU through
+:mod:`.compat`; FSDP instead computes with bf16 copies of the weights, so the two agree to bf16
+rounding, not bit for bit); ``precision.train_quant`` (``int4``, ``mxfp8``) runs every forward with
+fake-quantized linear weights, gradients straight through, the same numbers as FSDP's (:mod:`.quant`);
+on MoE models the routers measure the rollout's routes of a batch that carries them
+(``moe/route_agreement``, ``moe/replayed_route_share``) and, with ``algo.routing_replay=rollout``,
+send every token to the engine's experts in the policy and the reference model (:mod:`.replay`).
+
 Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
-``trainer.activation_checkpointing``, bf16 on CPU, MoE with TP > 1.
+``trainer.activation_checkpointing``, MoE with TP > 1, ``precision.train_quant`` ``fp8_block`` /
+``nvfp4``, and QAT at a TP size that cuts a quantization block of a row-parallel layer (:mod:`.quant`).
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ from miles.train.batching import (
 )
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
+from miles.train.megatron.quant import check_train_quant
+from miles.train.megatron.replay import route_metrics
 from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_scheduler
 from miles.train.rank import init_device_and_group, pad_token_id
@@ -98,26 +110,15 @@ class MegatronTrainer(Reusable):
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
                               "(transformers) forward; use trainer=fsdp")
-        if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: the megatron trainer's router does not replay routes; "
-                              "routing replay runs in the FSDP trainer with the torch engine: use trainer=fsdp "
-                              "rollout=torch, or algo.routing_replay=off")
-        if run.precision.train_quant != "none":
-            raise ConfigError(f"precision.train_quant={run.precision.train_quant}: the megatron trainer has no "
-                              "quantization-aware forward; use trainer=fsdp, or a recipe with train_quant: none")
-        # placement.device=auto is the CPU unless the driver sees CUDA (a joined GPU cluster is checked by the ranks)
-        on_cpu = run.placement.device == "cpu" or (run.placement.device == "auto" and not torch.cuda.is_available())
-        if run.precision.train_dtype != "float32" and on_cpu:
-            raise ConfigError(f"precision.train_dtype={run.precision.train_dtype} on the CPU: the "
-                              "megatron trainer computes in fp32 on the CPU (megatron-core's bf16 paths need CUDA); "
-                              "use precision=fp32 or trainer=fsdp")
         node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
         spec = build(node, allow=run.plugins.allow, key="model._target_")
         try:
             arch = Arch.from_hf(spec.hf_config)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
-        check_dims(_dims(run, run.placement.trainer_world_size), arch)
+        dims = _dims(run, run.placement.trainer_world_size)
+        check_dims(dims, arch)
+        check_train_quant(run.precision, arch, dims)
 
     def __init__(
         self,
@@ -136,9 +137,6 @@ class MegatronTrainer(Reusable):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         t = run.trainer
-        if device == "cpu" and run.precision.train_dtype != "float32":
-            raise ValueError(f"precision.train_dtype={run.precision.train_dtype}: the megatron trainer computes in "
-                             "fp32 on the CPU (megatron-core's bf16 paths need CUDA); use precision=fp32")
         self.rank, self.world_size, self.run = rank, world_size, run
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
@@ -158,7 +156,8 @@ class MegatronTrainer(Reusable):
         self.hf_param_names = [n for n, _ in hf.named_parameters()]
         del hf
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
-                                    bf16=run.precision.train_dtype == "bfloat16")
+                                    bf16=run.precision.train_dtype == "bfloat16", precision=run.precision,
+                                    routing_replay=run.algo.routing_replay == "rollout")
         self.model = self.engine.build(hf_sd, trainable=True)
         self.ref_model = self.engine.build(hf_sd, trainable=False) if run.algo.kl_coef > 0 else None
         del hf_sd
@@ -168,9 +167,12 @@ class MegatronTrainer(Reusable):
         self.scheduler = lr_scheduler(self.optimizer, run)
         self.metric_names = self._metric_names()
         if rank == 0:
-            log.info("megatron trainer: %s over %d rank(s), %s", self.dims.describe(), world_size,
+            p = run.precision
+            log.info("megatron trainer: %s over %d rank(s), %s; compute %s%s%s", self.dims.describe(), world_size,
                      "MoE " + f"{self.arch.num_experts} experts top-{self.arch.moe_top_k}" if self.arch.is_moe
-                     else "dense")
+                     else "dense", "bf16 (autocast over fp32 weights)" if p.train_dtype == "bfloat16" else "fp32",
+                     f", {p.train_quant} weights (QAT)" if p.train_quant != "none" else "",
+                     ", replaying the rollout's routes" if run.algo.routing_replay == "rollout" else "")
 
     # --- batches -----------------------------------------------------------------------------------
 
@@ -251,6 +253,7 @@ class MegatronTrainer(Reusable):
         """
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
+        self.engine.route_counts(self.model)  # count this step's passes only
         plans, counts, old, ref = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
@@ -282,6 +285,9 @@ class MegatronTrainer(Reusable):
         out["train/trainable_param_frac"] = 1.0  # every parameter trains (no adapters on this trainer)
         out["train/num_tokens"] = float(counts[:, 0].sum())
         out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
+        routes = self.engine.route_counts(self.model)
+        if routes is not None:  # MoE: how the routes of a batch that carries them were used (.replay)
+            out |= route_metrics(routes)
         forward_tokens = float(sum(p.input_ids.numel() for micro in plans for p in micro))
         out["perf/train_forward_tokens"] = float(self.engine.dp_sum(torch.tensor([forward_tokens])))
         elapsed = self.engine.world_max(torch.tensor([time.perf_counter() - start]))
