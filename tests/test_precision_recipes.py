@@ -85,10 +85,11 @@ def test_backends_refuse_formats_they_cannot_run() -> None:
 
     with pytest.raises(ConfigError, match="the SGLang engine serves unquantized weights"):
         backends(_run(["rollout=sglang", "precision=nvfp4", "placement.offload_engines=false"]))
-    pytest.importorskip("megatron.core")
-    with pytest.raises(ConfigError, match="megatron trainer has no quantization-aware forward"):
-        backends(_run(["trainer=megatron", "precision=fp32", "precision.rollout_quant=int4",
-                       "precision.train_quant=int4"]))
+    # megatron: the 1-D block formats only (tests/test_megatron_replay_precision.py); its check imports no megatron
+    backends(_run(["trainer=megatron", "precision=int4_qat"]))
+    with pytest.raises(ConfigError, match="precision.train_quant=nvfp4: the megatron trainer quantizes its forward "
+                                          "with the 1-D block formats"):
+        backends(_run(["trainer=megatron", "precision=nvfp4", "precision.train_quant=nvfp4"]))
 
 
 def _load(path: Path) -> torch.nn.Module:
