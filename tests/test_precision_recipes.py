@@ -129,3 +129,27 @@ def test_train_quant_none_wraps_nothing(tiny_qwen3_dir: Path) -> None:
     forward = model.model.layers[0].self_attn.q_proj.forward
     assert quantize_train_forward(model, PrecisionConfig()) == []
     assert model.model.layers[0].self_attn.q_proj.forward == forward
+
+
+def test_train_forward_quantizes_in_the_compute_dtype_as_the_engine_does() -> None:
+    """``dtype=bfloat16`` (a forward under bf16 autocast over fp32 weights, the megatron trainer's): the weight the
+    forward sees is the engine's quantization of its bf16 weights, exactly, and gradients pass straight through."""
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 96, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self) -> torch.Tensor:
+            return self.weight
+
+    precision = PrecisionConfig(rollout_quant="int4", train_quant="int4", quant_block_size=32)
+    model = Probe()
+    assert quantize_train_forward(model, precision, select=lambda name, _t: name == "weight",
+                                  dtype=torch.bfloat16) == ["weight"]
+    seen = model()
+    served = apply_rollout_quant({"layer.weight": model.weight.detach().to(torch.bfloat16)}, precision)["layer.weight"]
+    assert seen.dtype == torch.float32 and torch.equal(seen, served.float())
+    assert not torch.equal(seen, apply_rollout_quant({"layer.weight": model.weight.detach()}, precision)["layer.weight"])
+    seen.square().sum().backward()
+    assert torch.equal(model.weight.grad, 2 * seen.detach())

@@ -156,7 +156,7 @@ def quantize_train_forward(model: nn.Module, precision: PrecisionConfig, *,
                  if select(f"{mod_name}.{n}" if mod_name else n, p)]
         if names:
             module.forward = _swapping_forward(module, names, fq)
-            wrapped += [f"{mod_name}.{n}" for n in names]
+            wrapped += [f"{mod_name}.{n}" if mod_name else n for n in names]
     return wrapped
 
 
