@@ -2,7 +2,7 @@
 
 Layouts on two ranks (session fixture ``megatron_pair``, the ranks of ``tests/test_megatron.py``): EP=2 and PP=2
 (1F1B with several micro-batches; EP=1) replaying the routes a perturbed-router engine recorded, TP=2 with
-mxfp8 and int4 QAT, and EP=2 in bf16 with replay. In fp32 Megatron computes what FSDP computes to fp32
+mxfp8 and int4 QAT, and bf16 at TP=2, PP=2 (the stages exchange bf16 activations) and EP=2 with replay. In fp32 Megatron computes what FSDP computes to fp32
 rounding (the tolerances of ``tests/test_megatron.py``); in bf16 both trainers compute in bf16 by other
 kernels (FSDP: bf16 weights; megatron: autocast over fp32 weights), measured at most 5e-3 apart in
 log-probs and 3e-2 relative in gradients here, so bf16 is checked at 2e-2 / 1e-1 and against fp32 (it
@@ -44,6 +44,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "replay": ("moe", {"algo": {"routing_replay": "rollout"}}),
     "mxfp8": ("dense", {"precision": {"rollout_quant": "mxfp8", "train_quant": "mxfp8", "quant_block_size": 32}}),
     "int4": ("dense", {"precision": {"rollout_quant": "int4", "train_quant": "int4", "quant_block_size": 32}}),
+    "bf16": ("dense", {"precision": BF16}),
     "bf16_replay": ("moe", {"algo": {"routing_replay": "rollout"}, "precision": BF16}),
 }
 LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
@@ -51,6 +52,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
     "pp2_replay": ("replay", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
     "tp2_mxfp8": ("mxfp8", {"tensor_parallel": 2}),
     "tp2_int4": ("int4", {"tensor_parallel": 2}),
+    "tp2_bf16": ("bf16", {"tensor_parallel": 2}),
+    "pp2_bf16": ("bf16", {"pipeline_parallel": 2, "max_tokens_per_microbatch": 24}),
     "ep2_bf16_replay": ("bf16_replay", {"expert_parallel": 2, "max_tokens_per_microbatch": 24}),
 }
 AUTOCAST_SITE = {"pipeline_parallel/schedules.py:418": "torch.autocast('cuda')"}
@@ -205,8 +208,8 @@ def test_layout_computes_what_fsdp_computes(layouts: dict[str, dict[str, Any]], 
         assert m["moe/replayed_route_share"] == 1.0 and 0.5 < m["moe/route_agreement"] < 1
     # bf16 is megatron's autocast, on the CPU through the compatibility layer; and it is not fp32
     assert (AUTOCAST_SITE.items() <= got["sites"].items()) == bf16
-    if bf16:
-        fp32 = references["replay"].logprobs
+    if bf16:  # the same batch in fp32: FSDP's under replay, else transformers' (the batch's rollout log-probs)
+        fp32 = references["replay"].logprobs if "replay" in variant else ref.batch.rollout_logprobs
         assert max(abs(a - b) for x, y in zip(got["logprobs"][0], fp32, strict=True)
                    for a, b in zip(x, y, strict=True)) > 1e-4
 

@@ -100,7 +100,8 @@ def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = 
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        # stages exchange what the layers output: bf16 under autocast (an fp32 buffer would misread the bytes)
+        params_dtype=torch.float32, pipeline_dtype=torch.bfloat16 if bf16_autocast else torch.float32,
         enable_autocast=bf16_autocast, autocast_dtype=torch.bfloat16 if bf16_autocast else None,
         use_cpu_initialization=True, perform_initialization=False,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
