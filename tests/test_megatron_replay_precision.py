@@ -4,9 +4,9 @@ Layouts on two ranks (session fixture ``megatron_pair``, the ranks of ``tests/te
 (1F1B with several micro-batches; EP=1) replaying the routes a perturbed-router engine recorded, TP=2 with
 mxfp8 and int4 QAT, and bf16 at TP=2, PP=2 (the stages exchange bf16 activations) and EP=2 with replay. In fp32 Megatron computes what FSDP computes to fp32
 rounding (the tolerances of ``tests/test_megatron.py``); in bf16 both trainers compute in bf16 by other
-kernels (FSDP: bf16 weights; megatron: autocast over fp32 weights), measured at most 5e-3 apart in
-log-probs and 3e-2 relative in gradients here, so bf16 is checked at 2e-2 / 1e-1 and against fp32 (it
-must differ from it).
+kernels (FSDP: bf16 weights; megatron: autocast over fp32 weights), measured at most 3.4e-3 apart in
+log-probs, 3.2e-2 in gradients (per tensor, relative to its norm) and 3.7e-4 in the weights after a
+step, so bf16 is checked at 2e-2 / 1e-1 / 1e-3, and against fp32 (it must differ from it).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def engine_routes(ckpt: Path, batch: Any) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for router in find_routers(hf):
-            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
+            router.weight.add_(0.2 * torch.randn(router.weight.shape, generator=g))
     captured: list[torch.Tensor] = []
     for router in find_routers(hf):
         router.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))
@@ -205,7 +205,7 @@ def test_layout_computes_what_fsdp_computes(layouts: dict[str, dict[str, Any]], 
     for k, v in ref.after.items():
         torch.testing.assert_close(got["after"][k], v, atol=1e-3 if bf16 else 3e-5, rtol=0, msg=k)
     if "replay" in variant:
-        assert m["moe/replayed_route_share"] == 1.0 and 0.5 < m["moe/route_agreement"] < 1
+        assert m["moe/replayed_route_share"] == 1.0 and 0 < m["moe/route_agreement"] < 1
     # bf16 is megatron's autocast, on the CPU through the compatibility layer; and it is not fp32
     assert (AUTOCAST_SITE.items() <= got["sites"].items()) == bf16
     if bf16:  # the same batch in fp32: FSDP's under replay, else transformers' (the batch's rollout log-probs)
