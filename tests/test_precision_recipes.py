@@ -45,6 +45,19 @@ def test_shipped_recipes_and_their_mismatch_correction(recipe, rollout, train, b
     assert numerics_differ(p) == (clip is not None)
 
 
+@pytest.mark.parametrize("recipe,clip", [("fp32", None), ("bf16", 2.0), ("fp8", 2.0), ("mxfp8", 2.0),
+                                         ("int4_qat", 2.0)])
+def test_another_implementation_of_the_model_in_bf16_counts_as_other_numerics(recipe: str, clip: float | None) -> None:
+    """A trainer whose model is not the engine's (``same_forward=False``: megatron) corrects bf16 recipes too."""
+    p = _run([f"precision={recipe}"]).precision
+    assert effective_tis_clip(p, same_forward=False) == clip
+    assert numerics_differ(p, same_forward=False) == (clip is not None)
+    off = dataclasses.replace(p, mismatch_correction="off")
+    assert (mismatch_warning(off, same_forward=False) is not None) == (clip is not None)
+    if recipe in ("bf16", "mxfp8", "int4_qat"):  # the same recipes with the engine's own model: nothing to correct
+        assert effective_tis_clip(p) is None and mismatch_warning(off) is None
+
+
 def test_mismatch_correction_modes() -> None:
     same, differ = PrecisionConfig(), PrecisionConfig(rollout_dtype="bfloat16")
     assert numerics_differ(differ) and not numerics_differ(same)

@@ -177,33 +177,38 @@ def _swapping_forward(module: nn.Module, names: list[str], fq: Callable[[Tensor]
     return quantized
 
 
-def numerics_differ(precision: PrecisionConfig) -> bool:
-    """Whether rollout and training compute with different dtypes or weight formats."""
-    return (precision.rollout_dtype != precision.train_dtype
-            or precision.rollout_quant != precision.train_quant)
+def numerics_differ(precision: PrecisionConfig, *, same_forward: bool = True) -> bool:
+    """Whether rollout and training compute with different dtypes or weight formats, or, for a trainer whose
+    model is another implementation than the engine's (``same_forward=False``: the megatron trainer against
+    transformers' forward), in bf16 on either side: there the two implementations' kernels round apart
+    (megatron vs the torch engine in bf16: 4e-3 to 6e-3 nats per token on the warm-started tiny MoE, against
+    1e-7 to 3e-7 in fp32; docs/benchmarks.md)."""
+    if precision.rollout_dtype != precision.train_dtype or precision.rollout_quant != precision.train_quant:
+        return True
+    return not same_forward and "bfloat16" in (precision.rollout_dtype, precision.train_dtype)
 
 
-def effective_tis_clip(precision: PrecisionConfig) -> float | None:
+def effective_tis_clip(precision: PrecisionConfig, *, same_forward: bool = True) -> float | None:
     """The TIS / MIS threshold the trainer applies (None: no mismatch correction).
 
     ``mismatch_correction``: ``off`` -> None; ``on`` -> ``tis_clip`` (or :data:`DEFAULT_TIS_CLIP`
-    when null); ``auto`` -> like ``on`` when :func:`numerics_differ`, else ``tis_clip`` as set
-    (null by default: no correction where both sides compute alike).
+    when null); ``auto`` -> like ``on`` when :func:`numerics_differ` (``same_forward`` as there), else
+    ``tis_clip`` as set (null by default: no correction where both sides compute alike).
     """
     mode = precision.mismatch_correction
     if mode == "off":
         return None
-    if mode == "on" or numerics_differ(precision):
+    if mode == "on" or numerics_differ(precision, same_forward=same_forward):
         return precision.tis_clip if precision.tis_clip is not None else DEFAULT_TIS_CLIP
     return precision.tis_clip
 
 
-def mismatch_warning(precision: PrecisionConfig) -> str | None:
+def mismatch_warning(precision: PrecisionConfig, *, same_forward: bool = True) -> str | None:
     """The warning a run gets when its numerics differ and mismatch correction is off, else None."""
-    if precision.mismatch_correction == "off" and numerics_differ(precision):
+    if precision.mismatch_correction == "off" and numerics_differ(precision, same_forward=same_forward):
         return (f"precision {precision.name}: rollout ({precision.rollout_dtype}, weights "
                 f"{precision.rollout_quant}) and training ({precision.train_dtype}, weights "
-                f"{precision.train_quant}) compute differently, and precision.mismatch_correction=off: "
-                "the policy gradient uses off-policy samples uncorrected. Set it to auto to truncate "
-                "the importance ratios (TIS).")
+                f"{precision.train_quant}{'' if same_forward else ', another implementation of the model'}) "
+                "compute differently, and precision.mismatch_correction=off: the policy gradient uses off-policy "
+                "samples uncorrected. Set it to auto to truncate the importance ratios (TIS).")
     return None

@@ -56,6 +56,7 @@ from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
+from miles.precision.recipe import mismatch_warning, numerics_differ
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -138,6 +139,9 @@ class MegatronTrainer(Reusable):
             torch.set_num_threads(num_threads)
         t = run.trainer
         self.rank, self.world_size, self.run = rank, world_size, run
+        # megatron's model is not the engine's (transformers'): in bf16 their kernels round apart, which
+        # mismatch correction treats as a difference in numerics (miles.precision.recipe.numerics_differ)
+        self.mismatch = mismatch_settings(run, same_forward=False)
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
@@ -173,6 +177,14 @@ class MegatronTrainer(Reusable):
                      else "dense", "bf16 (autocast over fp32 weights)" if p.train_dtype == "bfloat16" else "fp32",
                      f", {p.train_quant} weights (QAT)" if p.train_quant != "none" else "",
                      ", replaying the rollout's routes" if run.algo.routing_replay == "rollout" else "")
+            if numerics_differ(p, same_forward=False) and not numerics_differ(p):
+                if (warning := mismatch_warning(p, same_forward=False)) is not None:
+                    log.warning(warning)
+                elif p.mismatch_correction == "auto":
+                    log.info("precision %s: mismatch correction on (%s at %s): the engine computes in %s with "
+                             "transformers' model, this trainer with megatron's, whose bf16 kernels round apart "
+                             "(precision.mismatch_correction=auto)", p.name, p.mismatch_mode,
+                             self.mismatch["tis_clip"], p.rollout_dtype)
 
     # --- batches -----------------------------------------------------------------------------------
 
@@ -189,7 +201,7 @@ class MegatronTrainer(Reusable):
         run = self.run
         return policy_objective(
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
-            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **mismatch_settings(run),
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **self.mismatch,
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
 
     def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
