@@ -260,8 +260,7 @@ def _recipe(name: str) -> Any:
 
 
 @pytest.mark.parametrize("recipe", ["int4_qat", "mxfp8"])
-def test_one_rank_qat_recipes_compute_what_fsdp_computes(checkpoints: dict[str, Path], recipe: str,
-                                                         caplog: pytest.LogCaptureFixture):
+def test_one_rank_qat_recipes_compute_what_fsdp_computes(checkpoints: dict[str, Path], recipe: str):
     """The shipped QAT recipes at TP=1: in fp32, FSDP's numbers to fp32 rounding; as shipped (bf16), to bf16
     rounding, and with mismatch correction on under ``auto`` (megatron's bf16 kernels are not the engine's)."""
     ckpt = checkpoints["moe"]
@@ -276,13 +275,10 @@ def test_one_rank_qat_recipes_compute_what_fsdp_computes(checkpoints: dict[str, 
         fsdp_run = dataclasses.replace(base, precision=dataclasses.replace(precision, mismatch_correction="on"))
         with local_trainer(ckpt, fsdp_run if bf16 else run) as t:
             want_logp, want_grads = t.compute_logprobs(batch), t.compute_gradients(batch)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="miles.train.megatron.trainer"):
-            trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                                      checkpoint_dir=str(ckpt), run=run, num_threads=1)
+        trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                                  checkpoint_dir=str(ckpt), run=run, num_threads=1)
         try:
             assert trainer.mismatch["tis_clip"] == (2.0 if bf16 else None)
-            assert ("mismatch correction on (tis at 2.0)" in caplog.text) == bf16
             logp, grads = trainer.compute_logprobs(batch), trainer.compute_gradients(batch)
         finally:
             trainer.shutdown()

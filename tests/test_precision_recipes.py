@@ -58,6 +58,21 @@ def test_another_implementation_of_the_model_in_bf16_counts_as_other_numerics(re
         assert effective_tis_clip(p) is None and mismatch_warning(off) is None
 
 
+def test_the_driver_says_when_correction_is_on_for_the_megatron_trainers_bf16(caplog: pytest.LogCaptureFixture) -> None:
+    from miles.core.run import build_components
+
+    for trainer, said in (("megatron", True), ("fsdp", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="miles"):
+            build_components(_run([f"trainer={trainer}", "precision=int4_qat"]))
+        assert ("precision int4_qat: mismatch correction on (tis at 2.0, precision.mismatch_correction=auto)"
+                in caplog.text) == said, trainer
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="miles"):
+        build_components(_run(["trainer=megatron", "precision=bf16", "precision.mismatch_correction=off"]))
+    assert "another implementation of the model" in caplog.text
+
+
 def test_mismatch_correction_modes() -> None:
     same, differ = PrecisionConfig(), PrecisionConfig(rollout_dtype="bfloat16")
     assert numerics_differ(differ) and not numerics_differ(same)

@@ -203,6 +203,17 @@ def effective_tis_clip(precision: PrecisionConfig, *, same_forward: bool = True)
     return precision.tis_clip
 
 
+def mismatch_note(precision: PrecisionConfig, *, same_forward: bool = True) -> str | None:
+    """The line a run logs at start when mismatch correction is on only because the trainer's model is another
+    implementation than the engine's (``same_forward=False``, bf16), else None."""
+    if (precision.mismatch_correction != "auto" or numerics_differ(precision)
+            or not numerics_differ(precision, same_forward=same_forward)):
+        return None
+    return (f"precision {precision.name}: mismatch correction on ({precision.mismatch_mode} at "
+            f"{effective_tis_clip(precision, same_forward=same_forward)}, precision.mismatch_correction=auto): the "
+            "engine and the trainer compute with other implementations of the model, whose bf16 kernels round apart")
+
+
 def mismatch_warning(precision: PrecisionConfig, *, same_forward: bool = True) -> str | None:
     """The warning a run gets when its numerics differ and mismatch correction is off, else None."""
     if precision.mismatch_correction == "off" and numerics_differ(precision, same_forward=same_forward):

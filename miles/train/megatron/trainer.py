@@ -56,7 +56,6 @@ from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
-from miles.precision.recipe import mismatch_warning, numerics_differ
 from miles.train.batching import (
     PaddedBatch,
     count_microbatches,
@@ -96,6 +95,10 @@ class MegatronTrainer(Reusable):
 
     parallelisms: frozenset[str] = frozenset({"tensor", "pipeline", "expert"})
     """TP, PP (1F1B) and MoE EP; data parallel over the ranks left (:data:`miles.backends.contract.PARALLELISMS`)."""
+
+    same_forward_as_engine: bool = False
+    """megatron's model is not the engines' (transformers'): in bf16 their kernels round apart, which mismatch
+    correction counts as other numerics (:func:`miles.precision.recipe.numerics_differ`; the driver logs it)."""
 
     @staticmethod
     def check_config(run: MilesConfig) -> None:
@@ -139,9 +142,7 @@ class MegatronTrainer(Reusable):
             torch.set_num_threads(num_threads)
         t = run.trainer
         self.rank, self.world_size, self.run = rank, world_size, run
-        # megatron's model is not the engine's (transformers'): in bf16 their kernels round apart, which
-        # mismatch correction treats as a difference in numerics (miles.precision.recipe.numerics_differ)
-        self.mismatch = mismatch_settings(run, same_forward=False)
+        self.mismatch = mismatch_settings(run, same_forward=self.same_forward_as_engine)
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
@@ -177,14 +178,6 @@ class MegatronTrainer(Reusable):
                      else "dense", "bf16 (autocast over fp32 weights)" if p.train_dtype == "bfloat16" else "fp32",
                      f", {p.train_quant} weights (QAT)" if p.train_quant != "none" else "",
                      ", replaying the rollout's routes" if run.algo.routing_replay == "rollout" else "")
-            if numerics_differ(p, same_forward=False) and not numerics_differ(p):
-                if (warning := mismatch_warning(p, same_forward=False)) is not None:
-                    log.warning(warning)
-                elif p.mismatch_correction == "auto":
-                    log.info("precision %s: mismatch correction on (%s at %s): the engine computes in %s with "
-                             "transformers' model, this trainer with megatron's, whose bf16 kernels round apart "
-                             "(precision.mismatch_correction=auto)", p.name, p.mismatch_mode,
-                             self.mismatch["tis_clip"], p.rollout_dtype)
 
     # --- batches -----------------------------------------------------------------------------------
 
