@@ -171,6 +171,32 @@ def test_check_config_accepts_replay_qat_and_bf16_and_refuses_inexact_quantizati
                 "rollout_quant": fmt, "train_quant": fmt, "quant_block_size": block}})))
 
 
+def test_megatrons_linear_backward_under_cpu_autocast_needs_the_compat_layer() -> None:
+    """megatron-core 0.16.1's own error without the compatibility layer, and bf16 compute with it."""
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
+
+    from miles.train.megatron import compat
+
+    if not compat.needed():
+        pytest.skip("the compatibility layer applies in a process without CUDA only")
+
+    def step() -> tuple[torch.dtype, torch.dtype]:
+        x, w = torch.randn(3, 2, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = Linear.apply(x, w, None, False, False, False, None, None, None)
+        y.float().sum().backward()
+        return y.dtype, w.grad.dtype
+
+    compat.uninstall()
+    try:
+        with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype, but got: c10::BFloat16 "
+                                               "!= float"):
+            step()
+    finally:
+        compat.install()
+    assert step() == (torch.bfloat16, torch.float32)  # bf16 matmuls, fp32 weight gradients
+
+
 # ---- two ranks ------------------------------------------------------------------------------------
 
 def _close(got: Any, want: Any, *, bf16: bool, what: str) -> None:
