@@ -56,6 +56,16 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def megatron_pair(ray_cluster):
+    """Two megatron trainer ranks (Ray actors, one gloo group) shared by the megatron test modules' layouts."""
+    from megatron_ranks import MegatronPair
+
+    pair = MegatronPair(ray_cluster)
+    yield pair
+    pair.close()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv: skipped, with
     the reason, where it is missing."""

@@ -47,6 +47,28 @@ def rl_batch(model: torch.nn.Module, n: int = 8) -> TrainBatch:
                       advantages=group_normalized(rewards).flatten().tolist())
 
 
+def engine_routes(ckpt: Path, batch: TrainBatch) -> list[torch.Tensor]:
+    """The routes an engine with other router weights (noise 0.2) records for each sample of ``batch`` on the MoE
+    checkpoint ``ckpt``: [P + R - 1, layers, k] int16 per sample (``TrainBatch.routing``)."""
+    from miles.train.routing_replay import find_routers
+
+    hf = hf_model_from(ckpt)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in find_routers(hf):
+            router.weight.add_(0.2 * torch.randn(router.weight.shape, generator=g))
+    captured: list[torch.Tensor] = []
+    for router in find_routers(hf):
+        router.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))
+    out = []
+    for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True):
+        captured.clear()
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([p + r]))
+        out.append(torch.stack([c[: len(p) + len(r) - 1] for c in captured], 1).to(torch.int16))
+    return out
+
+
 class Group:
     """``world_size`` trainer actors forming one gloo group."""
 

@@ -50,6 +50,28 @@ class MegatronGroup:
                 self.ray.kill(a)
 
 
+class MegatronPair:
+    """Two megatron ranks for every test module's layouts (session fixture ``megatron_pair``): started by the
+    first :meth:`load`, constructed anew for each later one (:meth:`MegatronGroup.reinit`)."""
+
+    def __init__(self, ray: Any) -> None:
+        self.ray = ray
+        self.group: MegatronGroup | None = None
+
+    def load(self, ckpt: Path, run: MilesConfig, **extra: Any) -> MegatronGroup:
+        """The pair running ``run`` on ``ckpt`` (``extra``: more constructor arguments, e.g. ``adapter_names``)."""
+        if self.group is None:
+            self.group = MegatronGroup(self.ray, 2, ckpt, run, **extra)
+        else:
+            self.group.reinit(ckpt, run, **extra)
+        return self.group
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
 # ---- functions run inside a rank (Group.probe); pickled by value, since the ranks cannot import tests/ ----
 
 def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
@@ -109,6 +131,68 @@ def redirected_sites(trainer: Any) -> dict[str, str]:
     from miles.train.megatron import compat
 
     return compat.redirected_sites()
+
+
+def _moe_layers(trainer: Any) -> list[Any]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in trainer.model.module.modules() if isinstance(m, MoELayer)]  # DDP unwrapped
+
+
+def experts_called(trainer: Any, batch: Any) -> dict[str, list]:
+    """What this rank's MoE layers did in a no-grad pass over ``batch`` (one padded micro-batch). Collective.
+
+    ``dispatched``: per layer forward, (global layer number, the routing map [L * B, E] megatron's token
+    dispatcher received); ``computed``: per layer forward, (layer number, this rank's expert ids, the
+    tokens each computed after the all-to-all).
+    """
+    from miles.train.batching import pad_batch
+
+    dispatched: list = []
+    computed: list = []
+    hooks = []
+    layers = _moe_layers(trainer)
+    for layer in layers:
+        original = layer.token_dispatcher.dispatch_preprocess
+
+        def preprocess(hidden: Any, routing_map: Any, probs: Any, layer: Any = layer, original: Any = original) -> Any:
+            dispatched.append((layer.layer_number, routing_map.detach().cpu().clone()))
+            return original(hidden, routing_map, probs)
+
+        layer.token_dispatcher.dispatch_preprocess = preprocess
+        hooks.append(layer.experts.register_forward_pre_hook(
+            lambda _m, args, layer=layer: computed.append(
+                (layer.layer_number, list(layer.local_expert_indices), args[1].tolist()))))
+    try:
+        micro = [pad_batch(batch, pad_id=trainer.pad_id).to(trainer.device)]
+        trainer.engine.logps(trainer.model, micro, 1.0)
+    finally:
+        for layer in layers:
+            del layer.token_dispatcher.dispatch_preprocess
+        for h in hooks:
+            h.remove()
+    return {"dispatched": dispatched, "computed": computed}
+
+
+def recomputed_routes(trainer: Any, batch: Any) -> dict[str, Any]:
+    """``compute_gradients(batch)`` under megatron's activation recompute, and per MoE layer the routing map
+    each router call handed to the dispatcher, in call order: ``forward`` (megatron runs a checkpointed layer's
+    forward without grad) and ``recomputed`` (the same layer again, with grad, in the backward). Collective."""
+    import torch
+
+    calls: dict[int, dict[str, list]] = {}
+
+    def record(router: Any, _args: Any, out: Any) -> None:
+        kind = "recomputed" if torch.is_grad_enabled() else "forward"
+        calls.setdefault(router.layer_number, {"forward": [], "recomputed": []})[kind].append(out[1].detach().clone())
+
+    hooks = [layer.router.register_forward_hook(record) for layer in _moe_layers(trainer)]
+    try:
+        grads = trainer.compute_gradients(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"grads": grads, "routes": calls}
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

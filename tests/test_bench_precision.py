@@ -14,7 +14,7 @@ def test_precision_bench_quick(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["--quick", "--recipes", "fp32,int4,int4_qat", "--models", "dense"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-len(lines) + 4].startswith("model | recipe")  # 4 JSON rows, then the table header
+    assert lines[-len(lines) + 4].startswith("model | trainer | recipe")  # 4 JSON rows, then the table header
     result = json.loads(lines[-1])
     rows = {r["recipe"]: r for r in result["rows"]}
     assert set(rows) == {"fp32", "int4", "int4_qat", "fp32 true_on_policy"}
@@ -26,6 +26,19 @@ def test_precision_bench_quick(capsys: pytest.CaptureFixture) -> None:
     assert rows["int4_qat"]["mismatch"] < 1e-3 and rows["int4_qat"]["tis_clip_frac"] is None
     assert rows["fp32"]["mismatch"] < 1e-5
     assert all(r["generate_s"] > 0 and r["train_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.megatron
+def test_precision_bench_runs_the_megatron_trainer(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("megatron.core")
+    from miles.bench.precision import main
+
+    assert main(["--quick", "--recipes", "fp32,int4_qat", "--models", "moe", "--trainers", "megatron"]) == 0
+    rows = {(r["recipe"], r["replay"]): r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {("fp32", "off"), ("fp32", "on"), ("int4_qat", "off"), ("int4_qat", "on")}
+    assert all(r["trainer"] == "megatron" for r in rows.values())
+    assert rows["fp32", "off"]["mismatch"] < 1e-5 and rows["fp32", "off"]["route_agreement"] == 1.0
+    assert rows["int4_qat", "on"]["replayed_share"] == 1.0 and rows["int4_qat", "on"]["mismatch"] < 1e-3  # QAT
 
 
 # two Ray jobs on the session's Ray cluster: 18 s here (26 s with the cluster's start), 75 s with its own cluster

@@ -1,5 +1,6 @@
 """LoRA on the megatron trainer (``adapter=lora trainer=megatron``, and tenants): the adapters, numbers, messages
-and files of the FSDP trainer's peft model, at TP=1, TP=2, PP=2 and DP=2.
+and files of the FSDP trainer's peft model, at TP=1, TP=2, PP=2, DP=2 and EP=2 (the session's two megatron ranks),
+and at TP=1 with int4 QAT, with bf16 and with routing replay.
 
 Tolerances are tests/test_megatron.py's full-model ones: log-probs atol 2e-6, gradients atol 1e-6 rtol 1e-5,
 metrics rel 1e-5 abs 1e-6, adapter weights after two AdamW steps atol 3e-5 (at adapter.lr 2e-4).
@@ -19,8 +20,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("peft")
 
-from fsdp_ranks import free_port, hf_logprobs, hf_model_from, local_trainer, rl_batch  # noqa: E402
-from megatron_ranks import MegatronGroup, sent_weights  # noqa: E402
+from fsdp_ranks import engine_routes, free_port, hf_logprobs, hf_model_from, local_trainer, rl_batch  # noqa: E402
+from megatron_ranks import MegatronPair, sent_weights  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.adapters import lora  # noqa: E402
@@ -319,51 +320,123 @@ def test_one_rank_tenants_never_move_each_other(tiny_qwen3_dir: Path, hf: torch.
         trainer.shutdown()
 
 
+COMBOS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    # name: (checkpoint, settings on top of CFG); both trainers correct the mismatch in bf16 (megatron does under
+    # auto: its bf16 kernels are not the engine's; FSDP's forward is, so it is switched on to train alike)
+    "int4_qat": ("dense", {"precision": {"rollout_quant": "int4", "train_quant": "int4", "quant_block_size": 32}}),
+    "bf16": ("dense", {"precision": {"train_dtype": "bfloat16", "rollout_dtype": "bfloat16",
+                                     "mismatch_correction": "on"}}),
+    "replay": ("moe", {"algo": {"routing_replay": "rollout"}}),
+}
+
+
+def _combo_run(name: str) -> Any:
+    ckpt_name, extra = COMBOS[name]
+    cfg = copy.deepcopy(CFG)
+    for group, values in extra.items():
+        cfg[group] = cfg.get(group, {}) | values
+    if ckpt_name == "moe":
+        cfg["model"] = {"_target_": "miles.models.qwen3.qwen3_moe_spec"}
+        cfg["adapter"]["target_modules"] = MOE_TARGETS
+    return validate(cfg)
+
+
+def _one_step(trainer: Any, start: Path, batch: Any) -> Seen:
+    trainer.load_state(str(start))
+    if isinstance(trainer, FSDPTrainer):
+        before = lora.sync_state(trainer.model, ("default",))
+        grads = {k: v for k, v in trainer.compute_gradients(batch).items() if ".lora_" in k}
+    else:
+        before, grads = sent_weights(trainer), trainer.compute_gradients(batch)
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = [trainer.train_step(batch)]
+    after = lora.sync_state(trainer.model, ("default",)) if isinstance(trainer, FSDPTrainer) else sent_weights(trainer)
+    return Seen(before, logprobs, grads, metrics, after)
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_one_rank_lora_with_qat_bf16_or_replay_trains_what_fsdp_trains(
+        tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, fsdp: Seen, fsdp_moe: Seen, starts: dict[str, Path],
+        combo: str):
+    """LoRA with the QAT forward (the base layers compute with int4 weights, the adapters unquantized, as FSDP's
+    peft on its QAT-wrapped model), with bf16 (megatron's autocast against FSDP's bf16 copies: bf16 tolerances,
+    as ``tests/test_megatron_replay_precision.py``) and with routing replay on the MoE model (attention and
+    lm_head adapters): from the FSDP trainer's random adapters, log-probs, adapter gradients and one step."""
+    ckpt_name = COMBOS[combo][0]
+    ckpt, plain = (tiny_qwen3_moe_dir, fsdp_moe) if ckpt_name == "moe" else (tiny_qwen3_dir, fsdp)
+    run = _combo_run(combo)
+    check_trainer_class(MegatronTrainer, run)
+    batch = rl_batch(hf_model_from(ckpt))
+    if combo == "replay":
+        batch = dataclasses.replace(batch, routing=engine_routes(ckpt, batch))
+    with local_trainer(ckpt, run) as t:
+        want = _one_step(t, starts[ckpt_name], batch)
+    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                              checkpoint_dir=str(ckpt), run=run, num_threads=1)
+    try:
+        got = _one_step(trainer, starts[ckpt_name], batch)
+    finally:
+        trainer.shutdown()
+    _close(got.before, want.before, 0, "adapters loaded")
+    bf16 = combo == "bf16"
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-2 if bf16 else 2e-6, rtol=0)
+    # the combination changes the numbers (from the same adapters without it: fsdp / fsdp_moe)
+    assert max(abs(a - b) for x, y in zip(got.logprobs, plain.logprobs, strict=True)
+               for a, b in zip(x, y, strict=True)) > (1e-4 if bf16 else 1e-2)
+    assert list(got.grads) == list(want.grads)
+    for k, w in want.grads.items():
+        if bf16:
+            assert (got.grads[k] - w).norm() <= 1e-1 * w.norm() + 1e-6, k
+        else:
+            torch.testing.assert_close(got.grads[k], w, atol=1e-6, rtol=1e-5, msg=k)
+    m, w = got.metrics[0], want.metrics[0]
+    assert set(m) == set(w)
+    for k in (*COMPARED, "moe/route_agreement", "moe/replayed_route_share"):
+        if k in w:
+            assert m[k] == pytest.approx(w[k], rel=5e-2 if bf16 else 1e-5, abs=1e-3 if bf16 else 1e-6), k
+    if combo == "replay":
+        assert m["moe/replayed_route_share"] == 1.0 and 0 < m["moe/route_agreement"] < 1
+    _close(got.after, want.after, 1e-3 if bf16 else 3e-5, "adapters after a step")
+
+
 # ---- two ranks: TP=2, PP=2, DP=2 (and tenants at TP=2) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def layouts(ray_cluster, tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, fsdp: Seen, fsdp_moe: Seen,
-            starts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every layout of :data:`LAYOUTS` on two ranks from the FSDP trainer's start state; DP=2 also saves,
-    continues and reloads; then a tenants step at TP=2."""
+def layouts(megatron_pair: MegatronPair, tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path, fsdp: Seen,
+            fsdp_moe: Seen, starts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every layout of :data:`LAYOUTS` on two ranks (the session's pair) from the FSDP trainer's start state;
+    DP=2 also saves, continues and reloads; then a tenants step at TP=2."""
     ckpts = {"dense": tiny_qwen3_dir, "moe": tiny_qwen3_moe_dir}
     out: dict[str, Any] = {}
     saved = tmp_path_factory.mktemp("megatron_lora_state") / "state"
-    group = None
-    try:
-        for name, (ckpt_name, sizes) in LAYOUTS.items():
-            ckpt, run = ckpts[ckpt_name], _run(2, ckpt_name == "moe", **sizes)
-            batch = rl_batch(hf_model_from(ckpt))
-            if group is None:
-                group = MegatronGroup(ray_cluster, 2, ckpt, run)
-            else:
-                group.reinit(ckpt, run)
-            peft_init, none = group.probe(sent_weights)
-            assert none is None
-            group.call("load_state", str(starts[ckpt_name]))
-            before = group.probe(sent_weights)[0]
-            logprobs = group.call("compute_logprobs", batch)
-            assert logprobs[0] == logprobs[1], "every rank must return the same log-probs"
-            grads, none = group.call("compute_gradients", batch)
-            assert none is None
-            metrics = [group.call("train_step", batch) for _ in range(2)]
-            assert all(m[0] == m[1] for m in metrics), "every rank must return the same metrics"
-            after = group.probe(sent_weights)[0]
-            out[name] = Seen(before, logprobs[0], grads, [m[0] for m in metrics], after, peft_init=peft_init)
-            if name == "dp2":
-                group.call("save_state", str(saved))
-                out["continued"] = group.call("train_step", batch)[0]
-                group.call("load_state", str(saved))
-                out["reloaded"] = group.call("train_step", batch)[0]
-        group.reinit(tiny_qwen3_dir, _run(2, **LAYOUTS["tp2"][1]), adapter_names=TENANTS)
-        with pytest.raises(Exception, match="load_state: .* lacks 60 tensor"):  # every rank leaves, none hangs
-            group.call("load_state", str(starts["dense"]))
-        group.call("load_state", str(starts["tenants"]))
-        out["tenants"] = group.call("train_step", _mixed(rl_batch(hf_model_from(tiny_qwen3_dir))))[0]
-        out["tenants_after"] = group.probe(sent_weights)[0]
-    finally:
-        if group is not None:
-            group.close()
+    for name, (ckpt_name, sizes) in LAYOUTS.items():
+        ckpt, run = ckpts[ckpt_name], _run(2, ckpt_name == "moe", **sizes)
+        batch = rl_batch(hf_model_from(ckpt))
+        group = megatron_pair.load(ckpt, run)
+        peft_init, none = group.probe(sent_weights)
+        assert none is None
+        group.call("load_state", str(starts[ckpt_name]))
+        before = group.probe(sent_weights)[0]
+        logprobs = group.call("compute_logprobs", batch)
+        assert logprobs[0] == logprobs[1], "every rank must return the same log-probs"
+        grads, none = group.call("compute_gradients", batch)
+        assert none is None
+        metrics = [group.call("train_step", batch) for _ in range(2)]
+        assert all(m[0] == m[1] for m in metrics), "every rank must return the same metrics"
+        after = group.probe(sent_weights)[0]
+        out[name] = Seen(before, logprobs[0], grads, [m[0] for m in metrics], after, peft_init=peft_init)
+        if name == "dp2":
+            group.call("save_state", str(saved))
+            out["continued"] = group.call("train_step", batch)[0]
+            group.call("load_state", str(saved))
+            out["reloaded"] = group.call("train_step", batch)[0]
+    group = megatron_pair.load(tiny_qwen3_dir, _run(2, **LAYOUTS["tp2"][1]), adapter_names=TENANTS)
+    with pytest.raises(Exception, match="load_state: .* lacks 60 tensor"):  # every rank leaves, none hangs
+        group.call("load_state", str(starts["dense"]))
+    group.call("load_state", str(starts["tenants"]))
+    out["tenants"] = group.call("train_step", _mixed(rl_batch(hf_model_from(tiny_qwen3_dir))))[0]
+    out["tenants_after"] = group.probe(sent_weights)[0]
     return out
 
 

@@ -45,6 +45,34 @@ def test_shipped_recipes_and_their_mismatch_correction(recipe, rollout, train, b
     assert numerics_differ(p) == (clip is not None)
 
 
+@pytest.mark.parametrize("recipe,clip", [("fp32", None), ("bf16", 2.0), ("fp8", 2.0), ("mxfp8", 2.0),
+                                         ("int4_qat", 2.0)])
+def test_another_implementation_of_the_model_in_bf16_counts_as_other_numerics(recipe: str, clip: float | None) -> None:
+    """A trainer whose model is not the engine's (``same_forward=False``: megatron) corrects bf16 recipes too."""
+    p = _run([f"precision={recipe}"]).precision
+    assert effective_tis_clip(p, same_forward=False) == clip
+    assert numerics_differ(p, same_forward=False) == (clip is not None)
+    off = dataclasses.replace(p, mismatch_correction="off")
+    assert (mismatch_warning(off, same_forward=False) is not None) == (clip is not None)
+    if recipe in ("bf16", "mxfp8", "int4_qat"):  # the same recipes with the engine's own model: nothing to correct
+        assert effective_tis_clip(p) is None and mismatch_warning(off) is None
+
+
+def test_the_driver_says_when_correction_is_on_for_the_megatron_trainers_bf16(caplog: pytest.LogCaptureFixture) -> None:
+    from miles.core.run import build_components
+
+    for trainer, said in (("megatron", True), ("fsdp", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="miles"):
+            build_components(_run([f"trainer={trainer}", "precision=int4_qat"]))
+        assert ("precision int4_qat: mismatch correction on (tis at 2.0, precision.mismatch_correction=auto)"
+                in caplog.text) == said, trainer
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="miles"):
+        build_components(_run(["trainer=megatron", "precision=bf16", "precision.mismatch_correction=off"]))
+    assert "another implementation of the model" in caplog.text
+
+
 def test_mismatch_correction_modes() -> None:
     same, differ = PrecisionConfig(), PrecisionConfig(rollout_dtype="bfloat16")
     assert numerics_differ(differ) and not numerics_differ(same)
@@ -85,10 +113,11 @@ def test_backends_refuse_formats_they_cannot_run() -> None:
 
     with pytest.raises(ConfigError, match="the SGLang engine serves unquantized weights"):
         backends(_run(["rollout=sglang", "precision=nvfp4", "placement.offload_engines=false"]))
-    pytest.importorskip("megatron.core")
-    with pytest.raises(ConfigError, match="megatron trainer has no quantization-aware forward"):
-        backends(_run(["trainer=megatron", "precision=fp32", "precision.rollout_quant=int4",
-                       "precision.train_quant=int4"]))
+    # megatron: the 1-D block formats only (tests/test_megatron_replay_precision.py); its check imports no megatron
+    backends(_run(["trainer=megatron", "precision=int4_qat"]))
+    with pytest.raises(ConfigError, match="precision.train_quant=nvfp4: the megatron trainer quantizes its forward "
+                                          "with the 1-D block formats"):
+        backends(_run(["trainer=megatron", "precision=nvfp4", "precision.train_quant=nvfp4"]))
 
 
 def _load(path: Path) -> torch.nn.Module:
@@ -128,3 +157,27 @@ def test_train_quant_none_wraps_nothing(tiny_qwen3_dir: Path) -> None:
     forward = model.model.layers[0].self_attn.q_proj.forward
     assert quantize_train_forward(model, PrecisionConfig()) == []
     assert model.model.layers[0].self_attn.q_proj.forward == forward
+
+
+def test_train_forward_quantizes_in_the_compute_dtype_as_the_engine_does() -> None:
+    """``dtype=bfloat16`` (a forward under bf16 autocast over fp32 weights, the megatron trainer's): the weight the
+    forward sees is the engine's quantization of its bf16 weights, exactly, and gradients pass straight through."""
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 96, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self) -> torch.Tensor:
+            return self.weight
+
+    precision = PrecisionConfig(rollout_quant="int4", train_quant="int4", quant_block_size=32)
+    model = Probe()
+    assert quantize_train_forward(model, precision, select=lambda name, _t: name == "weight",
+                                  dtype=torch.bfloat16) == ["weight"]
+    seen = model()
+    served = apply_rollout_quant({"layer.weight": model.weight.detach().to(torch.bfloat16)}, precision)["layer.weight"]
+    assert seen.dtype == torch.float32 and torch.equal(seen, served.float())
+    assert not torch.equal(seen, apply_rollout_quant({"layer.weight": model.weight.detach()}, precision)["layer.weight"])
+    seen.square().sum().backward()
+    assert torch.equal(model.weight.grad, 2 * seen.detach())

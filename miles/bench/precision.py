@@ -2,15 +2,16 @@
 eval accuracy before and after a short GRPO run of the tiny MoE.
 
     python -m miles.bench precision [--steps 3] [--prompts 8] [--samples 4] [--max-new-tokens 16]
-                                    [--recipes fp32,bf16,...] [--models dense,moe] [--quick]
-                                    [--train-steps 10] [--seed 0] [--train-overrides "key=value ..."]
+                                    [--recipes fp32,bf16,...] [--models dense,moe] [--trainers fsdp,megatron]
+                                    [--quick] [--train-steps 10] [--seed 0] [--train-overrides "key=value ..."]
 
 For each model (a random-init tiny Qwen3 and Qwen3-MoE, 4 experts top-2, built in this process) and
 each recipe (``conf/precision/*.yaml``; MoE rows with ``algo.routing_replay`` off and on; dense rows
 also with ``precision.true_on_policy=true``) it runs, in this process, ``--steps`` RL steps of
 
     generate (TorchEngine, the recipe's rollout numerics) -> recompute log-probs and train_step
-    (FSDPTrainer rank 0 of a 1-rank gloo group, the recipe's training numerics) -> weight sync
+    (rank 0 of a 1-rank gloo group of each ``--trainers`` backend: FSDPTrainer, MegatronTrainer; the
+    recipe's training numerics) -> weight sync
 
 on the same prompts and seeds, and reports per row: ``mismatch`` (mean |trainer logp - rollout logp|
 over the response tokens, from ``compute_logprobs`` before the update), ``max_mismatch``,
@@ -19,8 +20,9 @@ the trainer's own top-k against the engine's), ``replayed_share`` (``moe/replaye
 experts the trainer's MoE layers were called with against the engine's, per token and layer) and
 ``tis_clip_frac`` (the train step's metrics, mean over steps; ``-`` where the row has none), and the
 medians of the generate and train seconds per step; ``step_ratio`` divides the row's generate + train
-time by the fp32 row of the same model (replay off), measured in the same run. The MoE engine records
-routing in every MoE row, so both route metrics are measured with replay off too.
+time by the fp32 row of the same model and trainer (replay off), measured in the same run. The MoE engine
+records routing in every MoE row, so both route metrics are measured with replay off too. True on-policy
+rows run with the FSDP trainer only (the megatron trainer refuses it).
 
 Learning. Every MoE row (recipe x replay off/on) then also runs the real job,
 
@@ -63,6 +65,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated conf/precision options")
     ap.add_argument("--models", default="dense,moe", help="dense, moe or both")
+    ap.add_argument("--trainers", default="fsdp", help="fsdp, megatron or both: each row runs with each")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--quick", action="store_true",
                     help="1 step, 2 prompts x 2 samples, 4 tokens (a smoke run); no GRPO runs unless --train-steps")
@@ -110,17 +113,26 @@ def _run_config(recipe: str, args: argparse.Namespace, *, replay: bool, true_on_
         return validate(compose("config", overrides=overrides))
 
 
-def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool) -> dict[str, Any]:
+def _trainer_class(name: str) -> type:
+    if name == "megatron":
+        from miles.train.megatron import MegatronTrainer
+
+        return MegatronTrainer
+    from miles.train.fsdp import FSDPTrainer
+
+    return FSDPTrainer
+
+
+def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool, trainer_name: str = "fsdp") -> dict[str, Any]:
     """``args.steps`` RL steps of one configuration; the row's numbers."""
     from miles.rollout.generate import routes_of
     from miles.rollout.torch_engine import TorchEngine
-    from miles.train.fsdp import FSDPTrainer
     from miles.types import GenerateRequest, SamplingParams, TrainBatch
 
     engine = TorchEngine(ckpt, run.precision, capture_routing=moe and not run.precision.true_on_policy,
                          max_batch_size=args.prompts * args.samples, num_threads=args.threads)
-    trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
-                          checkpoint_dir=ckpt, run=run, num_threads=args.threads)
+    trainer = _trainer_class(trainer_name)(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+                                           checkpoint_dir=ckpt, run=run, num_threads=args.threads)
     sampling = SamplingParams(temperature=run.rollout.temperature, max_new_tokens=args.max_new_tokens)
     diffs: list[torch.Tensor] = []
     gen_s, train_s, agree, replayed, clip, bitwise = [], [], [], [], [], True
@@ -180,7 +192,7 @@ def _learning(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         for row in rows:
             if row["model"] != "moe":
                 continue
-            overrides = [*base, f"model.path={checkpoint}", f"precision={row['recipe']}",
+            overrides = [*base, f"model.path={checkpoint}", f"precision={row['recipe']}", f"trainer={row['trainer']}",
                          f"algo.routing_replay={'rollout' if row['replay'] == 'on' else 'off'}"]
             run, resolved = compose(overrides)
             first: dict[str, float] = {}
@@ -188,7 +200,7 @@ def _learning(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                             on_metrics=lambda m, step, first=first: first.update(m) if step == 0 else None)
             row |= {"eval_before": first["eval/accuracy"], "eval_after": final["eval/accuracy"],
                     "eval_se": final["eval/accuracy_se"]}
-            print(json.dumps({k: row[k] for k in ("model", "recipe", "replay", "eval_before", "eval_after",
+            print(json.dumps({k: row[k] for k in ("model", "trainer", "recipe", "replay", "eval_before", "eval_after",
                                                   "eval_se")}), flush=True)
     finally:
         stop_ray()
@@ -211,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not set(models) <= {"dense", "moe"}:
         raise SystemExit(f"--models: dense and/or moe, got {args.models!r}")
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    if not trainers or not set(trainers) <= {"fsdp", "megatron"}:
+        raise SystemExit(f"--trainers: fsdp and/or megatron, got {args.trainers!r}")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -219,25 +234,31 @@ def main(argv: list[str] | None = None) -> int:
             configs = [(r, rep, False) for r in recipes for rep in ((False, True) if moe else (False,))]
             if not moe:
                 configs += [(r, False, True) for r in ("fp32", "bf16") if r in recipes]
-            for recipe, replay, exact in configs:
-                row = {"model": model, "recipe": recipe + (" true_on_policy" if exact else ""),
-                       "replay": "on" if replay else ("off" if moe else "-")}
-                row |= _row(ckpt, _run_config(recipe, args, replay=replay, true_on_policy=exact), args, moe)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for trainer in trainers:
+                for recipe, replay, exact in configs:
+                    if exact and trainer != "fsdp":
+                        continue
+                    row = {"model": model, "trainer": trainer, "recipe": recipe + (" true_on_policy" if exact else ""),
+                           "replay": "on" if replay else ("off" if moe else "-")}
+                    run = _run_config(recipe, args, replay=replay, true_on_policy=exact)
+                    row |= _row(ckpt, run, args, moe, trainer)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.train_steps > 0 and "moe" in models:
         _learning(rows, args)
     for model in models:
-        base = next((r for r in rows if r["model"] == model and r["recipe"] == "fp32" and r["replay"] != "on"), None)
-        for r in rows:
-            if r["model"] == model and base is not None:
-                r["step_ratio"] = (r["generate_s"] + r["train_s"]) / (base["generate_s"] + base["train_s"])
-    cols = ("model", "recipe", "replay", "mismatch", "max_mismatch", "bitwise", "route_agreement", "replayed_share",
+        for trainer in trainers:
+            base = next((r for r in rows if r["model"] == model and r["trainer"] == trainer and r["recipe"] == "fp32"
+                         and r["replay"] != "on"), None)
+            for r in rows:
+                if r["model"] == model and r["trainer"] == trainer and base is not None:
+                    r["step_ratio"] = (r["generate_s"] + r["train_s"]) / (base["generate_s"] + base["train_s"])
+    cols = ("model", "trainer", "recipe", "replay", "mismatch", "max_mismatch", "bitwise", "route_agreement", "replayed_share",
             "tis_clip_frac", "generate_s", "train_s", "step_ratio", "eval_before", "eval_after")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(_fmt(r.get(c)) for c in cols))
     print(json.dumps({"rows": rows, "steps": args.steps, "prompts": args.prompts, "samples": args.samples,
                       "max_new_tokens": args.max_new_tokens, "threads": args.threads, "train_steps": args.train_steps,
-                      "seed": args.seed, "train_overrides": args.train_overrides}))
+                      "seed": args.seed, "train_overrides": args.train_overrides, "trainers": trainers}))
     return 0

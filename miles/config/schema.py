@@ -126,8 +126,8 @@ class AlgoConfig:
     routing_replay: Literal["rollout", "off"] = "off"
     """MoE rollout routing replay (R3): ``rollout`` makes the trainer's forward send every token to the
     experts the engine chose (gate weights still from the trainer's router; :mod:`miles.train.routing_replay`)
-    and has the engines record them (``capture_routing``); torch engine and FSDP trainer, MoE models
-    only; turns off ``trainer.shared_prompt_forward``. ``off``: the trainer routes by itself."""
+    and has the engines record them (``capture_routing``); torch engine, FSDP or Megatron trainer, MoE
+    models only; turns off ``trainer.shared_prompt_forward``. ``off``: the trainer routes by itself."""
 
 
 @dataclass(**_frozen)
@@ -166,7 +166,8 @@ class PrecisionConfig:
     (:mod:`miles.precision.recipe`); only the torch engine supports formats other than ``none``."""
     train_quant: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
     """Format the trainer's forward computes with, gradients straight through to the fp32 master
-    weights (quantization-aware training); ``none`` or the same as ``rollout_quant``; FSDP trainer only."""
+    weights (quantization-aware training); ``none`` or the same as ``rollout_quant``; the Megatron trainer
+    runs the 1-D block formats (``int4``, ``mxfp8``: :mod:`miles.train.megatron.quant`)."""
     quant_block_size: int = 128
     """Block of the weight format: tile edge of ``fp8_block`` (128 x 128 tiles), group size of ``int4``;
     must be 32 for ``mxfp8`` and 16 for ``nvfp4`` (fixed by those formats)."""

@@ -77,10 +77,13 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
 
     parts["hooks"] = build_hooks(run, parts["task"])
     check_rollout_config(run.rollout)
-    from miles.precision.recipe import mismatch_warning
+    from miles.precision.recipe import mismatch_note, mismatch_warning
 
-    if (warning := mismatch_warning(run.precision)) is not None:
+    same_forward = getattr(parts["backends"].trainer, "same_forward_as_engine", True)
+    if (warning := mismatch_warning(run.precision, same_forward=same_forward)) is not None:
         log.warning(warning)
+    elif (note := mismatch_note(run.precision, same_forward=same_forward)) is not None:
+        log.info(note)
     # user code meets its contract now (shapes, finiteness, gradients, masking; an estimator may reject
     # the group size, e.g. a group baseline with one sample per prompt), before any model or Ray starts
     from miles.algos.protocols import check_advantage_fn, check_policy_loss_fn

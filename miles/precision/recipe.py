@@ -128,27 +128,35 @@ def _ste(fq: Callable[[Tensor], Tensor], w: Tensor) -> Tensor:
     return w + (fq(w.detach()) - w).detach()
 
 
-def quantize_train_forward(model: nn.Module, precision: PrecisionConfig) -> list[str]:
+def quantize_train_forward(model: nn.Module, precision: PrecisionConfig, *,
+                           select: Callable[[str, Tensor], bool] = is_quantized_weight,
+                           dtype: torch.dtype | None = None) -> list[str]:
     """Make ``model``'s forward compute with ``precision.train_quant`` weights, gradients straight through.
 
-    Each module owning a weight that :func:`is_quantized_weight` selects gets its ``forward``
-    wrapped (on the instance, like activation checkpointing): for the duration of the call the
-    parameter is swapped for ``w + (fake_quant(w) - w).detach()``, then restored. The parameter is
-    read at call time, so the wrap composes with FSDP2 (which installs the unsharded parameter before
-    the layer's forward) and with activation checkpointing (the recompute quantizes again).
-    Returns the wrapped parameter names (empty for ``"none"``). Parameter names and state dicts
-    are unchanged.
+    Each module owning a weight that ``select(name, tensor)`` picks (default :func:`is_quantized_weight`
+    on HF names) gets its ``forward`` wrapped (on the instance, like activation checkpointing): for the
+    duration of the call the parameter is swapped for ``w + (fake_quant(w) - w).detach()``, then
+    restored. The parameter is read at call time, so the wrap composes with FSDP2 (which installs the
+    unsharded parameter before the layer's forward) and with activation checkpointing (the recompute
+    quantizes again). ``dtype``: quantize ``w`` rounded to it (the dtype autocast computes in), the result
+    back in ``w``'s dtype. Returns the wrapped parameter names (empty for ``"none"``). Parameter names
+    and state dicts are unchanged.
     """
     if precision.train_quant == "none":
         return []
     fq = fake_quantizer(precision.train_quant, precision.quant_block_size)
+    if dtype is not None:
+        fq_in_own_dtype = fq
+
+        def fq(w: Tensor) -> Tensor:
+            return fq_in_own_dtype(w.to(dtype)).to(w.dtype)
     wrapped: list[str] = []
     for mod_name, module in model.named_modules():
         names = [n for n, p in module.named_parameters(recurse=False)
-                 if is_quantized_weight(f"{mod_name}.{n}" if mod_name else n, p)]
+                 if select(f"{mod_name}.{n}" if mod_name else n, p)]
         if names:
             module.forward = _swapping_forward(module, names, fq)
-            wrapped += [f"{mod_name}.{n}" for n in names]
+            wrapped += [f"{mod_name}.{n}" if mod_name else n for n in names]
     return wrapped
 
 
@@ -169,33 +177,49 @@ def _swapping_forward(module: nn.Module, names: list[str], fq: Callable[[Tensor]
     return quantized
 
 
-def numerics_differ(precision: PrecisionConfig) -> bool:
-    """Whether rollout and training compute with different dtypes or weight formats."""
-    return (precision.rollout_dtype != precision.train_dtype
-            or precision.rollout_quant != precision.train_quant)
+def numerics_differ(precision: PrecisionConfig, *, same_forward: bool = True) -> bool:
+    """Whether rollout and training compute with different dtypes or weight formats, or, for a trainer whose
+    model is another implementation than the engine's (``same_forward=False``: the megatron trainer against
+    transformers' forward), in bf16 on either side: there the two implementations' kernels round apart
+    (megatron vs the torch engine in bf16: 4e-3 to 6e-3 nats per token on the warm-started tiny MoE, against
+    1e-7 to 3e-7 in fp32; docs/benchmarks.md)."""
+    if precision.rollout_dtype != precision.train_dtype or precision.rollout_quant != precision.train_quant:
+        return True
+    return not same_forward and "bfloat16" in (precision.rollout_dtype, precision.train_dtype)
 
 
-def effective_tis_clip(precision: PrecisionConfig) -> float | None:
+def effective_tis_clip(precision: PrecisionConfig, *, same_forward: bool = True) -> float | None:
     """The TIS / MIS threshold the trainer applies (None: no mismatch correction).
 
     ``mismatch_correction``: ``off`` -> None; ``on`` -> ``tis_clip`` (or :data:`DEFAULT_TIS_CLIP`
-    when null); ``auto`` -> like ``on`` when :func:`numerics_differ`, else ``tis_clip`` as set
-    (null by default: no correction where both sides compute alike).
+    when null); ``auto`` -> like ``on`` when :func:`numerics_differ` (``same_forward`` as there), else
+    ``tis_clip`` as set (null by default: no correction where both sides compute alike).
     """
     mode = precision.mismatch_correction
     if mode == "off":
         return None
-    if mode == "on" or numerics_differ(precision):
+    if mode == "on" or numerics_differ(precision, same_forward=same_forward):
         return precision.tis_clip if precision.tis_clip is not None else DEFAULT_TIS_CLIP
     return precision.tis_clip
 
 
-def mismatch_warning(precision: PrecisionConfig) -> str | None:
+def mismatch_note(precision: PrecisionConfig, *, same_forward: bool = True) -> str | None:
+    """The line a run logs at start when mismatch correction is on only because the trainer's model is another
+    implementation than the engine's (``same_forward=False``, bf16), else None."""
+    if (precision.mismatch_correction != "auto" or numerics_differ(precision)
+            or not numerics_differ(precision, same_forward=same_forward)):
+        return None
+    return (f"precision {precision.name}: mismatch correction on ({precision.mismatch_mode} at "
+            f"{effective_tis_clip(precision, same_forward=same_forward)}, precision.mismatch_correction=auto): the "
+            "engine and the trainer compute with other implementations of the model, whose bf16 kernels round apart")
+
+
+def mismatch_warning(precision: PrecisionConfig, *, same_forward: bool = True) -> str | None:
     """The warning a run gets when its numerics differ and mismatch correction is off, else None."""
-    if precision.mismatch_correction == "off" and numerics_differ(precision):
+    if precision.mismatch_correction == "off" and numerics_differ(precision, same_forward=same_forward):
         return (f"precision {precision.name}: rollout ({precision.rollout_dtype}, weights "
                 f"{precision.rollout_quant}) and training ({precision.train_dtype}, weights "
-                f"{precision.train_quant}) compute differently, and precision.mismatch_correction=off: "
-                "the policy gradient uses off-policy samples uncorrected. Set it to auto to truncate "
-                "the importance ratios (TIS).")
+                f"{precision.train_quant}{'' if same_forward else ', another implementation of the model'}) "
+                "compute differently, and precision.mismatch_correction=off: the policy gradient uses off-policy "
+                "samples uncorrected. Set it to auto to truncate the importance ratios (TIS).")
     return None

@@ -29,17 +29,18 @@ from miles.algos.protocols import PolicyLossFn
 from miles.config.schema import AlgoConfig, MilesConfig
 
 
-def mismatch_settings(run: MilesConfig) -> dict[str, object]:
+def mismatch_settings(run: MilesConfig, *, same_forward: bool = True) -> dict[str, object]:
     """``tis_clip``, ``mismatch_mode``, ``mismatch_level`` for :func:`policy_objective`.
 
     ``precision.*`` when the precision recipe corrects a mismatch (:func:`~miles.precision.recipe.effective_tis_clip`
-    is set); otherwise, under an async schedule, token-level truncation at ``schedule.behaviour_is_clip``
-    (decoupled PPO's behaviour weight); otherwise off.
+    is set; ``same_forward=False``: the trainer's model is another implementation than the engine's); otherwise,
+    under an async schedule, token-level truncation at ``schedule.behaviour_is_clip`` (decoupled PPO's behaviour
+    weight); otherwise off.
     """
     from miles.precision.recipe import effective_tis_clip
 
     p, s = run.precision, run.schedule
-    clip = effective_tis_clip(p)
+    clip = effective_tis_clip(p, same_forward=same_forward)
     if clip is None and s.name != "sync":
         return {"tis_clip": s.behaviour_is_clip, "mismatch_mode": "tis", "mismatch_level": "token"}
     return {"tis_clip": clip, "mismatch_mode": p.mismatch_mode, "mismatch_level": p.mismatch_level}

@@ -7,11 +7,12 @@ megatron: :class:`MegatronTrainer` is loaded on first access, and megatron with 
 Modules: :mod:`.arch` (what is read from the HF config), :mod:`.dims` (parallel sizes, validated
 together), :mod:`.compat` (CPU redirects), :mod:`.model` (the ``GPTModel``), :mod:`.mapping` and
 :mod:`.collect` (HF <-> megatron shards), :mod:`.load` (each rank's slices read from the checkpoint's
-safetensors files), :mod:`.logits` (vocab-parallel log-probs), :mod:`.grads`
-(global grad-norm clipping), :mod:`.engine` (groups, passes, reductions), :mod:`.state`
-(checkpoints), :mod:`.trainer`; LoRA (``adapter=lora``, tenants): :mod:`.lora_layout` (where each
-adapter tensor sits), :mod:`.lora` (adapters on the parallel linears), :mod:`.tenants` (train step per
-adapter), :mod:`.lora_state` (sync, export, checkpoints).
+safetensors files), :mod:`.logits` (vocab-parallel log-probs), :mod:`.grads` (global grad-norm
+clipping), :mod:`.quant` (quantization-aware forward), :mod:`.replay` (MoE routing replay),
+:mod:`.engine` (groups, passes, reductions), :mod:`.state` (checkpoints), :mod:`.trainer`; LoRA
+(``adapter=lora``, tenants): :mod:`.lora_layout` (where each adapter tensor sits), :mod:`.lora`
+(adapters on the parallel linears), :mod:`.tenants` (train step per adapter), :mod:`.lora_state`
+(sync, export, checkpoints).
 """
 
 from __future__ import annotations

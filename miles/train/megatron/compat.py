@@ -9,9 +9,10 @@ no-op otherwise, so on a GPU megatron runs its own CUDA paths). Each redirect is
   globals (:class:`_TorchOnCpu`). It forwards every attribute to the real ``torch`` except
   ``torch.cuda.current_device`` (-> the CPU device), ``torch.cuda.synchronize`` (-> nothing: CPU ops
   are synchronous), ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` (-> one null stream and
-  a null context), factory calls with ``device="cuda"`` (-> ``"cpu"``) and, in ``mappings.py``,
-  ``torch.distributed.all_to_all_single`` with split sizes given as tensors (-> lists of ints:
-  torch 2.13's gloo binding refuses tensors there). Nothing outside these modules is touched.
+  a null context), factory calls with ``device="cuda"`` (-> ``"cpu"``), ``torch.autocast("cuda")``
+  (-> CPU autocast: megatron's ``enable_autocast`` for ``precision.train_dtype=bfloat16``) and, in
+  ``mappings.py``, ``torch.distributed.all_to_all_single`` with split sizes given as tensors (-> lists
+  of ints: torch 2.13's gloo binding refuses tensors there). Nothing outside these modules is touched.
 * **Tensor.cuda() during one method.** ``LanguageModule.setup_embeddings_and_output_layer`` moves the
   tied output weight with ``weight.data.cuda()`` (tied embeddings + PP); while that method runs,
   ``Tensor.cuda`` returns the tensor itself.
@@ -21,14 +22,21 @@ no-op otherwise, so on a GPU megatron runs its own CUDA paths). Each redirect is
   ``torch.cuda.random.get_rng_state`` returns an empty tensor and ``_lazy_call`` (through which
   ``_set_cuda_rng_state`` sets the state) does nothing (torch would queue each call until a CUDA init
   that never comes). The CPU generator, the one CPU ops draw from, is still saved and restored by megatron.
+* **autocast of the linear layers' autograd functions.** ``tensor_parallel/layers.py`` decorates the
+  ``forward`` / ``backward`` of its linear autograd functions for CUDA autocast only; under CPU
+  autocast their backward then multiplies a bf16 gradient with an fp32 weight (``RuntimeError: expected
+  m1 and m2 to have the same dtype``). They are re-decorated for CPU autocast
+  (:func:`_autocast_linear_on_cpu`).
 * **a missing name.** ``moe_utils`` names ``te_general_gemm`` only when Transformer Engine imports;
   without it the router's gating GEMM hits a NameError. It is set to ``None`` (megatron's own
   fallback then runs ``torch.mm``).
 
 Every redirect that happens is logged once per call site (``file:line`` under ``megatron/core``) and
 kept in :func:`redirected_sites`; ``tests/test_megatron.py`` runs real layouts (TP, PP, PP with tied
-embeddings, DP, MoE EP) and compares the sites seen with its frozen copy of this table, so an upgrade
-that moves, adds or removes a site fails, naming it. The sites (0.16.1):
+embeddings, DP, MoE EP, PP with activation recompute) and compares the sites seen with its frozen copy of
+this table, so an upgrade that moves, adds or removes a site fails, naming it; the bf16, QAT and replay
+layouts of ``tests/test_megatron_replay_precision.py`` see those sites and the autocast one
+(``schedules.py:418``), nothing else. The sites (0.16.1):
 
 =====================================================  ================================================
 call site (under ``megatron/core/``)                   what it does on a GPU
@@ -37,6 +45,8 @@ models/common/embeddings/rotary_pos_embedding.py:162   ``inv_freq`` moved to the
 utils.py:631                                           global memory buffer (attention scores) on the
                                                        current device
 distributed/param_and_grad_buffer.py:806               DDP gradient buffer on the current device
+pipeline_parallel/schedules.py:418                     ``torch.autocast("cuda")`` around each forward step
+                                                       (``enable_autocast``: bf16 compute)
 pipeline_parallel/schedules.py:596, :2138              token counter ``torch.zeros(device="cuda")`` (no
                                                        pipelining, 1F1B)
 pipeline_parallel/p2p_communication.py:190-202         shape exchange buffers (variable lengths)
@@ -232,6 +242,12 @@ class _TorchOnCpu:
         for name in _FACTORIES:
             setattr(self, name, _on_cpu_factory(getattr(torch, name)))
 
+    def autocast(self, device_type: str, *args: Any, **kwargs: Any) -> torch.autocast:
+        if device_type == "cuda":
+            _record("torch.autocast('cuda')")
+            device_type = "cpu"
+        return torch.autocast(device_type, *args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
@@ -263,6 +279,32 @@ def _wrap_setup_embeddings(cls: type) -> None:
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+AUTOCAST_FUNCTIONS = ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight")
+"""megatron's linear autograd functions (``tensor_parallel/layers.py``), decorated for CUDA autocast."""
+
+
+def _autocast_linear_on_cpu() -> None:
+    """Re-decorate the linear autograd functions for CPU autocast (``precision.train_dtype=bfloat16``).
+
+    0.16.1 decorates their ``forward`` / ``backward`` with ``torch.amp.custom_fwd`` / ``custom_bwd`` for
+    ``device_type="cuda"``: under CPU autocast the forward's matmuls run in bf16, but the backward then
+    runs without autocast and multiplies a bf16 gradient with the fp32 weight (``RuntimeError: expected
+    m1 and m2 to have the same dtype``). The same functions, decorated for ``"cpu"``, replay the forward's
+    autocast state in the backward, as CUDA autocast does on a GPU.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    for cls_name in AUTOCAST_FUNCTIONS:
+        cls = getattr(layers, cls_name)
+        for name, decorate in (("forward", torch.amp.custom_fwd), ("backward", torch.amp.custom_bwd)):
+            original = cls.__dict__[name]
+            plain = original.__func__.__wrapped__  # under torch.amp's functools.wraps
+            setattr(cls, name, staticmethod(decorate(plain, device_type="cpu")))
+            _installed.append((cls, name, original))
+        _patched_names[f"megatron.core.tensor_parallel.layers.{cls_name}"] = (
+            "forward/backward decorated for CUDA autocast; re-decorated for CPU autocast (bf16)")
+
+
 def needed() -> bool:
     """True when this process sees no CUDA device (the layer applies)."""
     return not torch.cuda.is_available()
@@ -292,6 +334,7 @@ def install() -> bool:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     _wrap_setup_embeddings(LanguageModule)
+    _autocast_linear_on_cpu()
     from megatron.core.transformer.moe import moe_utils
 
     if "te_general_gemm" not in vars(moe_utils):

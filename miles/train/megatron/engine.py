@@ -6,7 +6,10 @@
 * ``parallel_state.initialize_model_parallel(TP, PP, expert_model_parallel_size=EP)`` over the rank's
   process group, megatron's RNG tracker seeded (dropout is off; the tracker only has to exist);
 * :meth:`Engine.build`: this stage's ``GPTModel`` with the checkpoint's weights cut to this rank
-  (:mod:`.collect`), wrapped in megatron's ``DistributedDataParallel`` when it trains;
+  (:mod:`.collect`), in this order: the QAT forward on its linears (:mod:`.quant`), LoRA adapters on the
+  frozen base (``adapt``: they see the quantized base's output, not quantized themselves), megatron's
+  ``DistributedDataParallel`` when it trains, and on MoE models a :class:`~.replay.RouteReplay` on its
+  routers (every model built so, the reference model too);
 * :meth:`Engine.train_pass` / :meth:`Engine.logps`: micro-batches through
   ``get_forward_backward_func()`` (1F1B over stages), the objective or the log-probs computed on the
   last stage from vocab-parallel logits (:mod:`.logits`); gradients reduced by
@@ -31,6 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from miles.config.schema import PrecisionConfig
 from miles.train.batching import PaddedBatch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.collect import ShardedIO
@@ -38,7 +42,28 @@ from miles.train.megatron.dims import ParallelDims
 from miles.train.megatron.grads import clip_, global_grad_norm
 from miles.train.megatron.logits import vocab_parallel_logp_entropy
 from miles.train.megatron.mapping import padded_vocab
-from miles.train.megatron.model import build_gpt_model, causal_mask, transformer_config
+from miles.train.megatron.model import (
+    autocast_recomputed_layers,
+    build_gpt_model,
+    causal_mask,
+    transformer_config,
+)
+from miles.train.megatron.quant import quantize_megatron_forward
+from miles.train.megatron.replay import RouteReplay
+
+
+def _output_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Forward hook of a frozen embedding under recompute (as transformers' ``enable_input_require_grads``).
+
+    megatron's recompute (``tensor_parallel.CheckpointFunction``, a reentrant autograd function) puts a
+    checkpointed layer in the graph only when one of its inputs requires a gradient. After a frozen
+    embedding none does (the first stage's hidden states; later stages receive theirs with a gradient): the
+    layers' outputs would carry no graph, no layer would recompute, and the LoRA adapters inside them would
+    get no gradient at all (only ``lm_head``'s). The embedding's output is marked as needing one.
+    """
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
+
 
 Objective = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(micro-batch index, logp [B, Tr], entropy [B, Tr]) -> loss share`` (called on the last stage)."""
@@ -48,12 +73,15 @@ class Engine:
     """Parallel groups, models and passes of one rank (see the module docstring)."""
 
     def __init__(self, arch: Arch, dims: ParallelDims, hf_shapes: Mapping[str, tuple[int, ...]], *, seed: int,
-                 device: torch.device, bf16: bool = False, recompute: bool = False) -> None:
+                 device: torch.device, bf16: bool = False, recompute: bool = False,
+                 precision: PrecisionConfig | None = None, routing_replay: bool = False) -> None:
         if device.type == "cpu" and torch.cuda.is_available():
             raise ValueError("the megatron trainer on the CPU in a process that sees a CUDA device: megatron-core "
                              "allocates on the current CUDA device there. Use placement.device=cuda, or hide the "
                              "GPUs from the trainer (CUDA_VISIBLE_DEVICES=)")
         self.arch, self.dims, self.device, self.bf16, self.recompute = arch, dims, device, bf16, recompute
+        self.precision, self.routing_replay = precision or PrecisionConfig(), routing_replay
+        self.replays: dict[int, RouteReplay] = {}  # per model (the object passes get), MoE only
         logging.getLogger("megatron.core").setLevel(logging.WARNING)  # its INFO lists every bucket's parameters
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      expert_model_parallel_size=dims.ep)
@@ -74,9 +102,11 @@ class Engine:
               adapt: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
         """This stage's model with the weights ``shards`` (``{local name: this rank's tensor}``, read one at a
         time: :class:`~.load.CheckpointShards`, or another model's parameters); DDP-wrapped when ``trainable``.
-        ``adapt``: called with the frozen model before DDP wraps it (LoRA adds its trainable adapters)."""
+        ``adapt``: called with the frozen model after the QAT wrap and before DDP wraps it (LoRA adds its
+        trainable adapters). The routes of passes through the returned model: :meth:`route_counts`."""
         config = transformer_config(self.arch, self.dims, bf16_autocast=self.bf16, recompute=self.recompute)
         model = build_gpt_model(self.arch, config, self.dims)
+        autocast_recomputed_layers(model, config, self.device)  # bf16 + recompute: the recompute's autocast
         names = [n for n, _ in model.named_parameters()]
         self.io.check_names(names)
         params = dict(model.named_parameters())
@@ -91,15 +121,22 @@ class Engine:
         model.eval()  # dropout is 0 anyway; the same mode as FSDP's model and the engines'
         if model.post_process:
             model.output_layer.register_forward_pre_hook(self._keep_positions, with_kwargs=True)
+        # precision.train_quant: the base's linears compute with fake-quantized weights (their own parameters only)
+        quantize_megatron_forward(model, self.io.entries, self.precision, bf16=self.bf16)
         if not trainable or adapt is not None:
             model.requires_grad_(False)
-        if adapt is not None:
+        if adapt is not None:  # after the QAT wrap, as FSDP's peft: the base layers compute quantized, adapters not
             adapt(model)
-        if not trainable:
-            return model
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
-        return DistributedDataParallel(config, ddp, model)
+            if self.recompute and model.pre_process:
+                model.embedding.register_forward_hook(_output_requires_grad)
+        wrapped: torch.nn.Module = model
+        if trainable:
+            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+            wrapped = DistributedDataParallel(config, ddp, model)
+        if self.arch.is_moe:  # routes are measured whenever a batch carries them, replayed under routing replay
+            self.replays[id(wrapped)] = RouteReplay(model, self.arch, replay=self.routing_replay)
+        return wrapped
 
     def _keep_positions(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Forward pre-hook of the output layer: only the hidden states at ``self._keep`` ([S, B, H] ->
@@ -128,6 +165,7 @@ class Engine:
         """Every micro-batch through megatron's schedule; ``on_logits(j, logits)`` on the last stage returns
         the loss share to backpropagate. logits: [B, Tr, V/TP] at the positions that predict the response
         tokens (``logit_index``), or [B, L, V/TP] at every position without ``responses_only``."""
+        replay = self.replays.get(id(model))
 
         def loss_func(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss = on_logits(j, logits)
@@ -137,8 +175,12 @@ class Engine:
             j = next(data_iterator)  # type: ignore[call-overload]
             p = micro[j]
             self._keep = p.logit_index if responses_only else None
+            if replay is not None:  # this micro-batch's routes, in its forward and its backward's recomputes
+                replay.set_routes(p.routes)
             out = model(input_ids=p.input_ids, position_ids=p.position_ids,
                         attention_mask=causal_mask(p.input_ids.shape[1], self.device))
+            if replay is not None:
+                replay.hold(out, p.routes)
             return out, functools.partial(loss_func, j)
 
         get_forward_backward_func()(
@@ -216,6 +258,12 @@ class Engine:
 
         self._run(model, micro, keep, forward_only=True, responses_only=False)
         return out
+
+    def route_counts(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """The routing-replay counts of ``model`` since the last call, summed over every rank (None: no MoE).
+        Collective (:mod:`.replay`)."""
+        replay = self.replays.get(id(model))
+        return None if replay is None else self.world_sum(replay.take_counts())
 
     # --- gradients ---------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ local ``DotProductAttention``), configured from :class:`~miles.train.megatron.ar
   :class:`HFTopKRouter` (transformers' Qwen3-MoE routing, :func:`hf_topk_routing`);
 * embeddings: tied or untied as in the checkpoint; the vocabulary padded up to a multiple of TP
   (:func:`padded_vocab_size`; padded logits are masked in :mod:`.logits`);
-* numerics: fp32 parameters and compute on the CPU (bf16 refused there); on CUDA, bf16 compute under
-  megatron's autocast with fp32 parameters (untested on a GPU). Every fusion and every dropout is
-  off, so the forward is deterministic and matches transformers' to fp32 rounding
-  (``tests/test_megatron.py``).
+* numerics: fp32 parameters; fp32 compute, or with ``precision.train_dtype=bfloat16`` bf16 compute under
+  megatron's autocast (``enable_autocast``; on the CPU through :mod:`.compat`, tested; on CUDA untested
+  on a GPU). Every fusion and every dropout is off, so the fp32 forward is deterministic and matches
+  transformers' to fp32 rounding (``tests/test_megatron.py``).
 """
 
 from __future__ import annotations
@@ -60,15 +60,21 @@ def hf_topk_routing(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tup
 
 
 class HFTopKRouter(TopKRouter):
-    """megatron's ``TopKRouter`` (gating GEMM, dispatch interface) with :func:`hf_topk_routing`."""
+    """megatron's ``TopKRouter`` (gating GEMM, dispatch interface) with :func:`hf_topk_routing`; with a
+    :class:`~miles.train.megatron.replay.RouteReplay` attached (``replay``), the rollout's experts."""
 
     def __init__(self, config: TransformerConfig, pg_collection: Any = None, *, normalize: bool = True) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.normalize = normalize
+        self.replay: Any = None
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return hf_topk_routing(logits.view(-1, self.config.num_moe_experts), self.topk, normalize=self.normalize)
+        logits = logits.view(-1, self.config.num_moe_experts)
+        probs, routing_map = hf_topk_routing(logits, self.topk, normalize=self.normalize)
+        if self.replay is not None:
+            return self.replay.route(self, logits, probs, routing_map)
+        return probs, routing_map
 
 
 def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = False,
@@ -76,7 +82,8 @@ def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = 
     """megatron's ``TransformerConfig`` for ``arch`` over ``dims`` (fusions and dropout off).
 
     Parameters are fp32 (they are the master weights AdamW updates); ``bf16_autocast`` runs the forward
-    under megatron's ``enable_autocast`` (``torch.autocast("cuda", bfloat16)``: CUDA only, untested on a GPU).
+    under megatron's ``enable_autocast`` (``torch.autocast("cuda", bfloat16)``, which :mod:`.compat` makes
+    CPU autocast in a process without CUDA; untested on a GPU).
     ``recompute``: megatron's full activation recompute, one layer per checkpoint (``recompute_method=
     "uniform"``, ``recompute_num_layers=1``): each layer keeps only its input; the backward recomputes it.
     """
@@ -99,7 +106,8 @@ def transformer_config(arch: Arch, dims: ParallelDims, *, bf16_autocast: bool = 
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        # stages exchange what the layers output: bf16 under autocast (an fp32 buffer would misread the bytes)
+        params_dtype=torch.float32, pipeline_dtype=torch.bfloat16 if bf16_autocast else torch.float32,
         enable_autocast=bf16_autocast, autocast_dtype=torch.bfloat16 if bf16_autocast else None,
         use_cpu_initialization=True, perform_initialization=False,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
@@ -129,6 +137,29 @@ def build_gpt_model(arch: Arch, config: TransformerConfig, dims: ParallelDims) -
         parallel_output=True, share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
     )
+
+
+def autocast_recomputed_layers(model: GPTModel, config: TransformerConfig, device: torch.device) -> None:
+    """With bf16 autocast and activation recompute: every decoder layer of ``model`` enters the autocast itself.
+
+    megatron-core 0.16.1 enters ``torch.autocast`` around each forward step only (``schedules.py``), and its
+    recompute (``tensor_parallel.random.CheckpointFunction.backward``) runs the layer again inside the
+    backward, outside that autocast: the layer's first linear then multiplies bf16 activations with fp32
+    weights (``RuntimeError: expected m1 and m2 to have the same dtype``, ``tests/test_megatron_recompute.py``).
+    Inside a forward step the layer's own autocast changes nothing; in the recompute it is the forward's,
+    so the recompute computes what the forward computed.
+    """
+    if not (config.enable_autocast and config.recompute_granularity):
+        return
+    for layer in model.decoder.layers:
+        forward = layer.forward
+
+        @functools.wraps(forward)
+        def under_autocast(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            with torch.autocast(device.type, dtype=config.autocast_dtype):
+                return _forward(*args, **kwargs)
+
+        layer.forward = under_autocast
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

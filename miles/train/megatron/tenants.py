@@ -11,7 +11,8 @@ What :meth:`miles.train.fsdp.FSDPTrainer.train_step` does with adapters, on mega
   norm and clipping and its own non-finite check; its gradients move out of DDP's buffer (which is
   zeroed for the next adapter) into ``p.grad``. Then one AdamW step moves every adapter with gradients;
   an adapter without samples, or whose loss or norm was not finite, has ``p.grad = None`` and AdamW
-  leaves it (and its moments) as they were. Metrics per adapter: ``tenant/<name>/train/...``.
+  leaves it (and its moments) as they were. Metrics per adapter: ``tenant/<name>/train/...``; on MoE models
+  ``moe/route_agreement`` and ``moe/replayed_route_share`` over the whole step (:mod:`.replay`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles.train.megatron.replay import route_metrics
 from miles.types import TrainBatch
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ def train_step(trainer: MegatronTrainer, batch: TrainBatch) -> dict[str, float]:
     assert lora is not None
     start = time.perf_counter()
     num_mb = trainer.run.algo.num_minibatches
+    engine.route_counts(trainer.model)  # count this step's passes only
     tenants = split_by_adapter(trainer, batch)
     prepared = []
     for name, sub in tenants:
@@ -104,6 +107,9 @@ def train_step(trainer: MegatronTrainer, batch: TrainBatch) -> dict[str, float]:
         out["train/num_microbatches"] = sum(out[f"tenant/{n}/train/num_microbatches"] for n, _ in tenants)
     out["train/lr"] = lr_used
     out["train/trainable_param_frac"] = trainer.trainable_frac
+    routes = engine.route_counts(trainer.model)
+    if routes is not None:  # MoE: over every adapter's passes, as the FSDP trainer's (:mod:`.replay`)
+        out |= route_metrics(routes)
     forward = float(sum(p.input_ids.numel() for prep in prepared for micro in prep[0] for p in micro))
     out["perf/train_forward_tokens"] = float(engine.dp_sum(torch.tensor([forward])))
     elapsed = engine.world_max(torch.tensor([time.perf_counter() - start]))

@@ -37,8 +37,29 @@ parametrization of the HF model (:mod:`.lora`), the base frozen, AdamW on the ad
 ``adapter.lr``; ``train_step`` per adapter as the FSDP trainer's (:mod:`.tenants`); adapter-only weight
 sync, PEFT export, state in the FSDP trainer's peft layout (:mod:`.lora_state`).
 
+Precision and MoE options, as the FSDP trainer's: ``precision.train_dtype=bfloat16`` computes in bf16
+under megatron's autocast with fp32 weights, gradients and AdamW state (on the CPU through
+:mod:`.compat`; FSDP instead computes with bf16 copies of the weights, so the two agree to bf16
+rounding, not bit for bit); ``precision.train_quant`` (``int4``, ``mxfp8``) runs every forward with
+fake-quantized linear weights, gradients straight through, the same numbers as FSDP's (:mod:`.quant`);
+on MoE models the routers measure the rollout's routes of a batch that carries them
+(``moe/route_agreement``, ``moe/replayed_route_share``) and, with ``algo.routing_replay=rollout``,
+send every token to the engine's experts in the policy and the reference model (:mod:`.replay`).
+
+Together: with ``trainer.activation_checkpointing`` a recomputed layer computes what its forward computed,
+in bf16 too (megatron recomputes outside the forward step's autocast; each layer enters it itself:
+:func:`.model.autocast_recomputed_layers`), with its own micro-batch's routes under routing replay (set
+again when that micro-batch's backward starts, :mod:`.replay`) and, under LoRA, with the frozen embedding's
+output marked as needing a gradient, without which megatron's recompute passes none to the layers' adapters
+(:mod:`.engine`). The gradients are those without recompute, bit for bit. LoRA adapters sit on the
+QAT-wrapped base layers and are not quantized themselves (FSDP's order), compute in bf16 under the autocast,
+and on MoE models adapt attention and ``lm_head`` only, with routes measured and replayed as without
+adapters. The reference model is built as the policy is (QAT forward, routing replay) from the policy's
+base weights.
+
 Not supported (``check_config`` refuses them before Ray starts): ``trainer.shared_prompt_forward``,
-bf16 on CPU, MoE with TP > 1.
+``precision.true_on_policy``, MoE with TP > 1, ``precision.train_quant`` ``fp8_block`` / ``nvfp4``, and QAT at a TP size that cuts a
+quantization block of a row-parallel layer (:mod:`.quant`).
 """
 
 from __future__ import annotations
@@ -63,6 +84,8 @@ from miles.train.batching import (
 )
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
+from miles.train.megatron.quant import check_train_quant
+from miles.train.megatron.replay import route_metrics
 from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_scheduler
 from miles.train.rank import init_device_and_group, pad_token_id
@@ -93,6 +116,10 @@ class MegatronTrainer(Reusable):
     parallelisms: frozenset[str] = frozenset({"tensor", "pipeline", "expert"})
     """TP, PP (1F1B) and MoE EP; data parallel over the ranks left (:data:`miles.backends.contract.PARALLELISMS`)."""
 
+    same_forward_as_engine: bool = False
+    """megatron's model is not the engines' (transformers'): in bf16 their kernels round apart, which mismatch
+    correction counts as other numerics (:func:`miles.precision.recipe.numerics_differ`; the driver logs it)."""
+
     @staticmethod
     def check_config(run: MilesConfig) -> None:
         """Refuse what this backend cannot do, naming the key, before any actor starts."""
@@ -104,26 +131,15 @@ class MegatronTrainer(Reusable):
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the megatron trainer's forward is not the engine's "
                               "(transformers) forward; use trainer=fsdp")
-        if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: the megatron trainer's router does not replay routes; "
-                              "routing replay runs in the FSDP trainer with the torch engine: use trainer=fsdp "
-                              "rollout=torch, or algo.routing_replay=off")
-        if run.precision.train_quant != "none":
-            raise ConfigError(f"precision.train_quant={run.precision.train_quant}: the megatron trainer has no "
-                              "quantization-aware forward; use trainer=fsdp, or a recipe with train_quant: none")
-        # placement.device=auto is the CPU unless the driver sees CUDA (a joined GPU cluster is checked by the ranks)
-        on_cpu = run.placement.device == "cpu" or (run.placement.device == "auto" and not torch.cuda.is_available())
-        if run.precision.train_dtype != "float32" and on_cpu:
-            raise ConfigError(f"precision.train_dtype={run.precision.train_dtype} on the CPU: the "
-                              "megatron trainer computes in fp32 on the CPU (megatron-core's bf16 paths need CUDA); "
-                              "use precision=fp32 or trainer=fsdp")
         node = TargetConfig(target=run.model.target, kwargs={"flavor": run.model.flavor, "path": run.model.path})
         spec = build(node, allow=run.plugins.allow, key="model._target_")
         try:
             arch = Arch.from_hf(spec.hf_config)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
-        check_dims(_dims(run, run.placement.trainer_world_size), arch)
+        dims = _dims(run, run.placement.trainer_world_size)
+        check_dims(dims, arch)
+        check_train_quant(run.precision, arch, dims)
         if run.adapter.kind == "lora":
             from miles.train.megatron.lora_layout import check_lora
 
@@ -150,10 +166,8 @@ class MegatronTrainer(Reusable):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         t = run.trainer
-        if device == "cpu" and run.precision.train_dtype != "float32":
-            raise ValueError(f"precision.train_dtype={run.precision.train_dtype}: the megatron trainer computes in "
-                             "fp32 on the CPU (megatron-core's bf16 paths need CUDA); use precision=fp32")
         self.rank, self.world_size, self.run = rank, world_size, run
+        self.mismatch = mismatch_settings(run, same_forward=self.same_forward_as_engine)
         self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
                                     clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
@@ -169,7 +183,8 @@ class MegatronTrainer(Reusable):
         self.pad_id = pad_token_id(config)
         self.hf_shapes, self.hf_param_names = load.hf_layout(config)
         self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
-                                    bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing)
+                                    bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing,
+                                    precision=run.precision, routing_replay=run.algo.routing_replay == "rollout")
         # adapter=lora: the base frozen, one LoRA adapter per name trains (the reference model is the base alone)
         self.lora = None
         if run.adapter.kind == "lora":
@@ -182,7 +197,7 @@ class MegatronTrainer(Reusable):
             self.checkpoint_reads = dict(reader.read_elements)  # {stored tensor: elements this rank read}
         self.params = {k: p for k, p in self.engine.named_parameters(self.model) if ".lora." not in k}
         """The base model's parameters by local name (what the mapping gathers and shards)."""
-        # the reference policy starts as a copy of the policy's base weights
+        # the reference policy starts as a copy of the policy's base weights (built as the policy: QAT, replay)
         self.ref_model = self.engine.build(dict(self.params), trainable=False) if run.algo.kl_coef > 0 else None
         base_numel = sum(int(torch.Size(self.hf_shapes[n]).numel()) for n in self.hf_param_names)
         self.trainable_frac = 1.0
@@ -196,9 +211,13 @@ class MegatronTrainer(Reusable):
         self.scheduler = lr_scheduler(self.optimizer, run)
         self.metric_names = self._metric_names()
         if rank == 0:
-            log.info("megatron trainer: %s over %d rank(s), %s", self.dims.describe(), world_size,
+            p = run.precision
+            log.info("megatron trainer: %s over %d rank(s), %s; compute %s%s%s%s", self.dims.describe(), world_size,
                      "MoE " + f"{self.arch.num_experts} experts top-{self.arch.moe_top_k}" if self.arch.is_moe
-                     else "dense")
+                     else "dense", "bf16 (autocast over fp32 weights)" if p.train_dtype == "bfloat16" else "fp32",
+                     f", {p.train_quant} weights (QAT)" if p.train_quant != "none" else "",
+                     ", replaying the rollout's routes" if run.algo.routing_replay == "rollout" else "",
+                     ", activations recomputed in the backward" if t.activation_checkpointing else "")
             if self.lora is not None:
                 log.info("megatron trainer: LoRA adapters %s train %d of %d parameters (%.2f%%)",
                          list(self.lora.names), self.lora.numel(), self.lora.numel() + base_numel,
@@ -219,7 +238,7 @@ class MegatronTrainer(Reusable):
         run = self.run
         return policy_objective(
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
-            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **mismatch_settings(run),
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **self.mismatch,
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
 
     def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
@@ -288,6 +307,7 @@ class MegatronTrainer(Reusable):
             return tenants.train_step(self, batch)
         start = time.perf_counter()
         num_mb = self.run.algo.num_minibatches
+        self.engine.route_counts(self.model)  # count this step's passes only
         plans, counts, old, ref = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
@@ -319,6 +339,9 @@ class MegatronTrainer(Reusable):
         out["train/trainable_param_frac"] = self.trainable_frac
         out["train/num_tokens"] = float(counts[:, 0].sum())
         out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
+        routes = self.engine.route_counts(self.model)
+        if routes is not None:  # MoE: how the routes of a batch that carries them were used (.replay)
+            out |= route_metrics(routes)
         forward_tokens = float(sum(p.input_ids.numel() for micro in plans for p in micro))
         out["perf/train_forward_tokens"] = float(self.engine.dp_sum(torch.tensor([forward_tokens])))
         elapsed = self.engine.world_max(torch.tensor([time.perf_counter() - start]))
