@@ -132,10 +132,18 @@ SCHEDULES = [
 ]
 
 
+MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "shared_prompt_forward": False}}
+"""The config section of a run on the megatron trainer (``trainer=megatron``)."""
+
+
 @pytest.mark.parametrize("engine,schedule,extra", [
     *(pytest.param("torch", schedule, extra, id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
     *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=pytest.mark.sglang)
       for schedule, extra in SCHEDULES if schedule != "sync"),
+    # the product stack: the megatron trainer under the async schedule, on either engine
+    pytest.param("torch+megatron", *SCHEDULES[2], id="torch-megatron-fully_async", marks=pytest.mark.megatron),
+    pytest.param("sglang+megatron", *SCHEDULES[1], id="sglang-megatron-one_step_off",
+                 marks=[pytest.mark.megatron, pytest.mark.sglang]),
 ])
 def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_bound(
         ray_cluster, probe, engine: str, schedule: str, extra: dict) -> None:
@@ -143,6 +151,10 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
     ``max_staleness``; the decoupled PPO metrics (staleness, partial rollouts, behaviour IS clip,
     behaviour-vs-proximal mismatch) are those of the samples trained."""
     from miles.core.run import run_job
+
+    engine, _, trainer = engine.partition("+")
+    if trainer:
+        pytest.importorskip("megatron.core")
 
     probe.TRAINED.clear()
     cfg = json.loads(json.dumps(SHORT))
@@ -154,6 +166,8 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
         cfg["placement"] = {"name": "disaggregated"}
     if engine == "sglang":
         cfg |= SGLANG
+    if trainer == "megatron":
+        cfg["trainer"] |= MEGATRON["trainer"]
     run = validate(cfg)
     seen: dict[int, dict] = {}
     final = run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
