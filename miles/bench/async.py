@@ -23,7 +23,8 @@ samples whose tokens come from more than one weight version (partial rollouts), 
 interrupt the rows in flight and continue them on the new weights, :mod:`miles.rollout.sglang_calls`).
 A server is started for each placement (``sync`` colocated, the others disaggregated) and kept
 between the jobs that share one (:mod:`miles.rollout.sglang_engine`); the engine busy fraction is
-then the share of time with a request in flight on the server.
+then the share of time with a request in flight on the server. ``--trainer megatron`` runs every
+schedule on the megatron trainer.
 
 Each run's line also holds its ``eval/accuracy`` by step (step 0, every ``--eval-every`` steps and
 the last); ``--plot PATH`` draws those curves, one line per schedule and seed, into a PNG.
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS_ASYNC), default="count_tiny")
     p.add_argument("--engine", choices=("torch", "sglang"), default="torch",
                    help="rollout engine of every run (sglang: needs scripts/setup_sglang.sh)")
+    p.add_argument("--trainer", choices=("fsdp", "megatron"), default="fsdp",
+                   help="trainer of every run (megatron: needs the megatron extra)")
     p.add_argument("--steps", type=int, default=8, help="RL steps per run")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds; each runs every schedule once")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="order within a seed")
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. schedule.max_staleness=1")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    base = [*WORKLOADS_ASYNC[args.workload], f"rollout={args.engine}", f"trainer.num_steps={args.steps}",
+    base = [*WORKLOADS_ASYNC[args.workload], f"rollout={args.engine}", f"trainer={args.trainer}",
+            f"trainer.num_steps={args.steps}",
             f"trainer.eval_every={args.eval_every}", "tracking=none"]
     checkpoint = built_checkpoint(base, args.threads)
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "eval_curve": curve}), flush=True)
     if args.plot is not None:
         plot_curves(curves, args.plot, f"{args.workload}: eval/accuracy, {args.steps} steps")
-    print(json.dumps(summarize(runs) | {"workload": args.workload, "engine": args.engine, "steps": args.steps,
+    print(json.dumps(summarize(runs) | {"workload": args.workload, "engine": args.engine,
+                                        "trainer": args.trainer, "steps": args.steps,
                                         "threads": args.threads,
                                         "seeds": args.seeds, "async_overrides": args.async_override}), flush=True)
     return 0
