@@ -349,10 +349,10 @@ def _check_adapter(run: MilesConfig) -> None:
     if run.precision.true_on_policy:
         raise ConfigError("adapter=lora with precision.true_on_policy=true: the exact single-sequence path runs the "
                           "model without per-row adapters; use one of the two")
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ConfigError("adapter=lora needs peft: pip install 'miles-rl[lora]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:  # found, not imported: importing peft takes seconds
+        raise ConfigError("adapter=lora needs peft: pip install 'miles-rl[lora]'")
 
 
 def _check_tenants(run: MilesConfig) -> None:
