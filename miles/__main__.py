@@ -3,6 +3,7 @@
 This is the only ``@hydra.main`` in miles. Everything Hydra offers works:
 ``--cfg job`` prints the resolved config, ``-m`` sweeps (one MLflow parent run with a
 child per job, :mod:`miles.tracking.sweep`), ``group=option`` and ``a.b=value`` overrides;
+``--plan`` prints where every actor would run (:mod:`miles.core.plan`) without starting Ray;
 ``miles reproduce RUN_ID`` runs a logged run again (:mod:`miles.reproduce`). Mistyped keys and options fail here, before Ray
 starts, with the full key, a suggestion and the valid options.
 """
@@ -20,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miles.config import ConfigError, DataError, check_overrides, register_schemas, validate
+from miles.config import ConfigError, DataError, check_overrides, validate
 
 log = logging.getLogger("miles")
 
@@ -29,6 +30,11 @@ log = logging.getLogger("miles")
 def _run(cfg: DictConfig) -> float | None:
     try:
         run = validate(cfg)
+        if _plan_only:  # --plan: where every actor would run; no Ray
+            from miles.core.plan import Machine, make_plan
+
+            print(make_plan(run, Machine.here()).describe())
+            return None
     except ConfigError as e:
         log.error("config error: %s", e)
         raise SystemExit(2) from None
@@ -61,11 +67,17 @@ def _jobs_follow_here() -> bool:
     return hc.mode == RunMode.MULTIRUN and str(hc.launcher.get("_target_", "")).endswith(".BasicLauncher")
 
 
+_plan_only = False
+_PLAN_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none")
+"""What ``--plan`` adds to the command line: Hydra composes the config as for a run, and writes nothing."""
+
+
 def main() -> None:
     """Console-script entry point (``miles``) and ``python -m miles``.
 
     ``miles reproduce RUN_ID ...`` runs :mod:`miles.reproduce`; ``miles rollout CHECKPOINT ...`` serves a
-    checkpoint over HTTP (:mod:`miles.agent.server`); anything else is a Hydra command line.
+    checkpoint over HTTP (:mod:`miles.agent.server`); ``miles --plan ...`` prints the placement plan;
+    anything else is a Hydra command line.
     """
     if sys.argv[1:2] == ["reproduce"]:
         from miles.reproduce import main as reproduce
@@ -80,12 +92,16 @@ def main() -> None:
             log.error("config error: %s", e)
             raise SystemExit(2) from None
         return
+    argv = [a for a in sys.argv[1:] if a != "--plan"]
     try:
-        check_overrides(sys.argv[1:])
+        check_overrides(argv)
     except ConfigError as e:
         print(f"miles: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    register_schemas()
+    global _plan_only
+    _plan_only = len(argv) < len(sys.argv) - 1
+    if _plan_only:
+        sys.argv = [sys.argv[0], *argv, *_PLAN_OVERRIDES]
     _run()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from miles.agent.calculator import Calculator
 from miles.agent.rollout import tool_loop
-from miles.config import ConfigError, register_schemas, validate
+from miles.config import ConfigError, validate
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -17,7 +17,6 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 def _compose(name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    register_schemas()
     with initialize_config_dir(config_dir=str(EXAMPLES), version_base="1.3"):
         return validate(compose(config_name=name, overrides=overrides))
 

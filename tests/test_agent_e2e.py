@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import register_schemas, validate
+from miles.config import validate
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,6 @@ def _run(config_name: str, tmp_path: Path, num_steps: int) -> dict[int, dict]:
 
     from miles.core.run import run_job
 
-    register_schemas()
     KeepBatches.groups.clear()
     KeepBatches.batches.clear()
     KeepBatches.rewards.clear()

@@ -19,7 +19,7 @@ from miles.backends.contract import (
 from miles.config import ConfigError
 from miles.config.schema import PrecisionConfig
 from miles.config.validate import validate
-from miles.core.actors import backends
+from miles.core.plan import backends
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.fsdp import FSDPTrainer
 

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from miles.config import ConfigError, MilesConfig, TargetConfig, build, check_overrides, validate
-from miles.config.schema import GROUP_SCHEMAS, register_schemas, to_yaml_dict
+from miles.config.schema import GROUP_SCHEMAS, to_yaml_dict
 from miles.config.validate import group_options
 
 
@@ -63,14 +63,6 @@ def test_validated_config_is_frozen_and_picklable() -> None:
 def test_yaml_round_trip() -> None:
     run = validate(compose_cfg(["precision=fp8"]))
     assert validate(to_yaml_dict(dataclasses.asdict(run))) == run
-
-
-def test_schemas_registered_in_config_store() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    register_schemas()
-    stored = ConfigStore.instance().list("schema")
-    assert {f"{g}.yaml" for g in GROUP_SCHEMAS} | {"miles.yaml"} <= set(stored)
 
 
 # --- mistakes fail with the key, a suggestion and the valid options --------------------------
@@ -137,7 +129,7 @@ def test_async_schedule_refuses_colocated_placement_and_says_what_to_use(schedul
             validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", *bad]))
     # both built-in engines report each token's weight version (an engine class that does not is refused
     # by its contract check: tests/test_backends.py)
-    from miles.core.actors import backends
+    from miles.core.plan import backends
 
     sglang = validate(compose_cfg([f"schedule={schedule}", "placement=disaggregated", "rollout=sglang"]))
     assert backends(sglang).engine.reports_token_versions

@@ -300,9 +300,6 @@ def test_documented_command_lines_compose_validate_and_build() -> None:
 def test_example_config_composes() -> None:
     from hydra import compose, initialize_config_dir
 
-    from miles.config import register_schemas
-
-    register_schemas()
     examples = Path(__file__).parents[1] / "examples"
     with initialize_config_dir(config_dir=str(examples), version_base="1.3"):
         cfg = compose(config_name="hooks", overrides=["hooks.0.target=0.8"])  # as its header shows

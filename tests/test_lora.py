@@ -272,9 +272,6 @@ def test_rollout_quantization_applies_to_the_base_and_not_to_the_adapters(tiny_q
 def test_the_tenants_example_composes_and_validates() -> None:
     from hydra import compose, initialize_config_dir
 
-    from miles.config import register_schemas
-
-    register_schemas()
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "examples"), version_base="1.3"):
         run = validate(compose(config_name="lora_tenants"))
     assert run.adapter.kind == "lora" and [t.name for t in run.tenants] == ["largest", "count", "arithmetic"]

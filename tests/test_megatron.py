@@ -482,7 +482,7 @@ def test_the_driver_side_imports_no_megatron():
     import sys
 
     code = ("import sys; import miles; from miles.config.validate import validate; "
-            "from miles.core.actors import backends; "
+            "from miles.core.plan import backends; "
             "b = backends(validate({'trainer': {'_target_': 'miles.train.megatron.MegatronTrainer', "
             "'tensor_parallel': 2, 'shared_prompt_forward': False}, 'placement': {'trainer_world_size': 2}})); "
             "print(b.trainer.__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")

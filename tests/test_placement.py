@@ -1,4 +1,4 @@
-"""Placement: bundle math of colocate and disaggregated, clear failures, real actors, several nodes."""
+"""Placement on Ray: the plan's pools reserved (or refused in time), actors on their bundles, several nodes."""
 
 from __future__ import annotations
 
@@ -19,88 +19,19 @@ from pathlib import Path
 import pytest
 
 from miles.config import ConfigError, validate
-from miles.core.cluster import Pool, check_fits_locally, placement_pools, threads_per_actor
+from miles.core.plan import Machine, Plan, make_plan
 
 
 def _run(placement: dict, **cluster) -> object:
     return validate({"placement": placement, "cluster": cluster})
 
 
-# ---- bundle math (no Ray) ----------------------------------------------------------------------
-
-def test_colocate_is_one_shared_pool_and_threads_split_the_cpus() -> None:
-    run = _run({"num_engines": 2, "trainer_world_size": 4, "cpus_per_bundle": 1.5}, num_cpus=8)
-    assert placement_pools(run) == [Pool("shared", 4, 1.5, {})]
-    # local cluster: actors take turns, so the 8 CPUs are split among the 4 busy at once
-    assert threads_per_actor(run) == (2, 2)
-    # joined cluster: only the bundles' 4 x 1.5 = 6 CPUs, over 4 busy actors
-    run = _run({"num_engines": 2, "trainer_world_size": 4, "cpus_per_bundle": 1.5}, address="auto")
-    assert threads_per_actor(run) == (1, 1)
-    # a shared bundle hosts an engine and a rank: it carries both pools' custom resources
-    run = _run({"engine_resources": {"gpu_node": 1}, "trainer_resources": {"gpu_node": 0.5, "fast": 1}})
-    assert placement_pools(run)[0].bundle() == {"CPU": 1.0, "gpu_node": 1.5, "fast": 1.0}
+def _plan(placement: dict, **cluster) -> Plan:
+    """The plan on a joined cluster (the session's): its pools are placed by Ray, not checked against this machine."""
+    return make_plan(_run(placement, address="auto", **cluster), Machine(cpus=4))
 
 
-def test_disaggregated_has_a_pool_each_and_threads_from_their_own_bundles() -> None:
-    run = _run({"name": "disaggregated", "num_engines": 3, "trainer_world_size": 2, "cpus_per_engine": 2.0,
-                "cpus_per_trainer_rank": 3.5, "engine_resources": {"node2": 1}}, num_cpus=64)
-    engine, trainer = placement_pools(run)
-    assert engine == Pool("engine", 3, 2.0, {"node2": 1.0}) and engine.cpus == 6.0
-    assert trainer == Pool("trainer", 2, 3.5, {}) and trainer.cpus == 7.0
-    assert engine.bundle() == {"CPU": 2.0, "node2": 1.0}
-    assert threads_per_actor(run) == (2, 3)  # not the 64 CPUs of the machine: both pools run at once
-    run = _run({"name": "disaggregated", "cpus_per_engine": 0.5, "torch_threads_per_actor": 0})
-    assert threads_per_actor(run) == (1, 1)  # at least one thread
-    run = _run({"name": "disaggregated", "torch_threads_per_actor": 3})
-    assert threads_per_actor(run) == (3, 3)
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cuda_placement_adds_a_gpu_per_bundle_and_is_refused_without_one() -> None:
-    run = _run({"device": "cuda", "trainer_world_size": 2})
-    assert placement_pools(run) == [Pool("shared", 2, 1.0, {}, 1)]
-    assert placement_pools(run)[0].bundle() == {"CPU": 1.0, "GPU": 1.0}
-    run = _run({"name": "disaggregated", "device": "cuda"})
-    assert [p.bundle() for p in placement_pools(run)] == [{"CPU": 1.0, "GPU": 1.0}] * 2
-    with pytest.raises(ConfigError, match=r"asks for engine pool 1 bundle\(s\) x 1 CPU \(\+ GPU: 1 per bundle\).*"
-                                          r"but this machine has 0 CUDA device\(s\)\. Set placement.device=cpu"):
-        check_fits_locally(run)
-    assert placement_pools(_run({"device": "auto"}))[0].gpus_per_bundle == 0  # auto on a CPU machine
-
-
-def test_placement_too_big_for_the_local_cluster_names_the_numbers() -> None:
-    with pytest.raises(ConfigError, match=r"asks for 4 bundle\(s\) x 2 CPU = 8 CPU, but the local Ray cluster "
-                                          r"has 2 CPU \(cluster.num_cpus\)\. Lower placement.cpus_per_bundle"):
-        check_fits_locally(_run({"trainer_world_size": 4, "cpus_per_bundle": 2.0}, num_cpus=2))
-    run = _run({"name": "disaggregated", "num_engines": 2, "cpus_per_trainer_rank": 2.0}, num_cpus=3)
-    with pytest.raises(ConfigError) as e:
-        check_fits_locally(run)
-    assert ("placement 'disaggregated' asks for engine pool 2 bundle(s) x 1 CPU = 2 CPU + trainer pool 1 bundle(s) "
-            "x 2 CPU = 2 CPU = 4 CPU in all, but the local Ray cluster has 3 CPU") in str(e.value)
-    assert "placement.cpus_per_engine, placement.cpus_per_trainer_rank" in str(e.value)
-    check_fits_locally(_run({"name": "disaggregated", "num_engines": 2, "cpus_per_trainer_rank": 2.0}, num_cpus=4))
-
-
-def test_custom_resources_need_a_joined_cluster() -> None:
-    run = _run({"name": "disaggregated", "engine_resources": {"node2": 1}}, num_cpus=4)
-    with pytest.raises(ConfigError, match=r"needs custom Ray resource\(s\) node2, but a local Ray cluster started "
-                                          r"by miles has CPUs only\. Join a cluster"):
-        check_fits_locally(run)
-    check_fits_locally(_run({"name": "disaggregated", "engine_resources": {"node2": 1}}, address="auto"))
-
-
-@pytest.mark.parametrize("placement,message", [
-    ({"cpus_per_engine": 2.0}, "placement.cpus_per_engine applies to placement=disaggregated only"),
-    ({"name": "disaggregated", "cpus_per_bundle": 2.0}, "placement.cpus_per_bundle applies to placement=colocate only"),
-    ({"name": "disaggregated", "cpus_per_trainer_rank": 0.0}, "placement.cpus_per_trainer_rank: must be > 0 CPUs"),
-    ({"engine_resources": {"CPU": 1}}, "placement.engine_resources.CPU: CPUs and memory are sized by the cpus_"),
-    ({"trainer_resources": {"node2": -1}}, "placement.trainer_resources.node2: expected a positive number"),
-    ({"ready_timeout_s": 0.0}, "placement.ready_timeout_s: must be > 0"),
-])
-def test_placement_mistakes_are_named(placement: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        check_fits_locally(_run(placement, num_cpus=64))
-
+# ---- the plan's bundle math is tests/test_plan.py; here what Ray does with it ------------------
 
 def test_unknown_placement_name_lists_the_options() -> None:
     with pytest.raises(ConfigError, match=r"placement.name: invalid value 'disagregated' \(did you mean "
@@ -112,9 +43,7 @@ def test_unknown_placement_name_lists_the_options() -> None:
 
 @pytest.mark.parametrize("huge_pages", [True, False])
 def test_actor_env_switches_torch_onto_huge_pages(ray_cluster, huge_pages: bool) -> None:
-    from miles.core.cluster import actor_env
-
-    env = actor_env(_run({"huge_pages": huge_pages, "torch_threads_per_actor": 1}).placement, threads=1)
+    env = dict(_plan({"huge_pages": huge_pages, "torch_threads_per_actor": 1}).engines[0].env)
     assert env["OMP_NUM_THREADS"] == "1" and ("THP_MEM_ALLOC_ENABLE" in env) == huge_pages
 
     @ray_cluster.remote(num_cpus=0.25, runtime_env={"env_vars": env})
@@ -137,21 +66,20 @@ def test_too_big_placement_fails_within_its_timeout_naming_each_pool(ray_cluster
     from miles.core.cluster import reserve
 
     before = ray_cluster.util.placement_group_table()
-    colocate = _run({"trainer_world_size": 4, "cpus_per_bundle": 2.0, "ready_timeout_s": 1.0}, address="auto")
+    colocate = _plan({"trainer_world_size": 4, "cpus_per_bundle": 2.0, "ready_timeout_s": 1.0})
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=r"placement 'colocate' asked for 4 bundle\(s\) x 2 CPU = 8 CPU, but the "
                                           r"cluster has \d+ of 4 CPU available \(waited 1 s\)"):
         reserve(colocate)
-    disagg = _run({"name": "disaggregated", "trainer_world_size": 4, "cpus_per_trainer_rank": 2.0,
-                   "ready_timeout_s": 1.0}, address="auto")
+    disagg = _plan({"name": "disaggregated", "trainer_world_size": 4, "cpus_per_trainer_rank": 2.0,
+                    "ready_timeout_s": 1.0})
     with pytest.raises(ConfigError) as e:
         reserve(disagg)
     msg = str(e.value)
     assert ("asked for engine pool 1 bundle(s) x 1 CPU = 1 CPU + trainer pool 4 bundle(s) x 2 CPU = 8 CPU, "
             "but the cluster has") in msg
     assert "not placed: trainer pool)" in msg, msg  # the engine pool fitted; only the trainer pool did not
-    pinned = _run({"name": "disaggregated", "engine_resources": {"node2": 1}, "ready_timeout_s": 1.0},
-                  address="auto")
+    pinned = _plan({"name": "disaggregated", "engine_resources": {"node2": 1}, "ready_timeout_s": 1.0})
     with pytest.raises(ConfigError, match=r"\(\+ node2: 1 per bundle\).*, 0 of 0 node2 available .*not placed: "
                                           r"engine pool\)\. .*add nodes that offer the custom resources"):
         reserve(pinned)
@@ -172,7 +100,7 @@ def test_colocate_engines_offload_and_restore(ray_cluster, tiny_qwen3_dir: Path)
     from miles.weights.sync import sync_weights
 
     run = _run({"cpus_per_bundle": 1.0, "ready_timeout_s": 30.0}, address="auto")
-    actors = create_actors(run, str(tiny_qwen3_dir))
+    actors = create_actors(make_plan(run, Machine(cpus=4)), run, str(tiny_qwen3_dir))
     try:
         assert len(actors.placement_groups) == 1 and actors.placement_groups[0].bundle_specs == [{"CPU": 1.0}]
         assert actors.nodes["engine"] == actors.nodes["trainer"]
@@ -198,11 +126,11 @@ def test_disaggregated_actors_get_their_own_pools_and_never_offload(ray_cluster,
 
     run = _run({"name": "disaggregated", "cpus_per_engine": 1.0, "cpus_per_trainer_rank": 1.0,
                 "ready_timeout_s": 30.0}, address="auto")
-    actors = create_actors(run, str(tiny_qwen3_dir))
+    actors = create_actors(make_plan(run, Machine(cpus=4)), run, str(tiny_qwen3_dir))
     try:
         engine_pg, trainer_pg = actors.placement_groups
         assert engine_pg.bundle_specs == [{"CPU": 1.0}] and trainer_pg.bundle_specs == [{"CPU": 1.0}]
-        assert (actors.engine_threads, actors.trainer_threads) == (1, 1)
+        assert [s.threads for s in actors.plan.engines + actors.plan.trainers] == [1, 1]
         assert actors.offload_engines() == {} and actors.restore_engines() == {}
         assert len(_generate(actors.engines[0], ray_cluster)) == 2  # still serving: nothing was released
         # a threaded actor: with the engine paused, a generate call waits inside it while health() answers

@@ -109,7 +109,7 @@ def test_bad_combinations_are_refused_by_validation(overrides: list[str], match:
 
 
 def test_backends_refuse_formats_they_cannot_run() -> None:
-    from miles.core.actors import backends
+    from miles.core.plan import backends
 
     with pytest.raises(ConfigError, match="the SGLang engine serves unquantized weights"):
         backends(_run(["rollout=sglang", "precision=nvfp4", "placement.offload_engines=false"]))

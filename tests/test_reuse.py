@@ -133,7 +133,7 @@ from miles.config import validate
 from miles.core.cluster import start_ray, stop_ray
 
 logging.basicConfig(level=logging.INFO)
-two, three = validate({"cluster": {"num_cpus": 2}}), validate({"cluster": {"num_cpus": 3}})
+two, three = validate({"cluster": {"num_cpus": 2}}).cluster, validate({"cluster": {"num_cpus": 3}}).cluster
 assert start_ray(two, keep=True) and ray.cluster_resources()["CPU"] == 2
 assert not start_ray(two, keep=True), "the kept cluster serves a job with the same cluster.* settings"
 assert start_ray(three, keep=True) and ray.cluster_resources()["CPU"] == 3, "other settings: a new cluster"

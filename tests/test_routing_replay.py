@@ -168,7 +168,7 @@ def test_fsdp_trainer_replays_and_its_router_still_learns(tiny_qwen3_moe_dir: Pa
 def test_replay_configs_that_cannot_work_are_refused() -> None:
     from hydra import compose, initialize_config_module
 
-    from miles.core.actors import engine_kwargs
+    from miles.core.plan import engine_kwargs
     from miles.core.run import build_components
 
     def run(overrides: list[str]):

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from miles.backends.contract import check_engine_class
 from miles.config import ConfigError, validate
 from miles.config.schema import PrecisionConfig
-from miles.core.actors import backends
+from miles.core.plan import backends
 from miles.rollout.sglang_engine import SGLangEngine, SGLangOffloadingEngine, _weights_dir
 from miles.rollout.sglang_server import PYTHON_ENV, find_python
 

@@ -97,9 +97,8 @@ def compose(overrides: list[str]) -> tuple[Any, str]:
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    from miles.config import register_schemas, validate
+    from miles.config import validate
 
-    register_schemas()
     with initialize_config_module(config_module="miles.conf", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     return validate(cfg), OmegaConf.to_yaml(cfg, resolve=True)
@@ -203,23 +202,23 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from miles.core.actors import ENGINE_MAX_CONCURRENCY
-    from miles.core.cluster import actor_env, start_ray
+    from miles.core.cluster import start_ray
     from miles.core.evaluate import evaluate
     from miles.core.loop import LoopContext
+    from miles.core.plan import Machine, make_plan
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.rollout.torch_engine import TorchEngine
 
-    started = start_ray(run)
+    started = start_ray(run.cluster)
     reward = RewardRunner(run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
                           num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)
     rollout = None
     try:
-        threads = run.placement.torch_threads_per_actor or 2
-        engine = ray.remote(TorchEngine).options(  # started as the run's engines are: same threads and env
-            num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY,
-            runtime_env={"env_vars": actor_env(run.placement, threads)},
-        ).remote(str(checkpoint), run.precision, seed=run.seed, num_threads=threads)
+        slot = make_plan(run, Machine.here()).engines[0]  # started as the run's engines are: same threads and env
+        engine = ray.remote(TorchEngine).options(
+            num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY, runtime_env={"env_vars": dict(slot.env)},
+        ).remote(str(checkpoint), run.precision, seed=run.seed, num_threads=slot.threads)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         rollout = RolloutManager([engine], tokenizer, reward, config=run.rollout)
         ctx = LoopContext(run=run, task=task, rollout=rollout, trainers=[],

@@ -1,7 +1,7 @@
 """Config schemas, validation and the allowlisted builder."""
 
 from miles.config.build import build, check_allowed, locate
-from miles.config.schema import GROUP_SCHEMAS, MilesConfig, TargetConfig, register_schemas
+from miles.config.schema import GROUP_SCHEMAS, MilesConfig, TargetConfig
 from miles.config.validate import ConfigError, DataError, check_overrides, validate
 
 __all__ = [
@@ -14,6 +14,5 @@ __all__ = [
     "check_allowed",
     "check_overrides",
     "locate",
-    "register_schemas",
     "validate",
 ]

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hydra.core.config_store import ConfigStore
 
 _frozen = dict(frozen=True, kw_only=True)
 
@@ -219,7 +218,9 @@ class PlacementConfig:
     ``None``: when the engine class can (``release_memory`` / ``resume_memory``; the torch engine can, SGLang's
     CPU engine cannot); ``true`` with an engine that cannot is a config error."""
     torch_threads_per_actor: int = 0
-    """torch threads in each actor; 0: colocate splits the CPUs among actors busy at once, disaggregated uses the actor's own bundle."""
+    """torch threads in each engine and trainer actor; 0: the cores left by the driver and the reward workers,
+    shared among the engines and trainer ranks (which can compute at once), at most a disaggregated actor's
+    bundle CPUs, at least 1 (:mod:`miles.core.plan`)."""
     huge_pages: bool = True
     """Engine and trainer actors put CPU tensors of 2 MiB or more on transparent huge pages (torch's
     ``THP_MEM_ALLOC_ENABLE=1``): fewer page faults when a released engine regrows its KV cache and fewer
@@ -547,21 +548,6 @@ GROUP_SCHEMAS: dict[str, type] = {
     "schedule": ScheduleConfig,
     "adapter": AdapterConfig,
 }
-
-
-def register_schemas() -> None:
-    """Register every schema in Hydra's ConfigStore under ``schema/<group>`` and ``schema/miles``."""
-    cs = ConfigStore.instance()
-    for group, cls in GROUP_SCHEMAS.items():
-        cs.store(group="schema", name=group, node=_schema_node(cls))
-    cs.store(group="schema", name="miles", node=_schema_node(MilesConfig))
-
-
-def _schema_node(cls: type) -> dict[str, Any]:
-    """A plain dict of a schema's defaults with YAML key names (``_target_``), for ConfigStore."""
-    from dataclasses import asdict
-
-    return to_yaml_dict(asdict(cls()))
 
 
 def to_yaml_dict(d: Any) -> Any:

@@ -1,4 +1,4 @@
-"""One job: build the components from the validated config, start Ray, run the loop, clean up."""
+"""One job: plan the placement, build the components from the validated config, start Ray, run the loop, clean up."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     classes and hooks against their Protocols (:mod:`miles.backends.contract`,
     :mod:`miles.hooks.protocols`), before Ray starts.
     """
-    from miles.core.actors import backends
+    from miles.core.plan import backends
     from miles.rollout.manager import check_config as check_rollout_config
 
     allow = run.plugins.allow
@@ -148,8 +148,9 @@ def run_job(
     from transformers import AutoTokenizer
 
     from miles.core.actors import create_actors, park_actors
-    from miles.core.cluster import check_fits_locally, device, start_ray
+    from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
+    from miles.core.plan import Machine, make_plan
     from miles.hooks import HookChain
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -164,7 +165,7 @@ def run_job(
     t_start = time.perf_counter()
     random.seed(run.seed)
     torch.manual_seed(run.seed)
-    check_fits_locally(run)
+    plan = make_plan(run, Machine.here())  # a placement that cannot be fails here, before anything is built
     parts = build_components(run)
     tenant_tasks = _tenant_tasks(run)
     base_task = parts["task"]
@@ -182,18 +183,21 @@ def run_job(
         tracker = make_tracker(run, resolved_yaml=resolved_yaml, overrides=overrides,
                                config_dict=to_yaml_dict(dataclasses.asdict(run)), launch=launch)
         hooks = HookChain(parts["hooks"], config=run, task=parts["task"], set_tags=tracker.set_tags)
-        started_ray = start_ray(run, keep=keep_ray)
+        started_ray = start_ray(run.cluster, keep=keep_ray)
+        if run.placement.device == "auto" and plan.joined:  # the joined cluster's GPUs decide it
+            plan = make_plan(run, Machine.here())
+        log.debug("plan:\n%s", plan.describe())
         reward = RewardRunner(  # its workers start while Ray does
             run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
             num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
         )
         eval_reward = _eval_runner(run.task, run.plugins.allow, "task")
-        actors = create_actors(run, str(checkpoint))
-        log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s), %d torch thread(s) per actor%s",
-                 time.perf_counter() - t_start, len(actors.engines), len(actors.trainers), actors.num_threads,
+        actors = create_actors(plan, run, str(checkpoint))
+        log.info("cluster ready in %.1fs: %d engine(s) that %s, %d trainer rank(s)%s", time.perf_counter() - t_start,
+                 len(actors.engines), plan.engine_memory, len(actors.trainers),
                  " (the last job's, reused)" if actors.reused else "")
-        transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=run.placement.name,
-                                   device=device(run))
+        transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=plan.placement,
+                                   device=plan.device)
         rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
@@ -264,7 +268,7 @@ def run_job(
             if actors is not None:
                 # while Ray outlives the job, a finished job's actors wait for the next job (cluster.reuse_actors)
                 if status == "FINISHED" and ray_stays:
-                    park_actors(run, actors)
+                    park_actors(actors, reuse=run.cluster.reuse_actors)
                 else:
                     actors.shutdown()
             if not ray_stays:
