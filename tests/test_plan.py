@@ -217,3 +217,18 @@ def test_plan_flag_prints_the_plan_or_fails_like_a_run(tmp_path: Path, monkeypat
         assert e.value.code == 2 and "config error: " in err and message in err, (argv, err)
     assert not list(tmp_path.iterdir())
 
+
+def test_help_introduces_miles_and_lists_the_groups_a_user_picks_from(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """``miles --help``: Hydra's help with miles' template (``hydra.help`` in miles/conf/config.yaml)."""
+    from miles.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["miles", "--help"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("miles: reinforcement-learning post-training of LLMs")
+    groups = [line.split(":")[0] for line in out.split("==\n")[1].split("\n==")[0].splitlines()]
+    assert groups == sorted([*GROUP_SCHEMAS, "experiment"])
+    assert "placement: colocate, disaggregated" in out and "miles --plan" in out
+    assert "Hydra" not in out.splitlines()[0] and "schema:" not in out
