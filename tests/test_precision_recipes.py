@@ -82,9 +82,12 @@ def test_bad_combinations_are_refused_by_validation(overrides: list[str], match:
 
 def test_backends_refuse_formats_they_cannot_run() -> None:
     from miles.core.actors import backends
+    from miles.rollout.sglang_engine import SGLangEngine
 
-    with pytest.raises(ConfigError, match="the SGLang engine serves unquantized weights"):
-        backends(_run(["rollout=sglang", "precision=nvfp4", "placement.offload_engines=false"]))
+    for recipe in ("fp8", "mxfp8", "nvfp4", "int4", "int4_qat"):  # served as the torch engine serves them
+        assert backends(_run(["rollout=sglang", f"precision={recipe}"])).engine is SGLangEngine
+    with pytest.raises(ConfigError, match="true_on_policy=true: the SGLang engine's kernels are not the trainer's"):
+        backends(_run(["rollout=sglang", "precision=fp32", "precision.true_on_policy=true"]))
     pytest.importorskip("megatron.core")
     with pytest.raises(ConfigError, match="megatron trainer has no quantization-aware forward"):
         backends(_run(["trainer=megatron", "precision=fp32", "precision.rollout_quant=int4",

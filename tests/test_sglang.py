@@ -1,11 +1,14 @@
 """The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
 Four engine actors, made as the driver makes them, start together once per module (a server takes
-30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` answers every
-test that leaves its server alive, ``victim`` and ``hangs`` lose theirs in the fault tests at the
-end of the module (killed, then stopped with SIGSTOP), and ``spare`` serves the manager test, then
-is killed with its actor. All serve one checkpoint built like
-a run's (task tokenizer, random tiny Qwen3, fp32): rewards decode text, SGLang itself reads ids only.
+30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` (weights
+through shared memory, ``weight_load=tensor``) answers every test that leaves its server alive;
+``victim`` (``weight_load=distributed``, in several buckets) and ``hangs`` (``weight_load=disk``)
+first show that their paths load the same weights, then lose their servers in the fault tests at
+the end of the module (killed, then stopped with SIGSTOP); ``spare`` serves the fp8 recipe's
+quantized weights (in fp32, small buckets), then the manager test, then is killed with its actor.
+All serve one checkpoint built like a run's (task tokenizer, random tiny Qwen3, fp32): rewards
+decode text, SGLang itself reads ids only.
 
 Tolerances, measured on CPU in fp32: SGLang's log-probs of greedy and sampled tokens equal
 ``log_softmax(logits / T)`` of a transformers forward and the torch engine's to ~5e-7; the tests
@@ -42,6 +45,10 @@ LOGPROB_ATOL = 1e-4
 PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 101, 250, 12), (40,), tuple(range(60, 90))]
 ENGINE_KW = dict(health_interval_s=1.0, health_timeout_s=3.0, max_health_failures=2, request_timeout_s=120.0,
                  max_total_tokens=8192)
+FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # the fp8 recipe's weight format, computed in fp32
+SMALL_BUCKETS_MB = 0.02  # 20 KiB: the test model goes in several load calls
+ACTORS = {"serving": {}, "victim": dict(weight_load="distributed", weight_bucket_mb=SMALL_BUCKETS_MB),
+          "hangs": dict(weight_load="disk"), "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB)}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +75,10 @@ def actors(ray_cluster, built) -> dict[str, Any]:
     from miles.rollout.sglang_engine import SGLangEngine
 
     cls = ray_cluster.remote(SGLangEngine).options(max_concurrency=ENGINE_MAX_CONCURRENCY, num_cpus=0.1)
-    names = ("serving", "victim", "hangs", "spare")
-    handles = {name: cls.remote(built.path, PrecisionConfig(), seed=i, num_threads=1, engine_id=i, **ENGINE_KW)
-               for i, name in enumerate(names)}
+    names = tuple(ACTORS)
+    handles = {name: cls.remote(built.path, kw.get("precision", PrecisionConfig()), seed=i, num_threads=1,
+                                engine_id=i, **ENGINE_KW, **{k: v for k, v in kw.items() if k != "precision"})
+               for i, (name, kw) in enumerate(ACTORS.items())}
     t0 = time.perf_counter()
     health = dict(zip(names, ray_cluster.get([h.health.remote() for h in handles.values()], timeout=900),
                       strict=True))
@@ -243,6 +251,68 @@ def test_a_weight_update_moves_sglang_as_it_moves_the_torch_engine(serving, torc
         serving.update_weights(built.state_dict, version + 1)
         torch_engine.update_weights(built.state_dict, version + 1)
     assert _greedy(serving, PROMPTS[0]).logprobs == before.logprobs
+
+
+@pytest.mark.parametrize("name", ["victim", "hangs"])
+def test_every_weight_load_path_serves_the_same_weights(ray_cluster, actors, serving, built, name) -> None:
+    """``distributed`` (a gloo group, several buckets) and ``disk`` load what ``tensor`` loads: greedy
+    tokens and log-probs equal bit for bit, after an update and after the way back."""
+    other = Remote(ray_cluster, actors[name])
+    g = torch.Generator().manual_seed(2)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    for weights in (perturbed, built.state_dict):
+        version = max(serving.weight_version(), other.weight_version()) + 1
+        metrics = other.update_weights(weights, version)
+        serving.update_weights(weights, version)
+        assert metrics["bytes"] == sum(v.numel() * 4 for v in weights.values()) and metrics["load_s"] > 0
+        for i, prompt in enumerate(PROMPTS):
+            ours, ref = _greedy(other, prompt, rid=f"w{i}"), _greedy(serving, prompt, rid=f"w{i}")
+            assert (ours.response_ids, ours.logprobs, ours.weight_version) == (ref.response_ids, ref.logprobs, version)
+
+
+def test_a_load_in_several_buckets_waits_for_the_calls_in_flight(ray_cluster, actors, built) -> None:
+    """A request sent before a multi-bucket update finishes on the old weights, and one sent during it
+    waits and runs on the new: none sees half of a version."""
+    victim = Remote(ray_cluster, actors["victim"])
+    version = victim.weight_version()
+    before = actors["victim"].generate.remote([GenerateRequest(request_id="long", prompt_ids=PROMPTS[1])],
+                                              SamplingParams(greedy=True, max_new_tokens=200))
+    time.sleep(0.5)
+    update = actors["victim"].update_weights.remote(built.state_dict, version + 1)
+    time.sleep(0.2)
+    during = actors["victim"].generate.remote([GenerateRequest(request_id="short", prompt_ids=PROMPTS[0])],
+                                              SamplingParams(greedy=True, max_new_tokens=4))
+    first, second = ray_cluster.get(before, timeout=300)[0], ray_cluster.get(during, timeout=300)[0]
+    ray_cluster.get(update, timeout=300)
+    assert first.weight_version == version and len(first.response_ids) > 0
+    assert second.weight_version == version + 1
+
+
+def test_a_quantized_recipe_serves_the_torch_engines_weights_from_start_and_after_updates(
+        ray_cluster, actors, built, torch_engine) -> None:
+    """The fp8 recipe: SGLang's greedy log-probs equal the torch engine's under the same recipe (fp32),
+    at start (the weights pushed before the first request) and after an update, and differ from the
+    unquantized ones."""
+    spare = Remote(ray_cluster, actors["spare"])
+    quant = TorchEngine(built.path, FP8, num_threads=1, max_batch_size=8)
+    g = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    try:
+        for step, weights in enumerate((None, perturbed, built.state_dict)):
+            if weights is not None:
+                for engine in (spare, quant, torch_engine):
+                    engine.update_weights(weights, 10 + step)
+            apart = []
+            for i, prompt in enumerate(PROMPTS):
+                ours, ref, plain = (_greedy(e, prompt, rid=f"q{i}") for e in (spare, quant, torch_engine))
+                assert ours.response_ids == ref.response_ids, (step, prompt)
+                assert _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL, (step, prompt)
+                n = min(len(ours.logprobs), len(plain.logprobs))
+                apart.append(max(abs(a - b) for a, b in zip(ours.logprobs[:n], plain.logprobs[:n], strict=True)))
+            assert max(apart) > 100 * LOGPROB_ATOL, f"step {step}: fp8 weights served like the unquantized ones"
+    finally:
+        torch_engine.update_weights(built.state_dict, 0)
+        quant.close()
 
 
 def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:

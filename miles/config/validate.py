@@ -326,7 +326,7 @@ def _check_hooks(run: MilesConfig) -> None:
 
 
 def _check_adapter(run: MilesConfig) -> None:
-    """LoRA needs the backends that hold adapters (FSDP trainer, torch engine) and knobs in range."""
+    """LoRA needs the backends that hold adapters (FSDP trainer; torch or SGLang engine) and knobs in range."""
     a = run.adapter
     if a.kind == "none":
         return
@@ -339,9 +339,10 @@ def _check_adapter(run: MilesConfig) -> None:
     if not run.trainer.target.endswith("fsdp.FSDPTrainer"):
         raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
                           "with adapter=lora, or adapter=none")
-    if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
+    if not run.rollout.engine.target.endswith(("torch_engine.TorchEngine", "sglang_engine.SGLangEngine",
+                                                "sglang_engine.SGLangOffloadingEngine")):
         raise ConfigError(f"adapter=lora: the rollout engine {run.rollout.engine.target} does not take adapter-only "
-                          "weight updates; use rollout=torch with adapter=lora, or adapter=none")
+                          "weight updates; use rollout=torch or rollout=sglang with adapter=lora, or adapter=none")
     if run.precision.true_on_policy:
         raise ConfigError("adapter=lora with precision.true_on_policy=true: the exact single-sequence path runs the "
                           "model without per-row adapters; use one of the two")

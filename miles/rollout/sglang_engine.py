@@ -23,15 +23,30 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - Prefix caching (SGLang's radix cache) is off on CPU by default (``radix_cache``): a prompt
   whose prefix is cached is prefilled in a different shape, and its log-probs then differ from an
   uncached run's by ~5e-7 in fp32 (measured), so greedy decoding would not repeat bit for bit.
-- ``update_weights`` checks names and shapes against the checkpoint (SGLang's loader silently
-  skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
-  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; requests
-  in flight finish on the old weights first (SGLang's update takes a lock that waits for them, in
-  ``TokenizerManager.update_weights_from_disk``), and every result
-  carries the version SGLang reports. The disk path works on CPU and on every node (the directory
-  is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
-  ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
-  here, and the disk path has not been run on a GPU.
+- ``update_weights`` checks names, shapes and dtypes against the checkpoint first (SGLang's loader
+  silently skips unknown names and keeps missing ones): a refused update sends nothing, and weights
+  and version stay. :meth:`SGLangEngine._load_weights` then casts to the engine's dtype, applies the
+  recipe's rollout quantization, and loads through ``weight_load``
+  (:mod:`miles.rollout.sglang_weights`): ``tensor`` (default; ``/update_weights_from_tensor``, each
+  bucket through one shared-memory buffer), ``distributed`` (``/update_weights_from_distributed``
+  over a gloo group between the engine actor and its server) or ``disk`` (safetensors, then
+  ``/update_weights_from_disk``). The server runs on the engine actor's node, so all three work on
+  every node; ``python -m miles.bench sync --engine sglang`` compares them. Requests in flight
+  finish on the old weights first (SGLang's update takes a lock that waits for them); a model that
+  needs more than one bucket (``weight_bucket_mb``) is loaded while the engine holds new calls and
+  after its calls in flight returned (unless paused), so no request sees half of a version. Every
+  result carries the version SGLang reports. GPU: untested (SGLang's tensor path takes CUDA IPC
+  handles there, and the group would be NCCL; neither is wired up).
+- Quantized recipes (``precision.rollout_quant``: fp8_block, mxfp8, nvfp4, int4): the server gets the
+  same fake-quantized weights the torch engine serves (:func:`miles.precision.recipe.apply_rollout_quant`
+  in the engine's dtype), pushed right after the server is up (before the first request) and at
+  every update; in fp32 its greedy log-probs equal the torch engine's under the same recipe
+  (``tests/test_sglang.py``). SGLang's own ``--quantization`` does not run on CPU (fp8 / mxfp8
+  refuse fp32, and in bf16 ... see ``tests/test_sglang_config.py``): the dequantized weights are
+  the fallback. ``precision.true_on_policy`` is refused (SGLang's kernels are not the trainer's).
+- LoRA (``adapter``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`): adapter-only
+  updates through ``/load_lora_adapter_from_tensors``, each request naming its adapter
+  (``lora_path``).
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
@@ -79,9 +94,13 @@ from typing import Any
 
 import torch
 
+from miles.adapters import lora
 from miles.backends.reuse import Reusable
-from miles.config.schema import PrecisionConfig
+from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
+from miles.rollout.sglang_engine_weights import SGLangEngineWeights
+from miles.rollout.sglang_lora import SGLangAdapters, check_adapter
+from miles.rollout.sglang_lora import server_args as lora_server_args
 from miles.rollout.sglang_server import (
     ServerHTTPError,
     ServerStartError,
@@ -89,6 +108,7 @@ from miles.rollout.sglang_server import (
     find_python,
     server_env,
 )
+from miles.rollout.sglang_weights import WEIGHT_LOADS, weights_dir
 from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, row_seed, sampling_params, to_result
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
@@ -106,7 +126,7 @@ class _Call:
     aborted: set[str] = field(default_factory=set)
 
 
-class SGLangEngine(Reusable):
+class SGLangEngine(SGLangEngineWeights, Reusable):
     """Generates through an SGLang server process it owns; see the module docstring.
 
     Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
@@ -114,21 +134,32 @@ class SGLangEngine(Reusable):
     ``context_length`` (default: the model's), ``mem_fraction_static`` (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
     ``deterministic`` (per-request seeds; GPU attention backends only), ``radix_cache`` (prefix
     caching; default off on CPU, see the module docstring), ``capture_routing``,
-    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Liveness: ``start_timeout_s``,
-    ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
-    ``max_health_failures``.
+    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Weights: ``weight_load``
+    (``tensor``, ``distributed`` or ``disk``: :mod:`miles.rollout.sglang_weights`; a plain attribute
+    that may be changed between updates), ``weight_bucket_mb`` (most bytes per load call). LoRA:
+    ``adapter`` and ``adapter_names`` (as the torch engine's), ``lora_backend`` (default
+    ``torch_native`` on CPU, SGLang's choice on GPU). Liveness: ``start_timeout_s``,
+    ``request_timeout_s`` (one generate call, and one weight-load call), ``health_interval_s``,
+    ``health_timeout_s``, ``max_health_failures``.
     """
 
     @staticmethod
     def check_config(run: Any) -> None:
-        """Refuse, before any actor starts, what this engine cannot serve: quantized weight formats, and
-        routing replay (which needs the routes of prompt positions too)."""
+        """Refuse, before any actor starts, what this engine cannot serve: true on-policy numerics, routing
+        replay (which needs the routes of prompt positions too), and adapters it cannot hold."""
         from miles.config.validate import ConfigError
+        from miles.core.cluster import device
 
-        if run.precision.rollout_quant != "none":
-            raise ConfigError(f"precision.rollout_quant={run.precision.rollout_quant}: the SGLang engine serves "
-                              "unquantized weights only here; use rollout=torch for it, or a recipe with "
-                              "rollout_quant: none (precision=fp32 or bf16)")
+        kwargs = run.rollout.engine.kwargs
+        if kwargs.get("weight_load", "tensor") not in WEIGHT_LOADS:
+            raise ConfigError(f"rollout.engine.weight_load={kwargs.get('weight_load')!r}; valid: "
+                              f"{', '.join(WEIGHT_LOADS)}")
+        if run.adapter.kind == "lora":
+            names = tuple(t.name for t in run.tenants) or ("default",)
+            try:
+                check_adapter(run.adapter, names, device(run))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
                               "use rollout=torch for it")
@@ -158,6 +189,11 @@ class SGLangEngine(Reusable):
         deterministic: bool = False,
         radix_cache: bool | None = None,
         capture_routing: bool = False,
+        weight_load: str = "tensor",
+        weight_bucket_mb: float = 512.0,
+        adapter: AdapterConfig | None = None,
+        adapter_names: tuple[str, ...] = ("default",),
+        lora_backend: str | None = None,
         server_args: dict[str, Any] | None = None,
         log_dir: str | None = None,
         start_timeout_s: float = 900.0,
@@ -168,15 +204,21 @@ class SGLangEngine(Reusable):
     ) -> None:
         if precision.rollout_dtype not in _DTYPES:
             raise ValueError(f"precision.rollout_dtype={precision.rollout_dtype!r}; valid: {sorted(_DTYPES)}")
-        if precision.rollout_quant != "none":
-            raise ValueError(f"precision.rollout_quant={precision.rollout_quant!r}: the SGLang engine serves "
-                             "unquantized weights only here; use rollout=torch for it, or set rollout_quant: none")
+        if weight_load not in WEIGHT_LOADS:
+            raise ValueError(f"rollout.engine.weight_load={weight_load!r}; valid: {', '.join(WEIGHT_LOADS)}")
+        if not weight_bucket_mb > 0:
+            raise ValueError(f"rollout.engine.weight_bucket_mb must be > 0, got {weight_bucket_mb}")
+        adapters = adapter is not None and adapter.kind == "lora"
+        if adapters:
+            lora.check_adapter_config(adapter)
+            check_adapter(adapter, tuple(adapter_names), device)
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
                              "triton); SGLang refuses it with torch_native, the only one on CPU")
         if device == "cpu" and capture_routing:
             raise ValueError("rollout.engine.capture_routing=true does not work on CPU: SGLang 0.5.23's routed-experts "
-                             "capture registers host memory with CUDA and the server dies at start; use rollout=torch "
+                             "capture registers its host buffer with cudaHostRegister, and the server dies at start "
+                             "with 'RuntimeError: Found no NVIDIA driver on your system'; use rollout=torch "
                              "(capture_routing) on CPU")
         for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
                            ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
@@ -189,6 +231,7 @@ class SGLangEngine(Reusable):
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
         self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
         self.capture_routing = capture_routing
+        self.weight_load, self.bucket_bytes = weight_load, int(weight_bucket_mb * 2**20)
         self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
         self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
         self.context_length = context_length or self.ckpt.max_positions
@@ -198,10 +241,13 @@ class SGLangEngine(Reusable):
         self._inflight: dict[str, set[str]] = {}  # request id -> SGLang rids in flight
         self._calls = itertools.count()
         self._update_lock = threading.Lock()
-        self._paused = self._closed = False
+        self._paused = self._closed = self._holding = False
         self._dead: str | None = None
         self._version = 0
-        self._weights_dir = _weights_dir(engine_id)
+        self._weights_dir = weights_dir(engine_id)
+        self._loaders: dict[str, Any] = {}
+        self.adapters = (SGLangAdapters(adapter, tuple(adapter_names), self.ckpt.shapes, self._control,
+                                        request_timeout_s, self.dtype) if adapters else None)
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
@@ -218,6 +264,9 @@ class SGLangEngine(Reusable):
             args.append("--disable-radix-cache")
         if capture_routing:
             args.append("--enable-return-routed-experts")
+        if adapters:
+            args += lora_server_args(adapter, tuple(adapter_names), lora_backend or ("torch_native" if device == "cpu"
+                                                                                    else None))
         for key, value in (server_args or {}).items():
             flag = "--" + str(key).lstrip("-").replace("_", "-")
             if value is True:
@@ -247,6 +296,11 @@ class SGLangEngine(Reusable):
                  self.server.url, self.start_s, log_path)
         self._watchdog = threading.Thread(target=self._watch, name=f"sglang-watchdog-{engine_id}", daemon=True)
         self._watchdog.start()
+        try:
+            self._push_initial()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- Protocol -------------------------------------------------------------------------------
 
@@ -255,6 +309,11 @@ class SGLangEngine(Reusable):
         """Complete each request ``n`` times; results ordered by request then index (see the module docstring)."""
         self._check_usable("generate")
         params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
+        for r in requests:
+            if self.adapters is not None:
+                self.adapters.check_request(r.request_id, r.adapter, self.device)
+            elif r.adapter is not None and r.adapter != lora.BASE:
+                raise ValueError(f"request {r.request_id!r} asks for adapter {r.adapter!r}; this engine holds none")
         seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
         call = _Call(request_ids={r.request_id for r in requests})
         tag = next(self._calls)
@@ -262,7 +321,7 @@ class SGLangEngine(Reusable):
         with self._cv:
             self._held.add(call)
             try:
-                while self._paused and not self._stopped() and not call.request_ids <= call.aborted:
+                while (self._paused or self._holding) and not self._stopped() and not call.request_ids <= call.aborted:
                     self._cv.wait()
             finally:
                 self._held.discard(call)
@@ -295,60 +354,23 @@ class SGLangEngine(Reusable):
         return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
+        """Check the update, then :meth:`_load_weights` it: the server serves ``version`` on return.
 
-        On a ``ValueError`` (wrong names, shapes or dtypes) nothing was sent to the server. Returns
-        ``{"update_s", "write_s", "load_s", "bytes", "bytes_per_s"}``.
+        A full update sends every weight of the checkpoint (HF names; ``lm_head.weight`` may be left out
+        of tied embeddings); an engine with adapters takes adapter tensors only
+        (:func:`miles.adapters.lora.sync_state` names). On a ``ValueError`` (wrong names, shapes or
+        dtypes) nothing was sent to the server. Returns ``{"update_s", "copy_s", "load_s", "quant_s",
+        "bytes", "bytes_per_s"}``.
         """
-        from safetensors.torch import save_file
-
         t0 = time.perf_counter()
         self._check_usable("update_weights")
-        shapes = self.ckpt.shapes
-        missing = [k for k in shapes if k not in state_dict and k not in self.ckpt.optional]
-        unexpected = [k for k in state_dict if k not in shapes]
-        if missing or unexpected:
-            raise ValueError(f"update_weights(version={version}): names must match the checkpoint's exactly; "
-                             f"missing {_listing(missing)}, unexpected {_listing(unexpected)}. Send the full HF "
-                             "state dict of the same architecture.")
-        bad = [f"{k}: sent {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
-               if tuple(v.shape) != shapes[k]]
-        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
-                if not v.is_floating_point()]
-        if bad:
-            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
-        with self._update_lock:
-            final = self._weights_dir / f"v{int(version):08d}"
-            tmp = self._weights_dir / f".v{int(version):08d}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            tensors, seen = {}, set()
-            for k, v in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
-                t = v.detach().to("cpu", self.dtype).contiguous()
-                ptr = t.untyped_storage().data_ptr()
-                tensors[k] = t.clone() if t.numel() and ptr in seen else t
-                seen.add(ptr)
-            save_file(tensors, str(tmp / "model.safetensors"))
-            nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
-            del tensors
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            t_written = time.perf_counter()
-            try:
-                out = self._control("/update_weights_from_disk", {
-                    "model_path": str(final), "weight_version": str(int(version)), "flush_cache": True,
-                }, timeout_s=self.request_timeout_s)
-                if not (isinstance(out, dict) and out.get("success")):
-                    raise RuntimeError(f"engine {self.engine_id}: SGLang refused the weights of version {version} "
-                                       f"(it keeps version {self._version}): {out}")
-                self._version = int(version)
-            finally:
-                for old in self._weights_dir.iterdir():
-                    if old != final or self._version != int(version):
-                        shutil.rmtree(old, ignore_errors=True)
-        t1 = time.perf_counter()
-        return {"update_s": t1 - t0, "write_s": t_written - t0, "load_s": t1 - t_written, "bytes": nbytes,
-                "bytes_per_s": nbytes / max(t1 - t0, 1e-9)}
+        if self.adapters is not None:
+            self.adapters.check(state_dict, version)
+        else:
+            self._check_full(state_dict, version)
+        metrics = self._load_weights(state_dict, version)
+        update_s = time.perf_counter() - t0
+        return {**metrics, "update_s": update_s, "bytes_per_s": metrics["bytes"] / max(update_s, 1e-9)}
 
     def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
         """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
@@ -409,6 +431,8 @@ class SGLangEngine(Reusable):
             self._closed = True
             self._cv.notify_all()
         self.server.kill()
+        for loader in self._loaders.values():
+            loader.close()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     def _end_job(self) -> None:
@@ -429,6 +453,8 @@ class SGLangEngine(Reusable):
             body["top_logprobs_num"] = [sp.logprobs_top_k for _, _, sp, _, _ in rows]
         if self.capture_routing:
             body["return_routed_experts"] = True
+        if self.adapters is not None:
+            body["lora_path"] = [self.adapters.lora_path(r.adapter) for _, r, _, _, _ in rows]
         try:
             outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
         except (OSError, ServerHTTPError, ValueError) as e:
@@ -558,33 +584,3 @@ class SGLangOffloadingEngine(SGLangEngine):
         super()._check_usable(what)
         if getattr(self, "_released", False) and what == "generate":
             raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
-
-
-def _weights_dir(engine_id: int) -> Path:
-    """A fresh directory for this engine's weight versions, under ``<tmp>/miles-sglang-weights``.
-
-    Its name starts with this process's pid. An actor killed by Ray never runs :meth:`SGLangEngine.close`,
-    so every new engine first removes the directories of processes that no longer run.
-    """
-    root = Path(tempfile.gettempdir()) / "miles-sglang-weights"
-    root.mkdir(exist_ok=True)
-    for old in root.iterdir():
-        pid = old.name.split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-engine{engine_id}-", dir=root))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _listing(names: list[str], limit: int = 10) -> str:
-    more = " ..." if len(names) > limit else ""
-    return f"{names[:limit]}{more} ({len(names)})"
