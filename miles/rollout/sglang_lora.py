@@ -10,8 +10,9 @@ so it serves the base model, as a freshly initialized PEFT adapter (``lora_B = 0
 
 An adapter-only update (:func:`miles.adapters.lora.sync_state` names) is checked against the PEFT
 keys and shapes the adapters must have, then each adapter is loaded under a new SGLang name
-``<name>@<version>``; requests sent after the update name the new one (``lora_path`` per row), the
-previous name is unloaded once no request uses it (at once when the engine drained its calls
+``<name>@<version>``, the server's weight version is set (``/update_weight_version``, requests kept);
+requests sent after the update name the new adapter (``lora_path`` per row), the previous name is
+unloaded once no request uses it (at once when the engine drained its calls
 first, else at the next update: SGLang's unload waits for the requests that use the adapter).
 
 On CPU SGLang's LoRA code runs with miles' compatibility layer (``pin_memory`` a no-op:
@@ -160,6 +161,10 @@ class SGLangAdapters:
             if n in self.current:
                 (stale if drained else self._stale).append(self.current[n])
             self.current[n] = tag
+        out = self.post("/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False},
+                        timeout_s=self.timeout_s)
+        if not (isinstance(out, dict) and out.get("success")):
+            raise RuntimeError(f"SGLang did not take weight version {version}: {out}")
         for tag in stale:
             out = self.post("/unload_lora_adapter", {"lora_name": tag}, timeout_s=self.timeout_s)
             if not (isinstance(out, dict) and out.get("success")):
