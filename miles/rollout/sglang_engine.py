@@ -37,16 +37,24 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   after its calls in flight returned (unless paused), so no request sees half of a version. Every
   result carries the version SGLang reports. GPU: untested (SGLang's tensor path takes CUDA IPC
   handles there, and the group would be NCCL; neither is wired up).
-- Quantized recipes (``precision.rollout_quant``: fp8_block, mxfp8, nvfp4, int4): the server gets the
-  same fake-quantized weights the torch engine serves (:func:`miles.precision.recipe.apply_rollout_quant`
-  in the engine's dtype), pushed right after the server is up (before the first request) and at
-  every update; in fp32 its greedy log-probs equal the torch engine's under the same recipe
-  (``tests/test_sglang.py``). SGLang's own ``--quantization`` does not run on CPU (fp8 / mxfp8
-  refuse fp32, and in bf16 ... see ``tests/test_sglang_config.py``): the dequantized weights are
-  the fallback. ``precision.true_on_policy`` is refused (SGLang's kernels are not the trainer's).
-- LoRA (``adapter``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`): adapter-only
-  updates through ``/load_lora_adapter_from_tensors``, each request naming its adapter
-  (``lora_path``).
+- Quantized recipes (``precision.rollout_quant``: fp8_block, mxfp8, nvfp4, int4; the recipes fp8,
+  mxfp8, nvfp4, int4, int4_qat): the server gets the same fake-quantized (dequantized) weights the
+  torch engine serves (:func:`miles.rollout.sglang_weights.served_weights`: cast to the engine's
+  dtype, then :func:`~miles.precision.recipe.apply_rollout_quant`), pushed right after the server
+  is up (before the first request) and at every update. In fp32 its greedy log-probs equal the
+  torch engine's under the same recipe and differ from the unquantized ones
+  (``tests/test_sglang.py``, fp8). SGLang's own ``--quantization`` does not run on CPU
+  (``tests/test_sglang_limits.py``): ``fp8`` needs the AMX kernels of a CPU build of sgl-kernel
+  (``AssertionError: Fp8LinearMethod on CPU requires that CPU has AMX support``) and refuses fp32
+  activations, ``mxfp8`` goes through Triton (``RuntimeError: 0 active drivers``); the dequantized
+  weights are the fallback: same values, full-precision matmuls. ``precision.true_on_policy`` is
+  refused (SGLang's kernels are not the trainer's).
+- LoRA (``adapter``, ``adapter_names``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`;
+  ``torch_native`` kernels on CPU under miles' compatibility layer): adapter-only updates through
+  ``/load_lora_adapter_from_tensors``, each request naming its adapter (``lora_path``). In fp32 the
+  greedy log-probs equal the torch engine's with the same adapter (``tests/test_sglang_lora.py``).
+  With ``lm_head`` among the targets the engine serves one adapter and no base-model requests
+  (SGLang's ``torch_native`` backend mixes the ``lm_head`` updates of rows prefilled together).
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
@@ -60,8 +68,9 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   log-probs equaled transformers').
   Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
   ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
-  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with CUDA and the
-  server dies at start. The GPU path is untested, including the layout of SGLang's
+  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with
+  ``cudaHostRegister`` and the server dies at start (``RuntimeError: Found no NVIDIA driver on your
+  system``, ``tests/test_sglang_limits.py``). The GPU path is untested, including the layout of SGLang's
   ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
 
 Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
@@ -164,9 +173,12 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
             raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
                               "use rollout=torch for it")
         if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: the SGLang engine returns no routes of the prompt "
-                              "tokens, which replay needs; routing replay runs with the torch engine and the FSDP "
-                              "trainer: use rollout=torch trainer=fsdp, or algo.routing_replay=off")
+            raise ConfigError("algo.routing_replay=rollout: the SGLang engine records no routes here: on CPU "
+                              "SGLang 0.5.23's routed-experts capture registers its buffer with cudaHostRegister and "
+                              "the server dies at start ('Found no NVIDIA driver on your system'), and on a GPU it "
+                              "returns no routes of the prompt tokens, which replay needs; routing replay runs with "
+                              "the torch engine and the FSDP trainer: use rollout=torch trainer=fsdp, or "
+                              "algo.routing_replay=off")
 
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
