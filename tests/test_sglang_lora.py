@@ -1,8 +1,8 @@
 """LoRA adapters on a real SGLang server (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
-One SGLang engine with an adapter (the default ``adapter=lora`` targets, ``lm_head`` among them) is
-started once for the module, in the test process; a torch engine with the same adapter is the
-reference. Adapters come from a peft-wrapped trainer-side model with random LoRA weights, sent as
+One SGLang engine with an adapter (the default ``adapter=lora`` targets, ``lm_head`` among them) on
+the fp8 recipe's quantized base weights (computed in fp32) is started once for the module, in the
+test process; a torch engine with the same recipe and adapter is the reference. Adapters come from a peft-wrapped trainer-side model with random LoRA weights, sent as
 the trainer sends them (:func:`miles.adapters.lora.sync_state`). In fp32 SGLang's greedy log-probs
 equal the torch engine's to ~5e-6 (measured); the tests allow 1e-4.
 """
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.sglang
 LOGPROB_ATOL = 1e-4
 PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 11, 25, 12), (40,)]
 ADAPTER = AdapterConfig(kind="lora", rank=4, alpha=8.0)
+FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # quantized base, full-precision adapters
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,10 @@ def engines(tiny_qwen3_dir: Path) -> Any:
     from miles.rollout.sglang_engine import SGLangEngine
 
     t0 = time.perf_counter()
-    sglang = SGLangEngine(str(tiny_qwen3_dir), PrecisionConfig(), num_threads=1, adapter=ADAPTER,
+    sglang = SGLangEngine(str(tiny_qwen3_dir), FP8, num_threads=1, adapter=ADAPTER,
                           request_timeout_s=120.0, max_total_tokens=4096)
     print(f"\nSGLang server with LoRA up in {time.perf_counter() - t0:.0f} s")
-    ref = TorchEngine(str(tiny_qwen3_dir), PrecisionConfig(), num_threads=1, max_batch_size=4, adapter=ADAPTER)
+    ref = TorchEngine(str(tiny_qwen3_dir), FP8, num_threads=1, max_batch_size=4, adapter=ADAPTER)
     yield sglang, ref
     sglang.close()
     ref.close()

@@ -40,7 +40,7 @@ def write_checkpoint(size: str, directory: Path) -> dict[str, torch.Tensor]:
     Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=512,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-                torch_dtype="float32").save_pretrained(directory)
+                architectures=["Qwen3ForCausalLM"], torch_dtype="float32").save_pretrained(directory)
     state = qwen_like_state_dict(size)
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return state
