@@ -105,3 +105,39 @@ def test_what_the_adapter_engine_refuses_leaves_it_unchanged(engines, tiny_qwen3
         _greedy(sglang, PROMPTS[0], adapter=lora.BASE)
     after = _greedy(sglang, PROMPTS[0])
     assert sglang.weight_version() == version and after.logprobs == before.logprobs
+
+
+def test_sglang_mixes_lm_head_adapters_of_rows_prefilled_together(engines, tiny_qwen3_dir) -> None:
+    """SGLang's own behaviour, by raw calls to the engine's server: rows of two adapters on the
+    attention layers prefilled in one batch get what each gets alone, but a row prefilled together
+    with a base-model row does not get its own ``lm_head`` adapter update (the ``torch_native``
+    backend segments ``lm_head`` by prompt tokens). Why an ``lm_head`` adapter engine refuses
+    base-model requests and several adapters."""
+    import json
+
+    from miles.rollout.sglang_weights import shared_pickle
+
+    sglang, _ = engines
+    server = sglang.server
+    attn = AdapterConfig(kind="lora", rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    config = json.loads(json.dumps({k: sorted(v) if isinstance(v, set) else v
+                                    for k, v in lora.lora_config(attn, inference=True).to_dict().items()}, default=str))
+    g = torch.Generator().manual_seed(5)
+    for name in ("x", "y"):
+        shapes = {k: v for k, v in sglang.adapters.shapes.items() if ".q_proj." in k or ".v_proj." in k}
+        tensors = {k: 0.5 * torch.randn(s, generator=g) for k, s in shapes.items()}
+        out = server.post("/load_lora_adapter_from_tensors", {"lora_name": name, "config_dict": config,
+                                                              "serialized_named_tensors": [shared_pickle(tensors)]},
+                          timeout_s=60)
+        assert out["success"], out
+
+    def tokens(paths: list[str | None]) -> list[list[int]]:
+        body = {"input_ids": [list(PROMPTS[0])] * len(paths), "return_logprob": True, "lora_path": paths,
+                "sampling_params": [{"max_new_tokens": 8, "temperature": 0.0}] * len(paths)}
+        return [o["output_ids"] for o in server.post("/generate", body, timeout_s=60)]
+
+    alone = {p: tokens([p])[0] for p in ("x", "y", None, sglang.adapters.current["default"])}
+    assert len({tuple(t) for t in alone.values()}) == 4, "four different models"
+    assert tokens(["x", "y"]) == [alone["x"], alone["y"]]  # no lm_head adapter: rows mix correctly
+    head = sglang.adapters.current["default"]
+    assert tokens([None, head])[1] != alone[head]  # the lm_head adapter's row, prefilled with a base row
