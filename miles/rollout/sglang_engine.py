@@ -37,24 +37,19 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   after its calls in flight returned (unless paused), so no request sees half of a version. Every
   result carries the version SGLang reports. GPU: untested (SGLang's tensor path takes CUDA IPC
   handles there, and the group would be NCCL; neither is wired up).
-- Quantized recipes (``precision.rollout_quant``: fp8_block, mxfp8, nvfp4, int4; the recipes fp8,
-  mxfp8, nvfp4, int4, int4_qat): the server gets the same fake-quantized (dequantized) weights the
-  torch engine serves (:func:`miles.rollout.sglang_weights.served_weights`: cast to the engine's
-  dtype, then :func:`~miles.precision.recipe.apply_rollout_quant`), pushed right after the server
-  is up (before the first request) and at every update. In fp32 its greedy log-probs equal the
-  torch engine's under the same recipe and differ from the unquantized ones
-  (``tests/test_sglang.py``, fp8). SGLang's own ``--quantization`` does not run on CPU
-  (``tests/test_sglang_limits.py``): ``fp8`` needs the AMX kernels of a CPU build of sgl-kernel
-  (``AssertionError: Fp8LinearMethod on CPU requires that CPU has AMX support``) and refuses fp32
-  activations, ``mxfp8`` goes through Triton (``RuntimeError: 0 active drivers``); the dequantized
-  weights are the fallback: same values, full-precision matmuls. ``precision.true_on_policy`` is
-  refused (SGLang's kernels are not the trainer's).
-- LoRA (``adapter``, ``adapter_names``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`;
-  ``torch_native`` kernels on CPU under miles' compatibility layer): adapter-only updates through
-  ``/load_lora_adapter_from_tensors``, each request naming its adapter (``lora_path``). In fp32 the
-  greedy log-probs equal the torch engine's with the same adapter (``tests/test_sglang_lora.py``).
-  With ``lm_head`` among the targets the engine serves one adapter and no base-model requests
-  (SGLang's ``torch_native`` backend mixes the ``lm_head`` updates of rows prefilled together).
+- Quantized recipes (fp8, mxfp8, nvfp4, int4, int4_qat): the server gets the fake-quantized weights
+  the torch engine serves (:func:`miles.rollout.sglang_weights.served_weights`), pushed once the
+  server is up (before the first request) and at every update; in fp32 its greedy log-probs equal
+  the torch engine's under the recipe and differ from the unquantized ones (``tests/test_sglang.py``).
+  SGLang's own ``--quantization`` does not run on CPU (``tests/test_sglang_limits.py``: ``fp8``
+  needs sgl-kernel's AMX CPU kernels, ``Fp8LinearMethod on CPU requires that CPU has AMX support``,
+  and bf16 / fp16; ``mxfp8`` needs Triton's GPU driver): the dequantized weights are the fallback.
+  ``precision.true_on_policy`` is refused (SGLang's kernels are not the trainer's).
+- LoRA (``adapter``, ``adapter_names``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`),
+  adapter-only updates through ``/load_lora_adapter_from_tensors``, each request naming its adapter
+  (``lora_path``); in fp32 the log-probs equal the torch engine's (``tests/test_sglang_lora.py``).
+  With an ``lm_head`` adapter on the ``torch_native`` backend (CPU) one adapter and no base-model
+  requests (that backend mixes rows prefilled together). GPU LoRA backends: untested.
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
@@ -108,7 +103,7 @@ from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
 from miles.rollout.sglang_engine_weights import SGLangEngineWeights
-from miles.rollout.sglang_lora import SGLangAdapters, check_adapter
+from miles.rollout.sglang_lora import SGLangAdapters, check_adapter, resolve_backend
 from miles.rollout.sglang_lora import server_args as lora_server_args
 from miles.rollout.sglang_server import (
     ServerHTTPError,
@@ -166,7 +161,7 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         if run.adapter.kind == "lora":
             names = tuple(t.name for t in run.tenants) or ("default",)
             try:
-                check_adapter(run.adapter, names, device(run))
+                check_adapter(run.adapter, names, resolve_backend(kwargs.get("lora_backend"), device(run)))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if run.precision.true_on_policy:
@@ -221,9 +216,10 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         if not weight_bucket_mb > 0:
             raise ValueError(f"rollout.engine.weight_bucket_mb must be > 0, got {weight_bucket_mb}")
         adapters = adapter is not None and adapter.kind == "lora"
+        lora_backend = resolve_backend(lora_backend, device)
         if adapters:
             lora.check_adapter_config(adapter)
-            check_adapter(adapter, tuple(adapter_names), device)
+            check_adapter(adapter, tuple(adapter_names), lora_backend)
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
                              "triton); SGLang refuses it with torch_native, the only one on CPU")
@@ -259,7 +255,7 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         self._weights_dir = weights_dir(engine_id)
         self._loaders: dict[str, Any] = {}
         self.adapters = (SGLangAdapters(adapter, tuple(adapter_names), self.ckpt.shapes, self._control,
-                                        request_timeout_s, self.dtype) if adapters else None)
+                                        request_timeout_s, self.dtype, lora_backend) if adapters else None)
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
@@ -277,8 +273,7 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         if capture_routing:
             args.append("--enable-return-routed-experts")
         if adapters:
-            args += lora_server_args(adapter, tuple(adapter_names), lora_backend or ("torch_native" if device == "cpu"
-                                                                                    else None))
+            args += lora_server_args(adapter, tuple(adapter_names), lora_backend)
         for key, value in (server_args or {}).items():
             flag = "--" + str(key).lstrip("-").replace("_", "-")
             if value is True:
@@ -323,7 +318,7 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
         for r in requests:
             if self.adapters is not None:
-                self.adapters.check_request(r.request_id, r.adapter, self.device)
+                self.adapters.check_request(r.request_id, r.adapter)
             elif r.adapter is not None and r.adapter != lora.BASE:
                 raise ValueError(f"request {r.request_id!r} asks for adapter {r.adapter!r}; this engine holds none")
         seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]

@@ -23,10 +23,12 @@ adapter equal the torch engine's with the same adapter (``tests/test_sglang_lora
 One limit of SGLang 0.5.23's ``torch_native`` backend: it applies an ``lm_head`` adapter with the
 segments of the prompt tokens, not of the positions whose logits are computed, so a prefill batch
 that mixes rows of different adapters (or of an adapter and the base model) gives some rows another
-row's ``lm_head`` update (measured: wrong greedy tokens; decoding steps, one position per row, are
-right). With ``lm_head`` among ``adapter.target_modules`` the engine therefore serves one adapter,
-refuses requests for the base model, and drains its calls before an update (so old and new names
-never prefill together).
+row's ``lm_head`` update (wrong greedy tokens: ``tests/test_sglang_lora.py``; decoding steps, one
+position per row, are right, and so are mixed rows of adapters without ``lm_head``). With
+``lm_head`` among ``adapter.target_modules`` and that backend the engine therefore serves one
+adapter, refuses requests for the base model, and drains its calls before an update (so old and
+new names never prefill together). SGLang's other backends (Triton / CUDA) build ``lm_head``
+segments of their own; the GPU path is untested.
 """
 
 from __future__ import annotations
@@ -51,13 +53,19 @@ LM_HEAD_MIXING = ("SGLang 0.5.23's torch_native LoRA backend applies an lm_head 
                   "wrong logits for some rows")
 
 
-def check_adapter(cfg: AdapterConfig, names: tuple[str, ...], device: str) -> None:
-    """``ValueError`` for what the SGLang engine cannot serve with these adapters."""
+def resolve_backend(backend: str | None, device: str) -> str | None:
+    """SGLang's ``--lora-backend``: ``backend``, else ``torch_native`` on CPU (the only one without
+    Triton / CUDA), else None (SGLang's default)."""
+    return backend or ("torch_native" if device == "cpu" else None)
+
+
+def check_adapter(cfg: AdapterConfig, names: tuple[str, ...], backend: str | None) -> None:
+    """``ValueError`` for what the SGLang engine cannot serve with these adapters on LoRA ``backend``."""
     other = [m for m in cfg.target_modules if m not in LINEAR_TARGETS]
     if other:
         raise ValueError(f"adapter.target_modules: the SGLang engine serves LoRA on {list(LINEAR_TARGETS)}; found "
                          f"{other}. Remove them, or use rollout=torch")
-    if device == "cpu" and "lm_head" in cfg.target_modules and len(names) > 1:
+    if backend == "torch_native" and "lm_head" in cfg.target_modules and len(names) > 1:
         raise ValueError(f"adapter.target_modules has lm_head with {len(names)} adapters ({list(names)}): "
                          f"{LM_HEAD_MIXING}. Leave lm_head out of adapter.target_modules, or use rollout=torch")
 
@@ -86,10 +94,11 @@ class SGLangAdapters:
     """The adapters one SGLang server holds, by miles name: their current SGLang names, checks, loads."""
 
     def __init__(self, cfg: AdapterConfig, names: tuple[str, ...], weight_shapes: Mapping[str, tuple[int, ...]],
-                 post: Post, timeout_s: float, dtype: torch.dtype) -> None:
+                 post: Post, timeout_s: float, dtype: torch.dtype, backend: str | None) -> None:
         if not names or len(set(names)) != len(names) or lora.BASE in names:
             raise ValueError(f"adapter names must be distinct and not {lora.BASE!r}; got {list(names)}")
         self.cfg, self.names, self.post, self.timeout_s, self.dtype = cfg, tuple(names), post, timeout_s, dtype
+        self.backend = backend
         self.shapes = adapter_shapes(cfg, weight_shapes)
         if not self.shapes:
             raise ValueError(f"adapter.target_modules={list(cfg.target_modules)} name no 2-D weight of the checkpoint")
@@ -107,11 +116,11 @@ class SGLangAdapters:
         """SGLang's ``lora_path`` of a request for ``adapter`` (None: the default one; ``lora.BASE``: none)."""
         return None if adapter == lora.BASE else self.current[adapter or self.default()]
 
-    def check_request(self, request_id: str, adapter: str | None, device: str) -> None:
+    def check_request(self, request_id: str, adapter: str | None) -> None:
         if adapter is None or adapter in self.names:
             return
         if adapter == lora.BASE:
-            if self.lm_head and device == "cpu":
+            if self.lm_head and self.backend == "torch_native":
                 raise ValueError(f"request {request_id!r} asks for the base model ({lora.BASE!r}) while the engine "
                                  f"holds an lm_head adapter: {LM_HEAD_MIXING}")
             return
