@@ -43,7 +43,6 @@ def test_offloading_engines_on_sglang_fail_before_ray_with_what_to_set() -> None
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(capture_routing=True), "capture_routing=true does not work on CPU"),
     (dict(deterministic=True), "deterministic=true needs a GPU attention backend"),
     (dict(weight_load="nfs"), r"weight_load='nfs'; valid: tensor, distributed, disk"),
     (dict(weight_bucket_mb=0), "weight_bucket_mb must be > 0"),

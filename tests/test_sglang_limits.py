@@ -1,9 +1,10 @@
 """What SGLang 0.5.23 cannot do on this CPU machine, shown by SGLang's own code (``-m sglang``).
 
-One subprocess in SGLang's venv, with the environment a CPU server gets (stand-in ``libcuda``, miles'
-CPU compatibility layer), calls the functions a server calls at start for each feature and reports
-what they raise. No server is started: each of these kills a server at start, the same way, after
-its 35-60 s of start-up. The engine's refusals and the docs name these errors.
+One subprocess in SGLang's venv, with the environment a CPU server gets (stand-in ``libcuda``),
+calls the functions a server calls at start for each feature and reports what they raise: first
+without miles' CPU compatibility layer, then with it (:mod:`miles.rollout.sglang_cpu.sitecustomize`,
+which every CPU server loads). No server is started: each failure here kills a server at start,
+the same way, after its 35-60 s of start-up. The engine's docs name these errors.
 """
 
 from __future__ import annotations
@@ -50,14 +51,19 @@ def routed_experts_buffer():
     return BaseHostCache(num_tokens=8, num_layers=2, topk_size=2, name="routed_experts", device="cpu")
 
 def pinned():
-    # SGLang's LoRA buffers, with miles' compatibility layer: pinning is a no-op without CUDA
+    # what SGLang's LoRA layers allocate
     return torch.tensor([1, 2], dtype=torch.int32, pin_memory=True).pin_memory().is_pinned()
 
+probe("routing_raw", routed_experts_buffer)
+probe("pin_memory_raw", pinned)
+import sitecustomize  # miles' CPU compatibility layer, as every CPU server process loads it
+
+sitecustomize.install()
+probe("routing", lambda: tuple(routed_experts_buffer().buffer.shape))
+probe("pin_memory", pinned)
 probe("fp8", online_fp8)
 probe("mxfp8", lambda: online_fp8(use_mxfp8=True))
 probe("fp8_dtypes", fp8_dtypes)
-probe("routing", routed_experts_buffer)
-probe("pin_memory", pinned)
 print("MILES-PROBES " + json.dumps(out))
 '''
 
@@ -67,8 +73,8 @@ def probes() -> dict[str, str]:
     from miles.rollout.sglang_server import find_python, server_env
 
     py = find_python()
-    out = subprocess.run([str(py), "-c", PROBES], env=server_env(py, "cpu", 1), capture_output=True, text=True,
-                         timeout=600)
+    env = {**server_env(py, "cpu", 1), "MILES_SGLANG_CPU_COMPAT": "0"}  # the probes install the layer midway
+    out = subprocess.run([str(py), "-c", PROBES], env=env, capture_output=True, text=True, timeout=600)
     line = next((x for x in out.stdout.splitlines() if x.startswith("MILES-PROBES ")), None)
     assert line is not None, f"the probes did not run (exit {out.returncode}):\n{out.stderr[-3000:]}"
     return json.loads(line.removeprefix("MILES-PROBES "))
@@ -83,12 +89,12 @@ def test_sglang_s_own_fp8_quantization_does_not_run_on_cpu(probes) -> None:
     assert probes["mxfp8"].startswith("RuntimeError: 0 active drivers ([]). There should only be one.")
 
 
-def test_routing_capture_needs_a_cuda_driver(probes) -> None:
-    """``--enable-return-routed-experts`` registers its host buffer with ``cudaHostRegister``: the error
-    that kills a CPU server at start, and the reason ``capture_routing`` is refused on CPU."""
-    assert probes["routing"].startswith("RuntimeError: Found no NVIDIA driver on your system")
-
-
-def test_the_compatibility_layer_makes_pinning_a_no_op(probes) -> None:
-    """What SGLang's LoRA code needs on CPU (:mod:`miles.rollout.sglang_cpu.sitecustomize`)."""
+def test_routing_capture_and_lora_buffers_need_the_compatibility_layer(probes) -> None:
+    """``--enable-return-routed-experts`` registers its host buffer with ``cudaHostRegister`` and SGLang's
+    LoRA layers pin theirs: without a driver both raise the error that kills a CPU server at start.
+    With miles' layer both are plain CPU memory (tests/test_sglang.py and tests/test_sglang_lora.py
+    run them on servers)."""
+    for raw in (probes["routing_raw"], probes["pin_memory_raw"]):
+        assert raw.startswith("RuntimeError: Found no NVIDIA driver on your system"), raw
+    assert probes["routing"] == "ok: (8, 2, 2)"
     assert probes["pin_memory"] == "ok: False"

@@ -59,14 +59,16 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   killed, every call in flight and every later call raises
   :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
   out of rotation and retries its requests on the others.
-- MoE models run on CPU (checked by hand, not by a test: on a tiny Qwen3-MoE greedy tokens and
-  log-probs equaled transformers').
-  Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
-  ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
-  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with
-  ``cudaHostRegister`` and the server dies at start (``RuntimeError: Found no NVIDIA driver on your
-  system``, ``tests/test_sglang_limits.py``). The GPU path is untested, including the layout of SGLang's
-  ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
+- MoE models run on CPU. Routing capture (``capture_routing: true``, which ``algo.routing_replay=rollout``
+  turns on): ``--enable-return-routed-experts`` and ``return_routed_experts`` per request; SGLang
+  returns the experts of every position it ran, decoded to ``GenerateResult.prompt_routing`` ``[P -
+  1, moe_layers, top_k]`` and ``routing`` ``[T, moe_layers, top_k]`` int16
+  (:func:`~miles.rollout.sglang_wire.decode_routing`), the torch engine's layout; on CPU both equal
+  the routers' top-k of a transformers forward and the torch engine's capture
+  (``tests/test_sglang.py``). On CPU it needs miles' compatibility layer: SGLang registers the
+  capture buffer with ``cudaHostRegister``, and without a driver the server dies at start
+  (``RuntimeError: Found no NVIDIA driver on your system``, ``tests/test_sglang_limits.py``). GPU:
+  untested (with the radix cache on, a cached prefix's routes are SGLang's to report).
 
 Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
 CPU, so :class:`SGLangEngine` offers no ``release_memory``: with ``placement.offload_engines=null``
@@ -149,8 +151,8 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
 
     @staticmethod
     def check_config(run: Any) -> None:
-        """Refuse, before any actor starts, what this engine cannot serve: true on-policy numerics, routing
-        replay (which needs the routes of prompt positions too), and adapters it cannot hold."""
+        """Refuse, before any actor starts, what this engine cannot serve: true on-policy numerics, a weight-load
+        path it does not know, and adapters it cannot hold."""
         from miles.config.validate import ConfigError
         from miles.core.cluster import device
 
@@ -167,13 +169,6 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
                               "use rollout=torch for it")
-        if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: the SGLang engine records no routes here: on CPU "
-                              "SGLang 0.5.23's routed-experts capture registers its buffer with cudaHostRegister and "
-                              "the server dies at start ('Found no NVIDIA driver on your system'), and on a GPU it "
-                              "returns no routes of the prompt tokens, which replay needs; routing replay runs with "
-                              "the torch engine and the FSDP trainer: use rollout=torch trainer=fsdp, or "
-                              "algo.routing_replay=off")
 
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
@@ -223,11 +218,6 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
                              "triton); SGLang refuses it with torch_native, the only one on CPU")
-        if device == "cpu" and capture_routing:
-            raise ValueError("rollout.engine.capture_routing=true does not work on CPU: SGLang 0.5.23's routed-experts "
-                             "capture registers its host buffer with cudaHostRegister, and the server dies at start "
-                             "with 'RuntimeError: Found no NVIDIA driver on your system'; use rollout=torch "
-                             "(capture_routing) on CPU")
         for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
                            ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
             if not value > 0:
@@ -357,7 +347,7 @@ class SGLangEngine(SGLangEngineWeights, Reusable):
                                 del self._inflight[r.request_id]
             for (pos, r, sp, j, _), out in zip(rows, outs, strict=True):
                 results[pos, j] = to_result(r.request_id, j, sp, out, self.ckpt, version=self._version,
-                                            routing=self.capture_routing)
+                                            routing=self.capture_routing, prompt_len=len(r.prompt_ids))
         return [results[pos, j] for pos, r in enumerate(requests) for j in range(r.n)]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:

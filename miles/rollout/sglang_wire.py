@@ -128,7 +128,7 @@ def sampling_params(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]
 
 
 def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, Any], ckpt: Checkpoint, *,
-              version: int, routing: bool = False) -> GenerateResult:
+              version: int, routing: bool = False, prompt_len: int = 0) -> GenerateResult:
     """One row of SGLang's answer -> a result. ``version``: reported when SGLang names none."""
     meta = out.get("meta_info") or {}
     ids = tuple(int(t) for t in out.get("output_ids") or ())
@@ -156,22 +156,34 @@ def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, An
         version = int(meta.get("weight_version"))
     except (TypeError, ValueError):
         pass
+    prompt_routes, routes = (decode_routing(meta.get("routed_experts"), prompt_len, len(ids), ckpt)
+                             if routing and status is not Status.ABORTED else (None, None))
     return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
-                          weight_version=version, finish_reason=reason, top_logprobs=top,
-                          routing=decode_routing(meta.get("routed_experts"), len(ids), ckpt) if routing else None)
+                          weight_version=version, finish_reason=reason, top_logprobs=top, routing=routes,
+                          prompt_routing=prompt_routes)
 
 
-def decode_routing(raw: str | None, num_tokens: int, ckpt: Checkpoint) -> torch.Tensor | None:
-    """SGLang's routed experts (base64 int32, taken as one ``[layers, top_k]`` row per scored position) ->
-    ``[T, layers, top_k]`` int16 for the response tokens (positions ``P - 1 + t``). Not run: SGLang 0.5.23
-    cannot capture on CPU, and no GPU has run it."""
+def decode_routing(raw: str | None, prompt_len: int, num_tokens: int,
+                   ckpt: Checkpoint) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SGLang's routed experts -> ``(prompt_routing [P - 1, layers, top_k], routing [T, layers, top_k])``
+    int16, as the torch engine reports them.
+
+    ``raw`` is base64 int32, one ``[layers, top_k]`` row per position the server ran through the
+    model: the prompt's ``0 .. P - 1`` and the generated tokens but the last, ``P + T - 1`` rows. Row
+    ``P - 1 + t`` is the step that produced response token ``t``; rows ``0 .. P - 2`` are the
+    prompt's own. On CPU they equal the routers' top-k of a transformers forward over prompt +
+    response (``tests/test_sglang.py``). (None, None) without routes or for a dense model.
+    """
     if raw is None or num_tokens == 0 or ckpt.moe_shape is None:
-        return None
+        return None, None
     layers, top_k = ckpt.moe_shape
     flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
     steps = flat.numel() // (layers * top_k)
-    per_step = flat[: steps * layers * top_k].view(steps, layers, top_k)
-    return per_step[steps - num_tokens:].to(torch.int16).clone() if steps >= num_tokens else None
+    if steps != prompt_len + num_tokens - 1:
+        raise RuntimeError(f"SGLang returned routes of {steps} positions for a prompt of {prompt_len} and "
+                           f"{num_tokens} generated tokens; expected {prompt_len + num_tokens - 1}")
+    per_step = flat[: steps * layers * top_k].view(steps, layers, top_k).to(torch.int16)
+    return per_step[: prompt_len - 1].clone(), per_step[prompt_len - 1:].clone()
 
 
 def aborted(request_id: str, index: int, version: int) -> GenerateResult:
