@@ -333,14 +333,19 @@ def test_a_quantized_recipe_serves_the_torch_engines_weights_from_start_and_afte
 
 def test_routing_capture_records_the_routers_choices_as_the_torch_engine_does(ray_cluster, actors,
                                                                               tiny_qwen3_moe_dir) -> None:
-    """MoE routing capture on CPU (miles' compatibility layer): SGLang's routes of every prompt and
-    response position equal the routers' top-k of a transformers forward over prompt + response,
-    and for greedy rows the torch engine's capture, in its layout."""
+    """MoE routing capture on CPU (miles' compatibility layer), after a weight update in a trainer's
+    names: SGLang's routes of every prompt and response position equal the routers' top-k of a
+    transformers forward over prompt + response, and for greedy rows the torch engine's capture, in
+    its layout."""
     from transformers import AutoModelForCausalLM
 
     from miles.rollout.generate import routes_of
 
     moe = Remote(ray_cluster, actors["moe"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
+    # a trainer's state dict holds the experts fused (transformers 5); the engine sends them per expert
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    moe.update_weights(model.state_dict(), moe.weight_version() + 1)
     reqs = [GenerateRequest(request_id=f"m{i}", prompt_ids=p) for i, p in enumerate(MOE_PROMPTS)]
     greedy = SamplingParams(greedy=True, max_new_tokens=8)
     ours = moe.generate(reqs, greedy)
@@ -354,7 +359,6 @@ def test_routing_capture_records_the_routers_choices_as_the_torch_engine_does(ra
     for o, r in zip(ours[: len(refs)], refs, strict=True):
         assert o.response_ids == r.response_ids
         assert torch.equal(o.routing, r.routing) and torch.equal(o.prompt_routing, r.prompt_routing)
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
     captured: list[torch.Tensor] = []
     for layer in model.model.layers:
         layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))

@@ -144,3 +144,33 @@ def test_lora_with_sglang_is_accepted_and_what_it_cannot_serve_is_refused() -> N
         backends(validate(tenants))
     tenants["adapter"]["target_modules"] = ["q_proj", "v_proj"]  # without lm_head: several adapters are served
     assert backends(validate(tenants)).engine_kwargs["adapter_names"] == ("a", "b")
+
+
+def test_fused_moe_experts_are_sent_under_the_checkpoints_names_quantized_as_the_torch_engine(
+        tiny_qwen3_moe_dir: Path) -> None:
+    """A transformers 5 MoE state dict fuses each layer's experts; the checkpoint (and SGLang's loader)
+    names them one by one. Split and fused forms map onto each other exactly, and the recipe quantizes
+    the fused tensors (fp8 tiles of 128 x 128 spanning an expert's gate and up rows), as the torch
+    engine does, before the split."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miles.rollout.sglang_wire import fuse_experts, split_experts
+    from miles.rollout.torch_engine import TorchEngine
+
+    on_disk = load_file(str(tiny_qwen3_moe_dir / "model.safetensors"))
+    fused = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused and "model.layers.0.mlp.experts.0.up_proj.weight" in on_disk
+    for a, b in ((split_experts(fused), on_disk), (fuse_experts(on_disk), fused)):
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    precision = _run("precision=fp8", "precision.rollout_dtype=float32").precision
+    sent = split_experts(served_weights(fuse_experts(on_disk), precision, torch.float32))
+    engine = TorchEngine(str(tiny_qwen3_moe_dir), precision, num_threads=1, max_batch_size=2)
+    try:
+        held = split_experts(engine.model.state_dict())
+    finally:
+        engine.close()
+    assert set(sent) == set(on_disk) and all(torch.equal(sent[k], held[k]) for k in sent)
+    one_by_one = served_weights(on_disk, precision, torch.float32)  # gate and up with scales of their own
+    assert any(not torch.equal(one_by_one[k], sent[k]) for k in sent if k.endswith(("gate_proj.weight", "up_proj.weight"))
+               and ".experts." in k)

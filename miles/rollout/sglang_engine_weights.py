@@ -22,7 +22,7 @@ from miles.config.schema import PrecisionConfig
 from miles.rollout.engine_rows import _listing
 from miles.rollout.sglang_lora import SGLangAdapters
 from miles.rollout.sglang_weights import make_loader, nbytes, served_weights, split_buckets
-from miles.rollout.sglang_wire import Checkpoint
+from miles.rollout.sglang_wire import Checkpoint, fuse_experts, split_experts
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class SGLangEngineWeights:
     _stopped: Callable[[], bool]
 
     def _check_full(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        state_dict = split_experts(state_dict)  # fused MoE experts (transformers 5) -> the checkpoint's names
         shapes = self.ckpt.shapes
         missing = [k for k in shapes if k not in state_dict and k not in self.ckpt.optional]
         unexpected = [k for k in state_dict if k not in shapes]
@@ -87,7 +88,7 @@ class SGLangEngineWeights:
 
     def _load_full(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        served = served_weights(state_dict, self.precision, self.dtype)
+        served = split_experts(served_weights(state_dict, self.precision, self.dtype))
         quant_s = time.perf_counter() - t0
         named = list(served.items())
         buckets = split_buckets(named, self.bucket_bytes)
@@ -129,6 +130,7 @@ class SGLangEngineWeights:
             state: dict[str, torch.Tensor] = {}
             for f in sorted(Path(self.checkpoint_dir).glob("*.safetensors")):
                 state.update(load_file(str(f)))
+            state = fuse_experts(state)  # quantized as the torch engine's transformers model holds them
             with self._update_lock:
                 metrics = self._load_full(state, self._version)
             log.info("engine %d: %s-quantized weights loaded in %.2f s", self.engine_id,

@@ -85,6 +85,8 @@ def adapter_shapes(cfg: AdapterConfig, weight_shapes: Mapping[str, tuple[int, ..
         module = name.removesuffix(".weight")
         if module == name or len(shape) != 2 or module.rsplit(".", 1)[-1] not in cfg.target_modules:
             continue
+        if ".experts." in module:  # transformers 5 fuses MoE experts into 3-D tensors: peft adapts no expert
+            continue
         out[f"base_model.model.{module}.lora_A.weight"] = (cfg.rank, shape[1])
         out[f"base_model.model.{module}.lora_B.weight"] = (shape[0], cfg.rank)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,50 @@ class Checkpoint:
             moe = (layers, int(text["num_experts_per_tok"]))
         return cls(eos_ids=eos_ids, vocab_size=int(text["vocab_size"]),
                    max_positions=text.get("max_position_embeddings"), shapes=shapes, optional=optional, moe_shape=moe)
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def split_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused MoE expert tensors -> the per-expert names of HF checkpoints (what SGLang
+    loads), as views: ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` -> ``<p>.experts.<e>.gate_proj.weight``
+    (rows ``:I``) and ``up_proj.weight`` (rows ``I:``); ``<p>.experts.down_proj`` ``[E, H, I]`` ->
+    ``<p>.experts.<e>.down_proj.weight``. Other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        m = _FUSED.match(k)
+        if m is None or v.ndim != 3:
+            out[k] = v
+            continue
+        prefix, kind = m.groups()
+        for e in range(v.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
+            else:
+                half = v.shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = v[e, half:]
+    return out
+
+
+def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_experts`: per-expert checkpoint tensors -> transformers 5's fused ones
+    (what a transformers model holds, and what rollout quantization quantizes expert by expert)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k, v in state_dict.items():
+        m = _PER_EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+    for prefix, by_index in experts.items():
+        order = [by_index[e] for e in sorted(by_index)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in order])
+        out[f"{prefix}.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    return out
 
 
 def check_request(r: GenerateRequest, default: SamplingParams | None, ckpt: Checkpoint,
