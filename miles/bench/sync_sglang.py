@@ -11,7 +11,9 @@ through the path, SGLang's copy into its parameters; the engine reports the vers
 alternating the paths (``engine.weight_load``) round by round after one warm-up update each;
 the medians are compared. ``speedup_vs_disk`` is the disk path's median over the path's. After the
 last round every path loads the original weights once more and a greedy completion must repeat
-the first one exactly. The last printed line is JSON.
+the first one exactly. Each path's time is also split into the engine side (``copy_s``: into the
+staging buffer, the broadcast buffer, or the safetensors file) and the server calls (``load_s``).
+The last printed line is JSON.
 """
 
 from __future__ import annotations
@@ -68,14 +70,16 @@ def bench_size(size: str, paths: list[str], repeats: int, bucket_mb: float) -> d
             first = greedy()
             version = 0
             seconds: dict[str, list[float]] = {p: [] for p in paths}
+            parts: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}  # (copy_s, load_s)
             for rnd in range(repeats + 1):  # round 0: warm-up (group rendezvous, staging buffer, first touch)
                 for p in paths:
                     engine.weight_load = p
                     version += 1
                     t = time.perf_counter()
-                    engine.update_weights(moved if version % 2 else state, version)
+                    m = engine.update_weights(moved if version % 2 else state, version)
                     if rnd:
                         seconds[p].append(time.perf_counter() - t)
+                        parts[p].append((m["copy_s"], m["load_s"]))
             for p in paths:  # every path brings back exactly the original weights
                 engine.weight_load = p
                 version += 1
@@ -91,7 +95,9 @@ def bench_size(size: str, paths: list[str], repeats: int, bucket_mb: float) -> d
     disk = statistics.median(seconds["disk"]) if "disk" in seconds else None
     for p, s in seconds.items():
         med = statistics.median(s)
-        out[p] = {"seconds": med, "bytes_per_s": nbytes / med, "speedup_vs_disk": disk / med if disk else None}
+        out[p] = {"seconds": med, "bytes_per_s": nbytes / med, "speedup_vs_disk": disk / med if disk else None,
+                  "copy_s": statistics.median(c for c, _ in parts[p]),
+                  "load_s": statistics.median(x for _, x in parts[p])}
     return out
 
 
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['start_s']:.0f} s): median of {args.repeats}")
         for p in paths:
             print(f"  {p:<12} {r[p]['seconds'] * 1e3:9.1f} ms  {r[p]['bytes_per_s'] / 1e9:6.2f} GB/s  "
-                  f"speedup_vs_disk {r[p]['speedup_vs_disk']:.2f}")
+                  f"speedup_vs_disk {r[p]['speedup_vs_disk']:.2f}  (engine side {r[p]['copy_s'] * 1e3:.1f} ms, "
+                  f"server calls {r[p]['load_s'] * 1e3:.1f} ms)")
     print(json.dumps({s: {p: {k: r[p][k] for k in ("seconds", "bytes_per_s", "speedup_vs_disk")} for p in paths}
                       for s, r in result.items()}))
     return 0

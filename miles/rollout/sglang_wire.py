@@ -2,8 +2,9 @@
 
 What :class:`~miles.rollout.sglang_engine.SGLangEngine` sends and reads, kept apart from the process
 and liveness handling: a request checked and turned into SGLang sampling params, an answer turned
-into a :class:`~miles.types.GenerateResult`, and the facts of a checkpoint the engine checks against
-(vocabulary, EOS ids, positions, weight names and shapes).
+into a :class:`~miles.types.GenerateResult` (with its routes), the facts of a checkpoint the engine
+checks against (vocabulary, EOS ids, positions, weight names and shapes), and the mapping between a
+trainer's fused MoE expert tensors and the checkpoint's per-expert names.
 """
 
 from __future__ import annotations
