@@ -1,14 +1,15 @@
 """The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
-Five engine actors, made as the driver makes them, start together once per module (a server takes
+Four engine actors, made as the driver makes them, start together once per module (a server takes
 30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` (weights
 through shared memory, ``weight_load=tensor``) answers every test that leaves its server alive;
 ``victim`` (``weight_load=distributed``, in several buckets) and ``hangs`` (``weight_load=disk``)
 first show that their paths load the same weights, then lose their servers in the fault tests at
 the end of the module (killed, then stopped with SIGSTOP); ``spare`` serves the fp8 recipe's
 quantized weights (in fp32, small buckets), then the manager test, then is killed with its actor.
-These serve one checkpoint built like a run's (task tokenizer, random tiny Qwen3, fp32): rewards
-decode text, SGLang itself reads ids only. A fifth, ``moe``, captures routes on a tiny Qwen3-MoE.
+All serve one checkpoint built like a run's (task tokenizer, random tiny Qwen3, fp32): rewards
+decode text, SGLang itself reads ids only. LoRA, MoE routing capture and a quantized MoE are in
+tests/test_sglang_lora_moe.py (one more server).
 
 Tolerances, measured on CPU in fp32: SGLang's log-probs of greedy and sampled tokens equal
 ``log_softmax(logits / T)`` of a transformers forward and the torch engine's to ~5e-7; the tests
@@ -48,9 +49,7 @@ ENGINE_KW = dict(health_interval_s=1.0, health_timeout_s=3.0, max_health_failure
 FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # the fp8 recipe's weight format, computed in fp32
 SMALL_BUCKETS_MB = 0.02  # 20 KiB: the test model goes in several load calls
 ACTORS = {"serving": {}, "victim": dict(weight_load="distributed", weight_bucket_mb=SMALL_BUCKETS_MB),
-          "hangs": dict(weight_load="disk"), "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB),
-          "moe": dict(capture_routing=True)}  # on the tiny Qwen3-MoE checkpoint
-MOE_PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 11, 25, 12), (40,)]  # the MoE checkpoint's vocabulary is 96
+          "hangs": dict(weight_load="disk"), "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB)}
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +72,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def actors(ray_cluster, built, tiny_qwen3_moe_dir) -> dict[str, Any]:
+def actors(ray_cluster, built) -> dict[str, Any]:
     from miles.rollout.sglang_engine import SGLangEngine
 
     cls = ray_cluster.remote(SGLangEngine).options(max_concurrency=ENGINE_MAX_CONCURRENCY, num_cpus=0.1)
     names = tuple(ACTORS)
-    handles = {name: cls.remote(str(tiny_qwen3_moe_dir) if name == "moe" else built.path,
-                                kw.get("precision", PrecisionConfig()), seed=i, num_threads=1, engine_id=i,
-                                **ENGINE_KW, **{k: v for k, v in kw.items() if k != "precision"})
+    handles = {name: cls.remote(built.path, kw.get("precision", PrecisionConfig()), seed=i, num_threads=1,
+                                engine_id=i, **ENGINE_KW, **{k: v for k, v in kw.items() if k != "precision"})
                for i, (name, kw) in enumerate(ACTORS.items())}
     t0 = time.perf_counter()
     health = dict(zip(names, ray_cluster.get([h.health.remote() for h in handles.values()], timeout=900),
@@ -329,47 +327,6 @@ def test_a_quantized_recipe_serves_the_torch_engines_weights_from_start_and_afte
     finally:
         torch_engine.update_weights(built.state_dict, 0)
         quant.close()
-
-
-def test_routing_capture_records_the_routers_choices_as_the_torch_engine_does(ray_cluster, actors,
-                                                                              tiny_qwen3_moe_dir) -> None:
-    """MoE routing capture on CPU (miles' compatibility layer), after a weight update in a trainer's
-    names: SGLang's routes of every prompt and response position equal the routers' top-k of a
-    transformers forward over prompt + response, and for greedy rows the torch engine's capture, in
-    its layout."""
-    from transformers import AutoModelForCausalLM
-
-    from miles.rollout.generate import routes_of
-
-    moe = Remote(ray_cluster, actors["moe"])
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
-    # a trainer's state dict holds the experts fused (transformers 5); the engine sends them per expert
-    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
-    moe.update_weights(model.state_dict(), moe.weight_version() + 1)
-    reqs = [GenerateRequest(request_id=f"m{i}", prompt_ids=p) for i, p in enumerate(MOE_PROMPTS)]
-    greedy = SamplingParams(greedy=True, max_new_tokens=8)
-    ours = moe.generate(reqs, greedy)
-    ours += moe.generate([GenerateRequest(request_id="ms", prompt_ids=MOE_PROMPTS[1], n=2, seed=1)],
-                         SamplingParams(temperature=1.0, max_new_tokens=8))
-    ref_engine = TorchEngine(str(tiny_qwen3_moe_dir), PrecisionConfig(), num_threads=1, capture_routing=True)
-    try:
-        refs = ref_engine.generate(reqs, greedy)
-    finally:
-        ref_engine.close()
-    for o, r in zip(ours[: len(refs)], refs, strict=True):
-        assert o.response_ids == r.response_ids
-        assert torch.equal(o.routing, r.routing) and torch.equal(o.prompt_routing, r.prompt_routing)
-    captured: list[torch.Tensor] = []
-    for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))
-    prompts = {"m0": MOE_PROMPTS[0], "m1": MOE_PROMPTS[1], "m2": MOE_PROMPTS[2], "ms": MOE_PROMPTS[1]}
-    for o in ours:
-        p, routes = prompts[o.request_id], routes_of(o)
-        assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(p) + len(o.response_ids) - 1, 2, 2)
-        captured.clear()
-        with torch.no_grad():
-            model(input_ids=torch.tensor([list(p) + list(o.response_ids)]))
-        assert torch.equal(routes.long(), torch.stack(captured, 1)[: len(routes)]), o.request_id
 
 
 def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:

@@ -92,8 +92,7 @@ def test_sglang_s_own_fp8_quantization_does_not_run_on_cpu(probes) -> None:
 def test_routing_capture_and_lora_buffers_need_the_compatibility_layer(probes) -> None:
     """``--enable-return-routed-experts`` registers its host buffer with ``cudaHostRegister`` and SGLang's
     LoRA layers pin theirs: without a driver both raise the error that kills a CPU server at start.
-    With miles' layer both are plain CPU memory (tests/test_sglang.py and tests/test_sglang_lora.py
-    run them on servers)."""
+    With miles' layer both are plain CPU memory (tests/test_sglang_lora_moe.py runs both on a server)."""
     for raw in (probes["routing_raw"], probes["pin_memory_raw"]):
         assert raw.startswith("RuntimeError: Found no NVIDIA driver on your system"), raw
     assert probes["routing"] == "ok: (8, 2, 2)"

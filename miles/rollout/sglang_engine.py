@@ -47,7 +47,7 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   ``precision.true_on_policy`` is refused (SGLang's kernels are not the trainer's).
 - LoRA (``adapter``, ``adapter_names``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`),
   adapter-only updates through ``/load_lora_adapter_from_tensors``, each request naming its adapter
-  (``lora_path``); in fp32 the log-probs equal the torch engine's (``tests/test_sglang_lora.py``).
+  (``lora_path``); in fp32 the log-probs equal the torch engine's (``tests/test_sglang_lora_moe.py``).
   With an ``lm_head`` adapter on the ``torch_native`` backend (CPU) one adapter and no base-model
   requests (that backend mixes rows prefilled together). GPU LoRA backends: untested.
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
@@ -64,8 +64,8 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   returns the experts of every position it ran, decoded to ``GenerateResult.prompt_routing`` ``[P -
   1, moe_layers, top_k]`` and ``routing`` ``[T, moe_layers, top_k]`` int16
   (:func:`~miles.rollout.sglang_wire.decode_routing`), the torch engine's layout; on CPU both equal
-  the routers' top-k of a transformers forward and the torch engine's capture
-  (``tests/test_sglang.py``). On CPU it needs miles' compatibility layer: SGLang registers the
+  the routers' top-k of the reference model's forward and the torch engine's capture
+  (``tests/test_sglang_lora_moe.py``). On CPU it needs miles' compatibility layer: SGLang registers the
   capture buffer with ``cudaHostRegister``, and without a driver the server dies at start
   (``RuntimeError: Found no NVIDIA driver on your system``, ``tests/test_sglang_limits.py``). GPU:
   untested (with the radix cache on, a cached prefix's routes are SGLang's to report).

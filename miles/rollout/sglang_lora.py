@@ -18,12 +18,12 @@ first, else at the next update: SGLang's unload waits for the requests that use 
 On CPU SGLang's LoRA code runs with miles' compatibility layer (``pin_memory`` a no-op:
 :mod:`miles.rollout.sglang_cpu.sitecustomize`); without it the server dies at start with
 ``RuntimeError: Found no NVIDIA driver on your system``. In fp32 SGLang's greedy log-probs with an
-adapter equal the torch engine's with the same adapter (``tests/test_sglang_lora.py``).
+adapter equal the torch engine's with the same adapter (``tests/test_sglang_lora_moe.py``).
 
 One limit of SGLang 0.5.23's ``torch_native`` backend: it applies an ``lm_head`` adapter with the
 segments of the prompt tokens, not of the positions whose logits are computed, so a prefill batch
 that mixes rows of different adapters (or of an adapter and the base model) gives some rows another
-row's ``lm_head`` update (wrong greedy tokens: ``tests/test_sglang_lora.py``; decoding steps, one
+row's ``lm_head`` update (wrong greedy tokens: ``tests/test_sglang_lora_moe.py``; decoding steps, one
 position per row, are right, and so are mixed rows of adapters without ``lm_head``). With
 ``lm_head`` among ``adapter.target_modules`` and that backend the engine therefore serves one
 adapter, refuses requests for the base model, and drains its calls before an update (so old and

@@ -218,7 +218,7 @@ def decode_routing(raw: str | None, prompt_len: int, num_tokens: int,
     model: the prompt's ``0 .. P - 1`` and the generated tokens but the last, ``P + T - 1`` rows. Row
     ``P - 1 + t`` is the step that produced response token ``t``; rows ``0 .. P - 2`` are the
     prompt's own. On CPU they equal the routers' top-k of a transformers forward over prompt +
-    response (``tests/test_sglang.py``). (None, None) without routes or for a dense model.
+    response (``tests/test_sglang_lora_moe.py``). (None, None) without routes or for a dense model.
     """
     if raw is None or num_tokens == 0 or ckpt.moe_shape is None:
         return None, None

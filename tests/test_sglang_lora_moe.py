@@ -1,10 +1,14 @@
-"""LoRA adapters on a real SGLang server (``-m sglang``; skipped without scripts/setup_sglang.sh).
+"""LoRA adapters, a quantized recipe and MoE routing capture on one real SGLang server (``-m sglang``;
+skipped without scripts/setup_sglang.sh).
 
-One SGLang engine with an adapter (the default ``adapter=lora`` targets, ``lm_head`` among them) on
-the fp8 recipe's quantized base weights (computed in fp32) is started once for the module, in the
-test process; a torch engine with the same recipe and adapter is the reference. Adapters come from a peft-wrapped trainer-side model with random LoRA weights, sent as
+One SGLang engine is started once for the module, in the test process, on a tiny Qwen3-MoE: the fp8
+recipe's quantized base weights (computed in fp32; the fused experts quantized as the torch engine
+quantizes them, then sent under the checkpoint's per-expert names), a LoRA adapter on the attention
+projections and ``lm_head`` (transformers 5 fuses the MoE experts into 3-D tensors, which peft does
+not adapt), and routing capture. A torch engine with the same recipe, adapter and capture is the
+reference. Adapters come from a peft-wrapped trainer-side model with random LoRA weights, sent as
 the trainer sends them (:func:`miles.adapters.lora.sync_state`). In fp32 SGLang's greedy log-probs
-equal the torch engine's to ~5e-6 (measured); the tests allow 1e-4.
+equal the torch engine's to ~1e-5 (measured); the tests allow 1e-4. Routes are compared exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from miles.adapters import lora
 from miles.config.schema import AdapterConfig, PrecisionConfig
+from miles.rollout.generate import routes_of
 from miles.rollout.torch_engine import TorchEngine
 from miles.types import GenerateRequest, SamplingParams
 
@@ -25,30 +30,31 @@ pytestmark = pytest.mark.sglang
 
 LOGPROB_ATOL = 1e-4
 PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 11, 25, 12), (40,)]
-ADAPTER = AdapterConfig(kind="lora", rank=4, alpha=8.0)
+ADAPTER = AdapterConfig(kind="lora", rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "lm_head"))
 FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # quantized base, full-precision adapters
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_qwen3_dir: Path) -> Any:
+def engines(tiny_qwen3_moe_dir: Path) -> Any:
     from miles.rollout.sglang_engine import SGLangEngine
 
     t0 = time.perf_counter()
-    sglang = SGLangEngine(str(tiny_qwen3_dir), FP8, num_threads=1, adapter=ADAPTER,
+    sglang = SGLangEngine(str(tiny_qwen3_moe_dir), FP8, num_threads=1, adapter=ADAPTER, capture_routing=True,
                           request_timeout_s=120.0, max_total_tokens=4096)
-    print(f"\nSGLang server with LoRA up in {time.perf_counter() - t0:.0f} s")
-    ref = TorchEngine(str(tiny_qwen3_dir), FP8, num_threads=1, max_batch_size=4, adapter=ADAPTER)
+    print(f"\nSGLang server with LoRA and routing capture up in {time.perf_counter() - t0:.0f} s")
+    ref = TorchEngine(str(tiny_qwen3_moe_dir), FP8, num_threads=1, max_batch_size=4, adapter=ADAPTER,
+                      capture_routing=True)
     yield sglang, ref
     sglang.close()
     ref.close()
 
 
-def _trained(tiny_qwen3_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+def _trained(ckpt: Path, seed: int) -> dict[str, torch.Tensor]:
     """A trainer-side adapter with random (nonzero) LoRA weights, under sync names."""
     from transformers import AutoModelForCausalLM
 
-    model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), ADAPTER, ("default",),
-                              trainable=True)
+    model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(ckpt), ADAPTER, ("default",), trainable=True)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in lora.adapter_parameters(model, "default").values():
@@ -64,18 +70,19 @@ def _greedy(engine: Any, prompt: tuple[int, ...], adapter: str | None = None, ri
 def _same(ours: Any, ref: Any) -> None:
     assert ours.response_ids == ref.response_ids
     assert max(abs(a - b) for a, b in zip(ours.logprobs, ref.logprobs, strict=True)) <= LOGPROB_ATOL
+    assert torch.equal(ours.prompt_routing, ref.prompt_routing) and torch.equal(ours.routing, ref.routing)
 
 
-def test_adapter_updates_serve_the_torch_engines_log_probs(engines, tiny_qwen3_dir) -> None:
-    """At start the adapter is zero (the base model's outputs); after each adapter-only update SGLang's
-    greedy tokens and log-probs equal the torch engine's with the same adapter, and move away from the
-    base model's."""
+def test_adapter_updates_serve_the_torch_engines_log_probs_and_routes(engines, tiny_qwen3_moe_dir) -> None:
+    """At start (quantized base pushed, adapter zero: the base model's outputs) and after each
+    adapter-only update, SGLang's greedy tokens, log-probs and routes equal the torch engine's with the
+    same recipe and adapter, and move away from the base model's."""
     sglang, ref = engines
     base = [_greedy(sglang, p, rid=f"b{i}") for i, p in enumerate(PROMPTS)]
     for i, p in enumerate(PROMPTS):
         _same(base[i], _greedy(ref, p, rid=f"b{i}"))
     for version, seed in ((1, 11), (2, 12)):
-        state = _trained(tiny_qwen3_dir, seed)
+        state = _trained(tiny_qwen3_moe_dir, seed)
         metrics = sglang.update_weights(state, version)
         ref.update_weights(state, version)
         assert metrics["bytes"] == sum(v.numel() * 4 for v in state.values())
@@ -87,13 +94,37 @@ def test_adapter_updates_serve_the_torch_engines_log_probs(engines, tiny_qwen3_d
     assert sglang.adapters.current == {"default": "default@2"}  # the old SGLang name was unloaded (drained)
 
 
-def test_what_the_adapter_engine_refuses_leaves_it_unchanged(engines, tiny_qwen3_dir) -> None:
+def test_routes_are_the_routers_choices_at_every_position(engines) -> None:
+    """Sampled rows too: SGLang's routes of every prompt and response position equal the routers' top-k
+    of the reference engine's own model (quantized base, adapter) over prompt + response."""
+    from miles.train.routing_replay import find_routers
+
+    sglang, ref = engines
+    out = sglang.generate([GenerateRequest(request_id="s", prompt_ids=PROMPTS[1], n=3, seed=1)],
+                          SamplingParams(temperature=1.0, max_new_tokens=10))
+    captured: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _i, o: captured.append(o[2])) for r in find_routers(ref.model)]
+    try:
+        for r in out:
+            routes = routes_of(r)
+            assert routes.dtype == torch.int16 and tuple(routes.shape) == (len(PROMPTS[1]) + len(r.response_ids) - 1,
+                                                                           2, 2)
+            captured.clear()
+            with torch.no_grad():
+                ref.model(input_ids=torch.tensor([list(PROMPTS[1]) + list(r.response_ids)]))
+            assert torch.equal(routes.long(), torch.stack(captured, 1)[: len(routes)])
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_what_the_adapter_engine_refuses_leaves_it_unchanged(engines, tiny_qwen3_moe_dir) -> None:
     sglang, _ = engines
     before, version = _greedy(sglang, PROMPTS[0]), sglang.weight_version()
     full = {k: torch.zeros(1) for k in ("model.embed_tokens.weight",)}
     with pytest.raises(ValueError, match="takes adapter tensors only"):
         sglang.update_weights(full, version + 1)
-    state = _trained(tiny_qwen3_dir, 13)
+    state = _trained(tiny_qwen3_moe_dir, 13)
     key = next(iter(state))
     with pytest.raises(ValueError, match=r"sent \(1, 1\), expected"):
         sglang.update_weights({**state, key: torch.zeros(1, 1)}, version + 1)
@@ -107,7 +138,7 @@ def test_what_the_adapter_engine_refuses_leaves_it_unchanged(engines, tiny_qwen3
     assert sglang.weight_version() == version and after.logprobs == before.logprobs
 
 
-def test_sglang_mixes_lm_head_adapters_of_rows_prefilled_together(engines, tiny_qwen3_dir) -> None:
+def test_sglang_mixes_lm_head_adapters_of_rows_prefilled_together(engines) -> None:
     """SGLang's own behaviour, by raw calls to the engine's server: rows of two adapters on the
     attention layers prefilled in one batch get what each gets alone, but a row prefilled together
     with a base-model row does not get its own ``lm_head`` adapter update (the ``torch_native``
