@@ -91,7 +91,11 @@ def test_adapter_updates_serve_the_torch_engines_log_probs_and_routes(engines, t
             _same(ours, _greedy(ref, p, rid=f"u{i}"))
             assert ours.weight_version == version
         assert [r.logprobs for r in (_greedy(sglang, p) for p in PROMPTS)] != [r.logprobs for r in base]
-    assert sglang.adapters.current == {"default": "default@2"}  # the old SGLang name was unloaded (drained)
+    assert sglang.adapters.current == {"default": "default@2"}
+    from miles.rollout.sglang_server import ServerHTTPError
+
+    with pytest.raises(ServerHTTPError, match="default@1"):  # the replaced SGLang name is unloaded already
+        sglang.server.post("/unload_lora_adapter", {"lora_name": "default@1"}, timeout_s=30)
 
 
 def test_routes_are_the_routers_choices_at_every_position(engines) -> None:
