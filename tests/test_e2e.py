@@ -66,9 +66,11 @@ def test_placement_that_never_becomes_ready_fails_within_its_timeout(ray_cluster
 
     from miles.config import ConfigError
     from miles.core.cluster import reserve
+    from miles.core.plan import Machine, make_plan
 
     run = validate({"placement": {"trainer_world_size": 4, "cpus_per_bundle": 2.0, "ready_timeout_s": 2.0},
                     "cluster": {"address": "auto"}})
+    run = make_plan(run, Machine(cpus=4))
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=r"asked for 4 bundle\(s\) x 2 CPU = 8 CPU, but the cluster has"):
         reserve(run)
@@ -108,12 +110,13 @@ def test_rendezvous_is_on_the_node_of_rank_0(ray_cluster) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from miles.core.cluster import rendezvous
+    from miles.core.plan import Machine, make_plan
 
     pg = placement_group([{"CPU": 0.5}])
     ray_cluster.get(pg.ready(), timeout=30)
     try:
-        assert rendezvous(validate({}), pg)[0] == "127.0.0.1"
-        addr, port = rendezvous(validate({"cluster": {"address": "auto"}}), pg)
+        assert rendezvous(make_plan(validate({}), Machine(cpus=4)), pg)[0] == "127.0.0.1"
+        addr, port = rendezvous(make_plan(validate({"cluster": {"address": "auto"}}), Machine(cpus=4)), pg)
         assert addr == ray_cluster.util.get_node_ip_address() and 0 < port < 65536
     finally:
         remove_placement_group(pg)

@@ -110,9 +110,12 @@ def test_bad_combinations_are_refused_by_validation(overrides: list[str], match:
 
 def test_backends_refuse_formats_they_cannot_run() -> None:
     from miles.core.plan import backends
+    from miles.rollout.sglang_engine import SGLangEngine
 
-    with pytest.raises(ConfigError, match="the SGLang engine serves unquantized weights"):
-        backends(_run(["rollout=sglang", "precision=nvfp4", "placement.offload_engines=false"]))
+    for recipe in ("fp8", "mxfp8", "nvfp4", "int4", "int4_qat"):  # served as the torch engine serves them
+        assert backends(_run(["rollout=sglang", f"precision={recipe}"])).engine is SGLangEngine
+    with pytest.raises(ConfigError, match="true_on_policy=true: the SGLang engine's kernels are not the trainer's"):
+        backends(_run(["rollout=sglang", "precision=fp32", "precision.true_on_policy=true"]))
     # megatron: the 1-D block formats only (tests/test_megatron_replay_precision.py); its check imports no megatron
     backends(_run(["trainer=megatron", "precision=int4_qat"]))
     with pytest.raises(ConfigError, match="precision.train_quant=nvfp4: the megatron trainer quantizes its forward "

@@ -112,20 +112,6 @@ def test_two_trainer_ranks_and_their_critics_are_reused_too(ray_cluster, cache: 
     assert again == first
 
 
-def test_actor_shape_is_what_fixes_the_processes() -> None:
-    from miles.core.actors import actor_shape
-
-    def shape(*overrides: str) -> str:
-        return actor_shape(compose(list(overrides))[0])
-
-    base = shape()
-    assert shape("seed=3", "algo=gspo", "precision=bf16", "weight_sync=shm", "trainer.lr=1e-4") == base
-    for other in (["placement.trainer_world_size=2"], ["placement.num_engines=2"], ["algo=ppo"],
-                  ["placement=disaggregated"], ["placement.torch_threads_per_actor=1"],
-                  ["placement.offload_engines=false"]):
-        assert shape(*other) != base, other
-
-
 _KEEP_SCRIPT = """
 import logging
 import ray

@@ -185,19 +185,21 @@ def test_replay_configs_that_cannot_work_are_refused() -> None:
     assert engine_kwargs(run(["precision=fp32", "precision.true_on_policy=true"]))["prefix_cache_tokens"] == 0
     with pytest.raises(ConfigError, match="dense model"):
         build_components(run(["model=qwen3", "algo.routing_replay=rollout"]))
-    with pytest.raises(ConfigError, match="SGLang engine returns no routes.*use rollout=torch trainer=fsdp"):
-        build_components(run(["model=qwen3_moe", "rollout=sglang", "placement.offload_engines=false",
-                              "algo.routing_replay=rollout"]))
+    # the SGLang engine records prompt and response routes as the torch engine does (tests/test_sglang_lora_moe.py)
+    sglang = run(["model=qwen3_moe", "rollout=sglang", "algo.routing_replay=rollout"])
+    build_components(sglang)
+    assert engine_kwargs(sglang)["capture_routing"] is True
+    build_components(run(["model=qwen3_moe", "rollout=sglang", "trainer=megatron", "algo.routing_replay=rollout"]))
     # the megatron trainer replays too (tests/test_megatron_replay_precision.py); its check imports no megatron
     megatron = run(["model=qwen3_moe", "trainer=megatron", "algo.routing_replay=rollout"])
     assert engine_kwargs(megatron)["capture_routing"] is True
     build_components(megatron)
 
 
-def test_cli_refuses_replay_on_backends_without_it_before_ray(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "miles", "model=qwen3_moe", "algo.routing_replay=rollout",
-                        "rollout=sglang", "tracking=none"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+def test_cli_refuses_replay_of_a_dense_model_before_ray(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "miles", "model=qwen3", "algo.routing_replay=rollout", "tracking=none"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
-    assert "config error: algo.routing_replay=rollout" in out and "use rollout=torch trainer=fsdp" in out
+    assert "config error: algo.routing_replay=rollout: qwen3 is a dense model" in out
     assert "ray" not in out.lower().replace("array", "")  # refused before Ray starts

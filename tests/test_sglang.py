@@ -1,11 +1,17 @@
 """The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
 Four engine actors, made as the driver makes them, start together once per module (a server takes
-30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` answers every
-test that leaves its server alive, ``victim`` and ``hangs`` lose theirs in the fault tests at the
-end of the module (killed, then stopped with SIGSTOP), and ``spare`` serves the manager test, then
-is killed with its actor. All serve one checkpoint built like
-a run's (task tokenizer, random tiny Qwen3, fp32): rewards decode text, SGLang itself reads ids only.
+30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` (weights
+through shared memory, ``weight_load=tensor``) answers every test that leaves its server alive;
+``victim`` (``weight_load=distributed``, in several buckets) and ``hangs`` (``weight_load=disk``)
+first show that their paths load the same weights, then lose their servers in the fault tests at
+the end of the module (killed, then stopped with SIGSTOP); ``spare`` serves the fp8 recipe's
+quantized weights (in fp32, small buckets), then the manager test, then is killed with its actor.
+``serving``, ``victim`` and ``spare`` also serve a next job's engine on their kept servers (parked
+and rebuilt in their actors, as the driver reuses actors between jobs).
+All serve one checkpoint built like a run's (task tokenizer, random tiny Qwen3, fp32): rewards
+decode text, SGLang itself reads ids only. LoRA, MoE routing capture and a quantized MoE are in
+tests/test_sglang_lora_moe.py (one more server).
 
 Tolerances, measured on CPU in fp32: SGLang's log-probs of greedy and sampled tokens equal
 ``log_softmax(logits / T)`` of a transformers forward and the torch engine's to ~5e-7; the tests
@@ -25,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_in_flight import in_thread, slowed
 
 from miles.backends.contract import check_engine
 from miles.config import TargetConfig, validate
@@ -43,6 +50,10 @@ LOGPROB_ATOL = 1e-4
 PROMPTS = [(3, 4, 5, 6), (17, 33, 8, 90, 101, 250, 12), (40,), tuple(range(60, 90))]
 ENGINE_KW = dict(health_interval_s=1.0, health_timeout_s=3.0, max_health_failures=2, request_timeout_s=120.0,
                  max_total_tokens=8192)
+FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # the fp8 recipe's weight format, computed in fp32
+SMALL_BUCKETS_MB = 0.02  # 20 KiB: the test model goes in several load calls
+ACTORS = {"serving": {}, "victim": dict(weight_load="distributed", weight_bucket_mb=SMALL_BUCKETS_MB),
+          "hangs": dict(weight_load="disk"), "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB)}
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +80,8 @@ def actors(ray_cluster, built) -> dict[str, Any]:
     from miles.rollout.sglang_engine import SGLangEngine
 
     cls = ray_cluster.remote(SGLangEngine).options(max_concurrency=ENGINE_MAX_CONCURRENCY, num_cpus=0.1)
-    names = ("serving", "victim", "hangs", "spare")
-    handles = {name: cls.remote(built.path, PrecisionConfig(), seed=i, num_threads=1, engine_id=i, **ENGINE_KW)
-               for i, name in enumerate(names)}
+    names = tuple(ACTORS)
+    handles = {name: cls.remote(*_engine_args(built, name)[0], **_engine_args(built, name)[1]) for name in names}
     t0 = time.perf_counter()
     health = dict(zip(names, ray_cluster.get([h.health.remote() for h in handles.values()], timeout=900),
                       strict=True))
@@ -84,6 +94,14 @@ def actors(ray_cluster, built) -> dict[str, Any]:
         except Exception:
             pass
         ray_cluster.kill(h)
+
+
+def _engine_args(built: SimpleNamespace, name: str, **changes: Any) -> tuple[tuple, dict[str, Any]]:
+    """Arguments of actor ``name``'s engine (:data:`ACTORS`), with ``changes`` (a next job's)."""
+    kw = {**ACTORS[name], **changes}
+    i = tuple(ACTORS).index(name)
+    return ((built.path, kw.pop("precision", PrecisionConfig())),
+            dict(seed=i, num_threads=1, engine_id=i, **ENGINE_KW, **kw))
 
 
 class Remote:
@@ -248,40 +266,36 @@ def test_a_weight_update_moves_sglang_as_it_moves_the_torch_engine(serving, torc
     assert _greedy(serving, PROMPTS[0]).logprobs == before.logprobs
 
 
-def _server_call(url: str, path: str, body: dict) -> None:
-    """``POST path`` straight to an engine's SGLang server (SGLang's own test knobs)."""
-    import json
-    import urllib.request
-
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=30).read()
-
-
-def _in_thread(fn, *args) -> tuple[Any, dict]:
-    import threading
-
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - asserted by the caller
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
+@pytest.mark.parametrize("name", ["victim", "hangs"])
+def test_every_weight_load_path_serves_the_same_weights(ray_cluster, actors, serving, built, name) -> None:
+    """``distributed`` (a gloo group, several buckets) and ``disk`` load what ``tensor`` loads: greedy
+    tokens and log-probs equal bit for bit, after an update and after the way back."""
+    other = Remote(ray_cluster, actors[name])
+    g = torch.Generator().manual_seed(2)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    for weights in (perturbed, built.state_dict):
+        version = max(serving.weight_version(), other.weight_version()) + 1
+        metrics = other.update_weights(weights, version)
+        serving.update_weights(weights, version)
+        assert metrics["bytes"] == sum(v.numel() * 4 for v in weights.values()) and metrics["load_s"] > 0
+        for i, prompt in enumerate(PROMPTS):
+            ours, ref = _greedy(other, prompt, rid=f"w{i}"), _greedy(serving, prompt, rid=f"w{i}")
+            assert (ours.response_ids, ours.logprobs, ours.weight_version) == (ref.response_ids, ref.logprobs, version)
 
 
-def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(serving, built) -> None:
+@pytest.mark.parametrize("name", ["serving", "victim"])
+def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(ray_cluster, actors, built,
+                                                                              name) -> None:
     """Two long greedy rows are in flight when the weights change, and the user aborts one of them
     meanwhile: the other ends with its tokens before the update equal to the old weights' own greedy
     tokens (and log-probs), tagged with the old version, and the rest equal to what the new weights
-    generate greedily from that prefix, tagged with the new version; the aborted one ends ABORTED.
+    generate greedily from that prefix, tagged with the new version; the aborted one ends ABORTED. A
+    call sent while the update runs waits for it and runs wholly on the new weights. On ``victim`` the
+    load goes in several buckets over the gloo group: no token comes from half a version.
 
     SGLang's ``/slow_down`` (a sleep per forward step) keeps the rows running for seconds, so the
     update lands mid-generation; the EOS rows of the LM head are zeroed so that no row stops early."""
+    engine = Remote(ray_cluster, actors[name])
     eos = Checkpoint.read(Path(built.path)).eos_ids
     g = torch.Generator().manual_seed(3)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
@@ -289,27 +303,26 @@ def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(se
                       for sd in (built.state_dict, perturbed))
     n_tokens, prompt = 200, PROMPTS[0]
     greedy = SamplingParams(greedy=True, max_new_tokens=n_tokens)
-    v = serving.weight_version() + 1
-    serving.update_weights(old_sd, v)
+    v = engine.weight_version() + 1
+    engine.update_weights(old_sd, v)
     try:
-        reference = _greedy(serving, prompt, n_tokens, rid="ref")
+        reference = _greedy(engine, prompt, n_tokens, rid="ref")
         assert len(reference.response_ids) == n_tokens and reference.token_versions == (v,) * n_tokens
-        url = serving.health()["url"]
-        _server_call(url, "/slow_down", {"forward_sleep_time": 0.01})
-        try:
-            rows, out = _in_thread(serving.generate, [GenerateRequest(request_id="a", prompt_ids=prompt),
-                                                      GenerateRequest(request_id="b", prompt_ids=prompt)], greedy)
+        with slowed(engine.health()["url"], 0.01):
+            rows, out = in_thread(engine.generate, [GenerateRequest(request_id="a", prompt_ids=prompt),
+                                                    GenerateRequest(request_id="b", prompt_ids=prompt)], greedy)
             deadline = time.monotonic() + 60
-            while serving.health()["running"] < 2 and time.monotonic() < deadline:
+            while engine.health()["running"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.02)
             time.sleep(0.5)  # tokens on the old weights
-            update, pushed = _in_thread(serving.update_weights, new_sd, v + 1)
-            assert serving.abort(["b"]) == 1
+            update, pushed = in_thread(engine.update_weights, new_sd, v + 1)
+            assert engine.abort(["b"]) == 1
+            while update.is_alive() and not engine.health()["updating"]:
+                time.sleep(0.01)
+            late = _greedy(engine, PROMPTS[1], 8, rid="late")  # sent while the update runs (or after it)
             update.join(120)
             rows.join(120)
             assert not update.is_alive() and not rows.is_alive(), "a generation or the update hung"
-        finally:
-            _server_call(url, "/slow_down", {"forward_sleep_time": None})
         assert "error" not in out and "error" not in pushed, (out.get("error"), pushed.get("error"))
         a, b = out["value"]
         k = a.token_versions.count(v)
@@ -318,17 +331,55 @@ def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(se
             Status.TRUNCATED, "length", n_tokens, v + 1)
         assert a.response_ids[:k] == reference.response_ids[:k]  # the old weights' tokens ...
         assert _max_diff(a.logprobs[:k], reference.logprobs[:k]) <= LOGPROB_ATOL
-        rest = _greedy(serving, prompt + a.response_ids[:k], n_tokens - k, rid="rest")  # ... then the new ones'
+        rest = _greedy(engine, prompt + a.response_ids[:k], n_tokens - k, rid="rest")  # ... then the new ones'
         assert rest.response_ids == a.response_ids[k:] and _max_diff(rest.logprobs, a.logprobs[k:]) <= LOGPROB_ATOL
         kb = b.token_versions.count(v)  # aborted by the user before, during or after the update's drain
         assert (b.status, b.finish_reason) == (Status.ABORTED, "abort") and len(b.response_ids) < n_tokens
         assert b.token_versions == (v,) * kb + (v + 1,) * (len(b.response_ids) - kb)
         assert b.response_ids[:kb] == reference.response_ids[:kb]
+        new = _greedy(engine, PROMPTS[1], 8, rid="new")
+        assert (late.response_ids, late.token_versions) == (new.response_ids, (v + 1,) * 8)
+        assert _max_diff(late.logprobs, new.logprobs) <= LOGPROB_ATOL
         assert pushed["value"]["interrupted_rows"] >= 1 and pushed["value"]["interrupt_s"] >= 0
-        h = serving.health()
+        h = engine.health()
         assert (h["running"], h["waiting"], h["updating"]) == (0, 0, False)
     finally:
-        serving.update_weights(built.state_dict, v + 2)
+        engine.update_weights(built.state_dict, v + 2)
+
+
+def test_a_quantized_recipe_serves_the_torch_engines_weights_from_start_and_after_updates(
+        ray_cluster, actors, built, torch_engine) -> None:
+    """The fp8 recipe: SGLang's greedy log-probs equal the torch engine's under the same recipe (fp32),
+    at start (the weights pushed before the first request) and after an update, and differ from the
+    unquantized ones."""
+    spare = Remote(ray_cluster, actors["spare"])
+    quant = TorchEngine(built.path, FP8, num_threads=1, max_batch_size=8)
+    g = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    try:
+        for step, weights in enumerate((None, perturbed, built.state_dict)):
+            if weights is not None:
+                for engine in (spare, quant, torch_engine):
+                    engine.update_weights(weights, 10 + step)
+            apart = []
+            for i, prompt in enumerate(PROMPTS):
+                ours, ref, plain = (_greedy(e, prompt, rid=f"q{i}") for e in (spare, quant, torch_engine))
+                assert ours.response_ids == ref.response_ids, (step, prompt)
+                assert _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL, (step, prompt)
+                n = min(len(ours.logprobs), len(plain.logprobs))
+                apart.append(max(abs(a - b) for a, b in zip(ours.logprobs[:n], plain.logprobs[:n], strict=True)))
+            assert max(apart) > 100 * LOGPROB_ATOL, f"step {step}: fp8 weights served like the unquantized ones"
+    finally:
+        torch_engine.update_weights(built.state_dict, 0)
+        quant.close()
+
+
+def _next_job(ray_cluster, actors, built, name: str, **changes: Any) -> Remote:
+    """Park actor ``name`` (the job ends) and build its next job's engine in it, as the driver does."""
+    args, kwargs = _engine_args(built, name, **changes)
+    ray_cluster.get(actors[name].park.remote(), timeout=60)
+    ray_cluster.get(actors[name].reinit.remote(*args, **kwargs), timeout=300)
+    return Remote(ray_cluster, actors[name])
 
 
 def test_a_parked_engine_keeps_its_server_for_the_next_job_with_the_checkpoint_reloaded(
@@ -341,15 +392,45 @@ def test_a_parked_engine_keeps_its_server_for_the_next_job_with_the_checkpoint_r
                            serving.weight_version() + 1)
     assert _greedy(serving, PROMPTS[1]).logprobs != original.logprobs
     pid = serving.health()["pid"]
-    actor = actors["serving"]
-    ray_cluster.get(actor.park.remote(), timeout=60)
-    ray_cluster.get(actor.reinit.remote(built.path, PrecisionConfig(), seed=0, num_threads=1, engine_id=0,
-                                        **ENGINE_KW), timeout=300)
+    _next_job(ray_cluster, actors, built, "serving")
     h = serving.health()
     assert (h["ok"], h["pid"], h["version"]) == (True, pid, 0)
     again = _greedy(serving, PROMPTS[1])
     assert (again.response_ids, again.logprobs, again.token_versions) == (
         original.response_ids, original.logprobs, (0,) * len(original.response_ids))
+
+
+def test_a_kept_server_serves_the_next_jobs_recipe_and_weight_load(ray_cluster, actors, serving, built) -> None:
+    """What an engine added to its server does not outlive its job: ``spare``'s next job without a
+    quantized recipe serves the plain checkpoint, the one after it the fp8 weights again (pushed on the
+    kept server, equal to the torch engine's); ``victim``'s next job makes its own gloo group (the
+    last job's was destroyed) and loads through it what ``serving`` loads."""
+    pids = {name: Remote(ray_cluster, actors[name]).health()["pid"] for name in ("spare", "victim")}
+    plain = [_greedy(serving, p, rid=f"p{i}") for i, p in enumerate(PROMPTS)]
+    spare = _next_job(ray_cluster, actors, built, "spare", precision=PrecisionConfig())
+    assert [(r.response_ids, r.logprobs) for r in (_greedy(spare, p, rid=f"p{i}") for i, p in enumerate(PROMPTS))
+            ] == [(r.response_ids, r.logprobs) for r in plain]
+    spare = _next_job(ray_cluster, actors, built, "spare")
+    quant = TorchEngine(built.path, FP8, num_threads=1, max_batch_size=8)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            ours, ref = _greedy(spare, prompt, rid=f"q{i}"), _greedy(quant, prompt, rid=f"q{i}")
+            assert ours.response_ids == ref.response_ids and _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL
+    finally:
+        quant.close()
+    victim = _next_job(ray_cluster, actors, built, "victim")
+    g = torch.Generator().manual_seed(5)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
+    version = serving.weight_version() + 1
+    try:
+        assert victim.update_weights(perturbed, version)["load_s"] > 0
+        serving.update_weights(perturbed, version)
+        for i, prompt in enumerate(PROMPTS):
+            ours, ref = _greedy(victim, prompt, rid=f"d{i}"), _greedy(serving, prompt, rid=f"d{i}")
+            assert (ours.response_ids, ours.logprobs, ours.weight_version) == (ref.response_ids, ref.logprobs, version)
+    finally:
+        serving.update_weights(built.state_dict, version + 1)
+    assert {name: Remote(ray_cluster, actors[name]).health()["pid"] for name in pids} == pids  # no server restarted
 
 
 def test_stop_tokens_eos_length_and_top_logprobs(serving, built) -> None:
@@ -446,9 +527,10 @@ def test_a_killed_server_is_dead_and_its_requests_go_to_another_engine(ray_clust
     victim = Remote(ray_cluster, actors["victim"])
     pid = victim.health()["pid"]
     os.killpg(pid, signal.SIGKILL)
-    time.sleep(0.5)
-    h = victim.health()
-    assert not h["ok"] and "exited with code -9" in h["dead"]
+    deadline = time.monotonic() + 15  # the watchdog notices the exit at once; a loaded machine delays it
+    while (h := victim.health())["dead"] is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not h["ok"] and "exited with code -9" in (h["dead"] or "")
     with pytest.raises(EngineDeadError, match="engine 1: generate on a dead engine: the SGLang server process exited"):
         _greedy(victim, PROMPTS[0])
     with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),

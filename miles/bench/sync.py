@@ -2,6 +2,9 @@
 
 ``python -m miles.bench.sync [--sizes 20M,100M] [--transports ...] [--repeats 5]``
 
+``--engine sglang`` runs :mod:`miles.bench.sync_sglang` instead: the SGLang engine's weight-load
+paths (shared-memory tensors, a gloo group) against its disk path, into a real SGLang server.
+
 For each size, a sender actor (:class:`WeightSource`, playing trainer rank 0: it holds a state
 dict of random fp32 tensors with the shapes and HF names of a Qwen3-style decoder) and a receiver
 actor (:class:`BufferEngine`, a light engine that applies a version into pre-allocated tensors
@@ -174,6 +177,21 @@ def bench_size(size: str, transports: list[str], repeats: int, bucket_mb: float,
 
 def main(argv: list[str] | None = None) -> int:
     from miles.weights.sync import CPU_TRANSPORTS, TRANSPORTS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--engine" in argv or any(a.startswith("--engine=") for a in argv):
+        engine = argv[argv.index("--engine") + 1] if "--engine" in argv else next(
+            a.split("=", 1)[1] for a in argv if a.startswith("--engine="))
+        if engine == "sglang":
+            from miles.bench.sync_sglang import main as sglang_main
+
+            return sglang_main(argv)
+        if engine != "buffer":
+            print(f"--engine: {engine!r}; valid: buffer (the default: a receiver like the torch engine's), sglang",
+                  file=sys.stderr)
+            return 2
+        argv = [a for i, a in enumerate(argv) if a != "--engine" and not a.startswith("--engine=")
+                and not (i and argv[i - 1] == "--engine")]
 
     ap = argparse.ArgumentParser(prog="python -m miles.bench sync", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20M,100M", help=f"comma-separated, of {', '.join(SIZES)}")

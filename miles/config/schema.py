@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 _frozen = dict(frozen=True, kw_only=True)
 
 # YAML key -> dataclass field name, for the two Hydra special keys.

@@ -330,7 +330,8 @@ ADAPTER_TRAINERS = ("fsdp.FSDPTrainer", "megatron.MegatronTrainer", "megatron.tr
 
 
 def _check_adapter(run: MilesConfig) -> None:
-    """LoRA needs the backends that hold adapters (FSDP or megatron trainer, torch engine) and knobs in range."""
+    """LoRA needs the backends that hold adapters (FSDP or megatron trainer; torch or SGLang engine) and knobs in
+    range."""
     a = run.adapter
     if a.kind == "none":
         return
@@ -343,9 +344,10 @@ def _check_adapter(run: MilesConfig) -> None:
     if not run.trainer.target.endswith(ADAPTER_TRAINERS):
         raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
                           "or trainer=megatron with adapter=lora, or adapter=none")
-    if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
+    if not run.rollout.engine.target.endswith(("torch_engine.TorchEngine", "sglang_engine.SGLangEngine",
+                                                "sglang_engine.SGLangOffloadingEngine")):
         raise ConfigError(f"adapter=lora: the rollout engine {run.rollout.engine.target} does not take adapter-only "
-                          "weight updates; use rollout=torch with adapter=lora, or adapter=none")
+                          "weight updates; use rollout=torch or rollout=sglang with adapter=lora, or adapter=none")
     if run.precision.true_on_policy:
         raise ConfigError("adapter=lora with precision.true_on_policy=true: the exact single-sequence path runs the "
                           "model without per-row adapters; use one of the two")

@@ -211,7 +211,7 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
     """
     p, joined = run.placement, bool(run.cluster.address)
     check_placement(p)
-    device = _device(p.device, joined, machine)
+    device = resolve_device(p.device, joined, machine)
     gpu = 1 if device == "cuda" else 0
     engine_res = {k: float(v) for k, v in (p.engine_resources or {}).items()}
     trainer_res = {k: float(v) for k, v in (p.trainer_resources or {}).items()}
@@ -271,7 +271,7 @@ def _threads(p: PlacementConfig, joined: bool, cpus_held: float, cores: int, res
     return max(1, share)
 
 
-def _device(setting: str, joined: bool, machine: Machine) -> str:
+def resolve_device(setting: str, joined: bool, machine: Machine) -> str:
     """``placement.device`` with ``auto`` resolved: ``cuda`` when the Ray cluster offers GPUs (before Ray
     starts: when this machine has a CUDA device and no cluster is joined), else ``cpu``."""
     if setting != "auto":

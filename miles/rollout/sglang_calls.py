@@ -8,23 +8,32 @@ update, and joins the pieces itself:
   records the weight version the engine holds. New posts wait while an update runs or the engine
   is paused; a weight load starts only when no post is in flight. So every token of a post was
   sampled by the version it records.
-- :meth:`SGLangCalls.update_weights` marks the posts in flight as interrupted, sends
+- :meth:`SGLangCalls.update_weights` checks the update first (``_check_update``: a refused one
+  interrupts nothing and sends nothing), marks the posts in flight as interrupted, sends
   ``POST /abort_request {"abort_all": true}`` every 0.1 s until all of them have answered (a row
   whose HTTP call had not reached SGLang's scheduler yet misses an abort: the next one takes it),
-  then loads the weights (``_load_weights``, the engine's transport) on an idle server, then lets
-  the waiting posts go. A running row that SGLang aborts answers ``finish_reason: abort`` with its
-  tokens so far and their log-probs (SGLang 0.5.23 runs one more decode step first, so the row
-  may carry one more old-version token; a row still queued answers with none).
+  then loads the weights on the idle server while new posts wait (``_load_weights``,
+  :mod:`miles.rollout.sglang_engine_weights`: full weights through the ``weight_load`` path of
+  :mod:`miles.rollout.sglang_weights`, in one bucket or several; adapters through
+  :mod:`miles.rollout.sglang_lora`), then lets the waiting posts go. No request runs while a load
+  of several calls is half done, and nothing on the server still names a replaced adapter. A
+  running row that SGLang aborts answers ``finish_reason: abort`` with its tokens so far and their
+  log-probs (SGLang 0.5.23 runs one more decode step first, so the row may carry one more
+  old-version token; a row still queued answers with none).
 - An interrupted row continues as a new row on the new weights: prompt = the original prompt + its
   tokens so far, ``max_new_tokens`` = what is left, the same sampling params, stop ids and sampling
-  seed (SGLang's seeded sampling hashes the seed with the absolute position, so on a GPU with
-  ``deterministic: true`` the continuation draws the noise the uninterrupted row would have; not run
-  here). Its K/V is recomputed under the new weights (the torch engine keeps the old weights' K/V of
-  the prefix instead). The caller gets one result per row: the tokens and log-probs of every piece
-  in order (each token's log-prob is the one it was sampled with), ``token_versions`` the version of
-  each piece per token, ``weight_version`` the version of the last piece. A piece whose abort came in
-  the step that would have stopped it (its last token an EOS or stop id, or ``max_new_tokens``
-  reached: SGLang checks its abort flag first) is finished here as SGLang would have.
+  seed, and the adapter the request names under its SGLang name of the new version (SGLang's
+  seeded sampling hashes the seed with the absolute position, so on a GPU with ``deterministic:
+  true`` the continuation draws the noise the uninterrupted row would have; not run here). Its K/V
+  is recomputed under the new weights (the torch engine keeps the old weights' K/V of the prefix
+  instead). The caller gets one result per row: the tokens and log-probs of every piece in order
+  (each token's log-prob is the one it was sampled with), ``token_versions`` the version of each
+  piece per token, ``weight_version`` the version of the last piece. With routing capture the routes
+  are those of the last piece's forward, which ran every earlier token as prompt on the new weights
+  (miles reads no routes from an aborted piece; ``tests/test_sglang_lora_moe.py``). A piece whose
+  abort came in the step that would have stopped it (its last token an EOS or stop id, or
+  ``max_new_tokens`` reached: SGLang checks its abort flag first) is finished here as SGLang would
+  have.
 - A user's :meth:`SGLangCalls.abort` marks the request on its call (and aborts its rows on the server
   when they are in flight): the row ends ``ABORTED`` with its tokens so far, also when the abort
   lands while the row waits to continue or while an update interrupts it. An abort that is not the
@@ -33,7 +42,8 @@ update, and joins the pieces itself:
 While the engine is paused (``/pause_generation`` ``in_place``) SGLang's scheduler runs no step, so
 aborted rows could not answer: an update then sends ``/continue_generation`` for the drain (the
 aborted rows take their one last step; no new row is admitted) and pauses the server again after
-the load.
+the load. So an adapter update while paused leaves no row under the old adapter's name to be
+prefilled together with the new one after ``resume`` (``tests/test_sglang_lora_moe.py``).
 
 SGLang 0.5.23 can itself continue rows across an update (``/pause_generation`` ``retract``, then the
 update, then ``/continue_generation``; its answers then carry ``meta_info.weight_versions`` spans),
@@ -55,6 +65,7 @@ from typing import Any
 
 import torch
 
+from miles.adapters import lora
 from miles.rollout.sglang_server import ServerHTTPError
 from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, sampling_params, to_result
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
@@ -77,7 +88,6 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[Any] = field(default_factory=list)
-    routing: list[Any] = field(default_factory=list)
     last: GenerateResult | None = None
     """Its latest piece, as SGLang answered it."""
     result: GenerateResult | None = None
@@ -93,21 +103,23 @@ class _Row:
         self.logprobs += piece.logprobs
         self.versions += [piece.weight_version] * len(piece.response_ids)
         self.top += piece.top_logprobs or ()
-        self.routing.append(piece.routing)
         self.last = piece
 
     def finish(self, status: Status | None = None, reason: str | None = None) -> None:
         """The row's result: every piece so far; status and reason those of its last piece unless given."""
         piece = self.last
         assert piece is not None
-        routing = None
-        if self.routing and all(r is not None for r in self.routing):
-            routing = torch.cat(self.routing) if len(self.routing) > 1 else self.routing[0]
+        prompt_routing = routing = None
+        if piece.routing is not None and piece.prompt_routing is not None:
+            # the last piece's prompt holds the earlier pieces' tokens (none for a row of one piece)
+            p = len(self.request.prompt_ids) - 1
+            prompt_routing, routing = piece.prompt_routing[:p], torch.cat([piece.prompt_routing[p:], piece.routing])
         self.result = GenerateResult(
             request_id=self.request.request_id, index=self.index, response_ids=tuple(self.ids),
             logprobs=tuple(self.logprobs), status=status or piece.status, weight_version=piece.weight_version,
             token_versions=tuple(self.versions), finish_reason=reason or piece.finish_reason,
-            top_logprobs=tuple(self.top) if self.sampling.logprobs_top_k else None, routing=routing)
+            top_logprobs=tuple(self.top) if self.sampling.logprobs_top_k else None, routing=routing,
+            prompt_routing=prompt_routing)
 
     def stopped_by_last_token(self, ckpt: Checkpoint) -> tuple[Status, str] | None:
         """What SGLang would have finished an interrupted row with, had it not seen the abort first."""
@@ -123,11 +135,13 @@ class _Row:
 
 @dataclass(eq=False)
 class _Post:
-    """One ``POST /generate`` in flight: its rows, their SGLang rids, the weight version it runs on."""
+    """One ``POST /generate`` in flight: its rows, their SGLang rids, the weight version it runs on and
+    the SGLang names of their adapters in that version (``lora_path``; None without adapters)."""
 
     rows: list[_Row]
     rids: list[str]
     version: int
+    lora_paths: list[str | None] | None = None
     interrupted: bool = False
     """Set by a weight update: the rows that come back ``abort`` continue on the new weights."""
 
@@ -153,6 +167,7 @@ class SGLangCalls:
     ckpt: Checkpoint
     context_length: int | None
     capture_routing: bool
+    adapters: Any
     request_timeout_s: float
     health_timeout_s: float
     server: Any
@@ -177,6 +192,11 @@ class SGLangCalls:
         """Complete each request ``n`` times; results ordered by request then index (module docstring)."""
         self._check_usable("generate")
         params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
+        for r in requests:
+            if self.adapters is not None:
+                self.adapters.check_request(r.request_id, r.adapter)
+            elif r.adapter is not None and r.adapter != lora.BASE:
+                raise ValueError(f"request {r.request_id!r} asks for adapter {r.adapter!r}; this engine holds none")
         seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
         rows = [_Row(request=r, sampling=sp, index=j, seed=seed)
                 for r, sp, seed in zip(requests, params, seeds, strict=True) for j in range(r.n)]
@@ -193,7 +213,8 @@ class SGLangCalls:
                 pending = []
                 for row, out in zip(post.rows, outs, strict=True):
                     piece = to_result(row.request.request_id, row.index, row.sampling, out, self.ckpt,
-                                      version=post.version, routing=self.capture_routing)
+                                      version=post.version, routing=self.capture_routing,
+                                      prompt_len=len(row.request.prompt_ids) + len(row.ids))
                     row.add(piece)
                     with self._cv:
                         by_user = row.request.request_id in call.aborted
@@ -244,11 +265,18 @@ class SGLangCalls:
                 self._cv.notify_all()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Interrupt the rows in flight, ``_load_weights(state_dict, version)``, let them continue on the
-        new weights (module docstring). Returns the load's metrics with ``update_s`` the whole call,
-        ``interrupt_s`` the drain and ``interrupted_rows``."""
+        """Check the update, interrupt the rows in flight, ``_load_weights(state_dict, version)``, let them
+        continue on the new weights (module docstring); the server serves ``version`` on return.
+
+        A full update sends every weight of the checkpoint (HF names; ``lm_head.weight`` may be left out
+        of tied embeddings); an engine with adapters takes adapter tensors only
+        (:func:`miles.adapters.lora.sync_state` names). On a ``ValueError`` (wrong names, shapes or
+        dtypes) nothing was interrupted or sent. Returns the load's metrics (``copy_s``, ``load_s``,
+        ``quant_s``, ``bytes``) with ``update_s`` the whole call, ``bytes_per_s``, ``interrupt_s`` the
+        drain and ``interrupted_rows``."""
         t0 = time.perf_counter()
         self._check_usable("update_weights")
+        self._check_update(state_dict, version)
         with self._switch:
             with self._cv:
                 self._updating = True
@@ -265,8 +293,9 @@ class SGLangCalls:
                 with self._cv:
                     self._updating = False
                     self._cv.notify_all()
-        return {**out, "update_s": time.perf_counter() - t0, "interrupt_s": t1 - t0,
-                "interrupted_rows": float(sum(len(p.rows) for p in posts))}
+        update_s = time.perf_counter() - t0
+        return {**out, "update_s": update_s, "bytes_per_s": out["bytes"] / max(update_s, 1e-9),
+                "interrupt_s": t1 - t0, "interrupted_rows": float(sum(len(p.rows) for p in posts))}
 
     # ---- posts --------------------------------------------------------------------------------
 
@@ -291,6 +320,8 @@ class SGLangCalls:
             tag = next(self._tags)
             post = _Post(rows=live, rids=[f"{row.request.request_id}#{row.index}.{tag}." for row in live],
                          version=self._version)
+            if self.adapters is not None:  # no update runs now: these names are the version's
+                post.lora_paths = [self.adapters.lora_path(row.request.adapter) for row in live]
             if not self._posts:
                 self._busy_since = time.perf_counter()
             self._posts.add(post)
@@ -301,7 +332,7 @@ class SGLangCalls:
 
     def _send(self, call: _Call, post: _Post) -> list[dict[str, Any]]:
         try:
-            return self._post_generate(post.rows, post.rids)
+            return self._post_generate(post)
         finally:
             with self._cv:
                 for row, rid in zip(post.rows, post.rids, strict=True):
@@ -336,7 +367,8 @@ class SGLangCalls:
                                    "weights were not updated")
         self._check_usable("update_weights")  # a server that died meanwhile
 
-    def _post_generate(self, rows: list[_Row], rids: list[str]) -> list[dict[str, Any]]:
+    def _post_generate(self, post: _Post) -> list[dict[str, Any]]:
+        rows, rids = post.rows, post.rids
         bodies = [row.body() for row in rows]
         body: dict[str, Any] = {
             "input_ids": [ids for ids, _ in bodies],
@@ -348,6 +380,8 @@ class SGLangCalls:
             body["top_logprobs_num"] = [row.sampling.logprobs_top_k for row in rows]
         if self.capture_routing:
             body["return_routed_experts"] = True
+        if post.lora_paths is not None:
+            body["lora_path"] = post.lora_paths
         try:
             outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
         except (OSError, ServerHTTPError, ValueError) as e:

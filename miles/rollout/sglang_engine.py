@@ -24,23 +24,37 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
 - Prefix caching (SGLang's radix cache) is off on CPU by default (``radix_cache``): a prompt
   whose prefix is cached is prefilled in a different shape, and its log-probs then differ from an
   uncached run's by ~5e-7 in fp32 (measured), so greedy decoding would not repeat bit for bit.
-- The weight load (``_load_weights``) checks names and shapes against the checkpoint (SGLang's loader silently
-  skips unknown names and keeps missing ones), writes the state dict as safetensors into a fresh
-  version directory and calls ``POST /update_weights_from_disk`` with ``weight_version``; no row
-  is in flight then (next item), and every result
-  carries the version SGLang reports. A refused load (``ValueError``) still interrupts the rows in
-  flight; they continue on the unchanged weights. The disk path works on CPU and on every node (the directory
-  is local to the engine's node). On a GPU, ``/update_weights_from_tensor`` (CUDA IPC) or
-  ``/update_weights_from_distributed`` (an NCCL group) would avoid the file; neither is wired up
-  here, and the disk path has not been run on a GPU.
-- Weight updates while rows generate (partial rollouts, :mod:`miles.rollout.sglang_calls`):
-  ``update_weights`` aborts the rows in flight on the server, loads the weights on the idle server,
-  and continues each interrupted row as a new row on the new weights (prompt + its tokens so far,
-  the tokens left, the same sampling params); the result joins the pieces, its tokens before the
-  update tagged with the old version and the rest with the new one, each log-prob the one its token
-  was sampled with. Calls that arrive during an update wait for it. A user's ``abort`` still ends
-  a row ``ABORTED``, also while an update interrupts it. So the async schedules run on this engine
-  (``reports_token_versions``).
+- ``update_weights`` (:mod:`miles.rollout.sglang_calls`) checks names, shapes and dtypes against the
+  checkpoint first (SGLang's loader silently skips unknown names and keeps missing ones): a refused
+  update interrupts nothing and sends nothing, and weights and version stay. It then interrupts the
+  rows in flight, loads the weights on the idle server while new calls wait, and continues each
+  interrupted row as a new row on the new weights (partial rollouts): its result joins the pieces,
+  each token tagged with the version that sampled it and each log-prob the one it was sampled with.
+  So the async schedules run on this engine (``reports_token_versions``). A user's ``abort`` still
+  ends a row ``ABORTED``, also while an update interrupts it (``tests/test_sglang.py``, with each
+  load path).
+- The load (:mod:`miles.rollout.sglang_engine_weights`) casts to the engine's dtype, applies the
+  recipe's rollout quantization, and goes through ``weight_load`` (:mod:`miles.rollout.sglang_weights`):
+  ``tensor`` (default; ``/update_weights_from_tensor``, each bucket through one shared-memory buffer),
+  ``distributed`` (``/update_weights_from_distributed`` over a gloo group between the engine actor and
+  its server) or ``disk`` (safetensors, then ``/update_weights_from_disk``), in buckets of at most
+  ``weight_bucket_mb``. The server runs on the engine actor's node, so all three work on every node;
+  ``python -m miles.bench sync --engine sglang`` compares them. GPU: untested (SGLang's tensor path takes CUDA IPC handles there, and the group
+  would be NCCL; neither is wired up).
+- Quantized recipes (fp8, mxfp8, nvfp4, int4, int4_qat): the server gets the fake-quantized weights
+  the torch engine serves (:func:`miles.rollout.sglang_weights.served_weights`), pushed once the
+  server is up (before the first request) and at every update; in fp32 its greedy log-probs equal
+  the torch engine's under the recipe and differ from the unquantized ones (``tests/test_sglang.py``).
+  SGLang's own ``--quantization`` does not run on CPU (``tests/test_sglang_limits.py``: ``fp8``
+  needs sgl-kernel's AMX CPU kernels, ``Fp8LinearMethod on CPU requires that CPU has AMX support``,
+  and bf16 / fp16; ``mxfp8`` needs Triton's GPU driver): the dequantized weights are the fallback.
+  ``precision.true_on_policy`` is refused (SGLang's kernels are not the trainer's).
+- LoRA (``adapter``, ``adapter_names``): SGLang's own LoRA serving (:mod:`miles.rollout.sglang_lora`),
+  adapter-only updates through ``/load_lora_adapter_from_tensors`` (interrupting and continuing the
+  rows in flight as a full update does), each request naming its adapter (``lora_path``); in fp32
+  the log-probs equal the torch engine's (``tests/test_sglang_lora_moe.py``). With an ``lm_head``
+  adapter on the ``torch_native`` backend (CPU) one adapter and no base-model requests (that backend
+  mixes rows prefilled together). GPU LoRA backends: untested.
 - ``pause`` -> ``POST /pause_generation`` (``in_place``: running rows keep their KV cache) and new
   calls wait in the engine; ``resume`` -> ``POST /continue_generation``. ``abort`` -> ``POST
   /abort_request`` per row in flight; a call still waiting on a pause is answered ``ABORTED`` here.
@@ -52,24 +66,33 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   killed, every call in flight and every later call raises
   :class:`~miles.rollout.dispatch.EngineDeadError`, and the rollout manager's pool takes the engine
   out of rotation and retries its requests on the others.
-- MoE models run on CPU (checked by hand, not by a test: on a tiny Qwen3-MoE greedy tokens and
-  log-probs equaled transformers').
-  Routing capture (``capture_routing: true``: ``--enable-return-routed-experts`` and
-  ``return_routed_experts`` per request, decoded to ``GenerateResult.routing`` ``[T, moe_layers,
-  top_k]`` int16) is refused on CPU: SGLang 0.5.23 registers its capture buffer with CUDA and the
-  server dies at start. The GPU path is untested, including the layout of SGLang's
-  ``routed_experts`` (taken as one int32 row of ``[layers, top_k]`` per scored position).
+- MoE models run on CPU. Routing capture (``capture_routing: true``, which ``algo.routing_replay=rollout``
+  turns on): ``--enable-return-routed-experts`` and ``return_routed_experts`` per request; SGLang
+  returns the experts of every position it ran, decoded to ``GenerateResult.prompt_routing`` ``[P -
+  1, moe_layers, top_k]`` and ``routing`` ``[T, moe_layers, top_k]`` int16
+  (:func:`~miles.rollout.sglang_wire.decode_routing`), the torch engine's layout; on CPU both equal
+  the routers' top-k of the reference model's forward and the torch engine's capture
+  (``tests/test_sglang_lora_moe.py``; a continued row's routes: :mod:`miles.rollout.sglang_calls`).
+  On CPU it needs miles' compatibility layer: SGLang registers the
+  capture buffer with ``cudaHostRegister``, and without a driver the server dies at start
+  (``RuntimeError: Found no NVIDIA driver on your system``, ``tests/test_sglang_limits.py``). GPU:
+  untested (with the radix cache on, a cached prefix's routes are SGLang's to report).
 
 Memory release: ``/release_memory_occupation`` calls a CUDA synchronize that kills the server on
 CPU, so :class:`SGLangEngine` offers no ``release_memory``: with ``placement.offload_engines=null``
 (the default) its engines keep their memory while the trainer trains, and ``true`` is refused at start-up. :class:`SGLangOffloadingEngine` adds it for GPUs (untested: no GPU here).
 
 Jobs one after another (``cluster.reuse_actors``, :mod:`miles.backends.reuse`): a parked engine keeps
-its idle server, and the next engine built in the same actor with the same launch flags (model
-path, dtype, seed, server knobs, threads) takes it instead of starting one (35-60 s on 2 CPU cores)
-and loads its checkpoint into it as version 0, caches flushed. Its sampling generator is not
-reset (SGLang has no call for that): on CPU, where requests are not seeded, a job on a kept server
-samples differently from one on a new server.
+its idle server after undoing what it added to it (its LoRA adapters unloaded, the ``distributed``
+path's group destroyed; its staging buffer goes with it), and the next engine built in the same
+actor with the same launch flags (model path, dtype, seed, server knobs, LoRA flags, routing
+capture, threads) takes it instead of starting one (35-60 s on 2 CPU cores): it loads its
+checkpoint into it as version 0, caches flushed, then pushes its own recipe's quantized weights and
+zero adapters, as on a new server. An engine with other launch flags kills the kept server and
+starts its own. The sampling generator is not reset (SGLang has no call for that): on CPU, where
+requests are not seeded, a job on a kept server samples differently from one on a new server.
+(``tests/test_sglang.py``: the plain checkpoint after an fp8 job, fp8 again after it, a new gloo group;
+``tests/test_sglang_lora_moe.py``: no adapters left.)
 
 Several engines: one server per engine actor, spread by miles' own dispatcher
 (:mod:`miles.rollout.dispatch`), not by ``sglang-router``. The router works on CPU (0.3.2 installs
@@ -95,10 +118,14 @@ from typing import Any
 
 import torch
 
+from miles.adapters import lora
 from miles.backends.reuse import Reusable
-from miles.config.schema import PrecisionConfig
+from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.rollout.dispatch import EngineDeadError
 from miles.rollout.sglang_calls import SGLangCalls
+from miles.rollout.sglang_engine_weights import SGLangEngineWeights
+from miles.rollout.sglang_lora import SGLangAdapters, check_adapter, resolve_backend
+from miles.rollout.sglang_lora import server_args as lora_server_args
 from miles.rollout.sglang_server import (
     ServerHTTPError,
     ServerStartError,
@@ -106,6 +133,7 @@ from miles.rollout.sglang_server import (
     find_python,
     server_env,
 )
+from miles.rollout.sglang_weights import WEIGHT_LOADS, weights_dir
 from miles.rollout.sglang_wire import Checkpoint, row_seed
 
 log = logging.getLogger(__name__)
@@ -117,7 +145,7 @@ _KEPT: tuple[str, SGLangServer] | None = None
 """The server of the engine parked last in this process, and its launch (:meth:`SGLangEngine._end_job`)."""
 
 
-class SGLangEngine(SGLangCalls, Reusable):
+class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
     """Generates through an SGLang server process it owns; see the module docstring.
 
     Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
@@ -125,9 +153,13 @@ class SGLangEngine(SGLangCalls, Reusable):
     ``context_length`` (default: the model's), ``mem_fraction_static`` (GPU), ``attention_backend`` (default ``torch_native`` on CPU, SGLang's choice on GPU),
     ``deterministic`` (per-request seeds; GPU attention backends only), ``radix_cache`` (prefix
     caching; default off on CPU, see the module docstring), ``capture_routing``,
-    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Liveness: ``start_timeout_s``,
-    ``request_timeout_s`` (one generate call), ``health_interval_s``, ``health_timeout_s``,
-    ``max_health_failures``.
+    ``server_args`` (more ``--flag: value`` pairs), ``log_dir``. Weights: ``weight_load``
+    (``tensor``, ``distributed`` or ``disk``: :mod:`miles.rollout.sglang_weights`; a plain attribute
+    that may be changed between updates), ``weight_bucket_mb`` (most bytes per load call). LoRA:
+    ``adapter`` and ``adapter_names`` (as the torch engine's), ``lora_backend`` (default
+    ``torch_native`` on CPU, SGLang's choice on GPU). Liveness: ``start_timeout_s``,
+    ``request_timeout_s`` (one generate call, and one weight-load call), ``health_interval_s``,
+    ``health_timeout_s``, ``max_health_failures``.
     """
 
     reports_token_versions = True
@@ -135,21 +167,25 @@ class SGLangEngine(SGLangCalls, Reusable):
 
     @staticmethod
     def check_config(run: Any) -> None:
-        """Refuse, before any actor starts, what this engine cannot serve: quantized weight formats, and
-        routing replay (which needs the routes of prompt positions too)."""
+        """Refuse, before any actor starts, what this engine cannot serve: true on-policy numerics, a weight-load
+        path it does not know, and adapters it cannot hold."""
         from miles.config.validate import ConfigError
+        from miles.core.plan import Machine, resolve_device
 
-        if run.precision.rollout_quant != "none":
-            raise ConfigError(f"precision.rollout_quant={run.precision.rollout_quant}: the SGLang engine serves "
-                              "unquantized weights only here; use rollout=torch for it, or a recipe with "
-                              "rollout_quant: none (precision=fp32 or bf16)")
+        kwargs = run.rollout.engine.kwargs
+        if kwargs.get("weight_load", "tensor") not in WEIGHT_LOADS:
+            raise ConfigError(f"rollout.engine.weight_load={kwargs.get('weight_load')!r}; valid: "
+                              f"{', '.join(WEIGHT_LOADS)}")
+        if run.adapter.kind == "lora":
+            names = tuple(t.name for t in run.tenants) or ("default",)
+            device = resolve_device(run.placement.device, bool(run.cluster.address), Machine.here())
+            try:
+                check_adapter(run.adapter, names, resolve_backend(kwargs.get("lora_backend"), device))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if run.precision.true_on_policy:
             raise ConfigError("precision.true_on_policy=true: the SGLang engine's kernels are not the trainer's; "
                               "use rollout=torch for it")
-        if run.algo.routing_replay != "off":
-            raise ConfigError("algo.routing_replay=rollout: the SGLang engine returns no routes of the prompt "
-                              "tokens, which replay needs; routing replay runs with the torch engine and the FSDP "
-                              "trainer: use rollout=torch trainer=fsdp, or algo.routing_replay=off")
 
     offload_hint = ("SGLang cannot release memory on CPU (its release kills the server); on a GPU, "
                     "rollout.engine._target_=miles.rollout.sglang_engine.SGLangOffloadingEngine offloads (untested).")
@@ -172,6 +208,11 @@ class SGLangEngine(SGLangCalls, Reusable):
         deterministic: bool = False,
         radix_cache: bool | None = None,
         capture_routing: bool = False,
+        weight_load: str = "tensor",
+        weight_bucket_mb: float = 512.0,
+        adapter: AdapterConfig | None = None,
+        adapter_names: tuple[str, ...] = ("default",),
+        lora_backend: str | None = None,
         server_args: dict[str, Any] | None = None,
         log_dir: str | None = None,
         start_timeout_s: float = 900.0,
@@ -182,16 +223,18 @@ class SGLangEngine(SGLangCalls, Reusable):
     ) -> None:
         if precision.rollout_dtype not in _DTYPES:
             raise ValueError(f"precision.rollout_dtype={precision.rollout_dtype!r}; valid: {sorted(_DTYPES)}")
-        if precision.rollout_quant != "none":
-            raise ValueError(f"precision.rollout_quant={precision.rollout_quant!r}: the SGLang engine serves "
-                             "unquantized weights only here; use rollout=torch for it, or set rollout_quant: none")
+        if weight_load not in WEIGHT_LOADS:
+            raise ValueError(f"rollout.engine.weight_load={weight_load!r}; valid: {', '.join(WEIGHT_LOADS)}")
+        if not weight_bucket_mb > 0:
+            raise ValueError(f"rollout.engine.weight_bucket_mb must be > 0, got {weight_bucket_mb}")
+        adapters = adapter is not None and adapter.kind == "lora"
+        lora_backend = resolve_backend(lora_backend, device)
+        if adapters:
+            lora.check_adapter_config(adapter)
+            check_adapter(adapter, tuple(adapter_names), lora_backend)
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "
                              "triton); SGLang refuses it with torch_native, the only one on CPU")
-        if device == "cpu" and capture_routing:
-            raise ValueError("rollout.engine.capture_routing=true does not work on CPU: SGLang 0.5.23's routed-experts "
-                             "capture registers host memory with CUDA and the server dies at start; use rollout=torch "
-                             "(capture_routing) on CPU")
         for key, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s),
                            ("health_interval_s", health_interval_s), ("health_timeout_s", health_timeout_s)):
             if not value > 0:
@@ -203,16 +246,19 @@ class SGLangEngine(SGLangCalls, Reusable):
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
         self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
         self.capture_routing = capture_routing
+        self.weight_load, self.bucket_bytes = weight_load, int(weight_bucket_mb * 2**20)
         self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
         self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
         self.context_length = context_length or self.ckpt.max_positions
         self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
         self._init_calls()
-        self._update_lock = threading.Lock()
         self._closed = False
         self._dead: str | None = None
         self._version = 0
-        self._weights_dir = _weights_dir(engine_id)
+        self._weights_dir = weights_dir(engine_id)
+        self._loaders: dict[str, Any] = {}
+        self.adapters = (SGLangAdapters(adapter, tuple(adapter_names), self.ckpt.shapes, self._control,
+                                        request_timeout_s, self.dtype, lora_backend) if adapters else None)
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
@@ -229,6 +275,8 @@ class SGLangEngine(SGLangCalls, Reusable):
             args.append("--disable-radix-cache")
         if capture_routing:
             args.append("--enable-return-routed-experts")
+        if adapters:
+            args += lora_server_args(adapter, tuple(adapter_names), lora_backend)
         for key, value in (server_args or {}).items():
             flag = "--" + str(key).lstrip("-").replace("_", "-")
             if value is True:
@@ -264,6 +312,11 @@ class SGLangEngine(SGLangCalls, Reusable):
         self._watchdog = threading.Thread(target=self._watch, args=(self.server, self._stop_watch),
                                           name=f"sglang-watchdog-{engine_id}", daemon=True)
         self._watchdog.start()
+        try:
+            self._push_initial()
+        except BaseException:
+            self.close()
+            raise
 
     def _take_kept(self, timeout_s: float) -> SGLangServer | None:
         """The server a parked engine of this process kept, when it was launched as this engine's would be:
@@ -291,62 +344,6 @@ class SGLangEngine(SGLangCalls, Reusable):
         return None
 
     # ---- Protocol (generate, abort, pause, resume, update_weights: miles.rollout.sglang_calls) ----
-
-    def _load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Check names and shapes, write a safetensors version directory, ``/update_weights_from_disk``.
-
-        On a ``ValueError`` (wrong names, shapes or dtypes) nothing was sent to the server. Returns
-        ``{"update_s", "write_s", "load_s", "bytes", "bytes_per_s"}``.
-        """
-        from safetensors.torch import save_file
-
-        t0 = time.perf_counter()
-        self._check_usable("update_weights")
-        shapes = self.ckpt.shapes
-        missing = [k for k in shapes if k not in state_dict and k not in self.ckpt.optional]
-        unexpected = [k for k in state_dict if k not in shapes]
-        if missing or unexpected:
-            raise ValueError(f"update_weights(version={version}): names must match the checkpoint's exactly; "
-                             f"missing {_listing(missing)}, unexpected {_listing(unexpected)}. Send the full HF "
-                             "state dict of the same architecture.")
-        bad = [f"{k}: sent {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
-               if tuple(v.shape) != shapes[k]]
-        bad += [f"{k}: sent {v.dtype}, expected a floating dtype" for k, v in state_dict.items()
-                if not v.is_floating_point()]
-        if bad:
-            raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
-        with self._update_lock:
-            final = self._weights_dir / f"v{int(version):08d}"
-            tmp = self._weights_dir / f".v{int(version):08d}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            tensors, seen = {}, set()
-            for k, v in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
-                t = v.detach().to("cpu", self.dtype).contiguous()
-                ptr = t.untyped_storage().data_ptr()
-                tensors[k] = t.clone() if t.numel() and ptr in seen else t
-                seen.add(ptr)
-            save_file(tensors, str(tmp / "model.safetensors"))
-            nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
-            del tensors
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            t_written = time.perf_counter()
-            try:
-                out = self._control("/update_weights_from_disk", {
-                    "model_path": str(final), "weight_version": str(int(version)), "flush_cache": True,
-                }, timeout_s=self.request_timeout_s)
-                if not (isinstance(out, dict) and out.get("success")):
-                    raise RuntimeError(f"engine {self.engine_id}: SGLang refused the weights of version {version} "
-                                       f"(it keeps version {self._version}): {out}")
-                self._version = int(version)
-            finally:
-                for old in self._weights_dir.iterdir():
-                    if old != final or self._version != int(version):
-                        shutil.rmtree(old, ignore_errors=True)
-        t1 = time.perf_counter()
-        return {"update_s": t1 - t0, "write_s": t_written - t0, "load_s": t1 - t_written, "bytes": nbytes,
-                "bytes_per_s": nbytes / max(t1 - t0, 1e-9)}
 
     def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
         """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
@@ -377,12 +374,14 @@ class SGLangEngine(SGLangCalls, Reusable):
             self._stop_watch.set()
             self._cv.notify_all()
         self.server.kill()
+        self._close_loaders()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     def _end_job(self) -> None:
-        """Parking (:mod:`miles.backends.reuse`): an idle, healthy server is kept (unpaused) for the next
-        engine constructed in this process (:meth:`_take_kept`); otherwise it goes with the job. A kept
-        server dies with the actor, as any server does."""
+        """Parking (:mod:`miles.backends.reuse`): an idle, healthy server is kept (unpaused, without this
+        engine's adapters and weight-update group: :meth:`_release_server`) for the next engine
+        constructed in this process (:meth:`_take_kept`); otherwise it goes with the job. A kept server
+        dies with the actor, as any server does."""
         global _KEPT
         with self._cv:
             keep = not self._stopped() and not self._posts and not getattr(self, "_released", False)
@@ -393,7 +392,10 @@ class SGLangEngine(SGLangCalls, Reusable):
             if keep and self._paused:
                 self.server.post("/continue_generation", {}, timeout_s=_CONTROL_TIMEOUT_S)
             keep = keep and self.server.healthy(self.health_timeout_s)
-        except (OSError, ServerHTTPError, ValueError):
+            if keep:
+                self._release_server()
+        except (OSError, ServerHTTPError, ValueError, RuntimeError) as e:
+            log.warning("engine %d: the SGLang server is not kept for the next job: %s", self.engine_id, e)
             keep = False
         if keep:
             if _KEPT is not None:
@@ -401,6 +403,7 @@ class SGLangEngine(SGLangCalls, Reusable):
             _KEPT = (self._launch, self.server)
         else:
             self.server.kill()
+        self._close_loaders()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     # ---- HTTP calls -----------------------------------------------------------------------------
@@ -501,33 +504,3 @@ class SGLangOffloadingEngine(SGLangEngine):
         super()._check_usable(what)
         if getattr(self, "_released", False) and what == "generate":
             raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
-
-
-def _weights_dir(engine_id: int) -> Path:
-    """A fresh directory for this engine's weight versions, under ``<tmp>/miles-sglang-weights``.
-
-    Its name starts with this process's pid. An actor killed by Ray never runs :meth:`SGLangEngine.close`,
-    so every new engine first removes the directories of processes that no longer run.
-    """
-    root = Path(tempfile.gettempdir()) / "miles-sglang-weights"
-    root.mkdir(exist_ok=True)
-    for old in root.iterdir():
-        pid = old.name.split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-engine{engine_id}-", dir=root))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _listing(names: list[str], limit: int = 10) -> str:
-    more = " ..." if len(names) > limit else ""
-    return f"{names[:limit]}{more} ({len(names)})"

@@ -16,7 +16,9 @@ follows the thread that forked, not the process), which also notices the moment 
 
 On CPU (``device="cpu"``) the server gets ``SGLANG_USE_CPU_ENGINE=1`` and the stand-in
 ``libcuda.so.1`` that the setup script builds (``<venv>/lib/miles-libcuda``) on
-``LD_LIBRARY_PATH``: SGLang's CUDA ``sgl_kernel`` wheel does not load without one. Its ``/health``
+``LD_LIBRARY_PATH``: SGLang's CUDA ``sgl_kernel`` wheel does not load without one. Its processes also
+import miles' CPU compatibility layer (:mod:`miles.rollout.sglang_cpu.sitecustomize`: ``pin_memory``
+is a no-op without CUDA, which SGLang's LoRA code needs) from ``PYTHONPATH``. Its ``/health``
 is made a plain liveness answer (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``); by default it
 runs a one-token generation, which waits while generation is paused.
 """
@@ -45,6 +47,8 @@ PYTHON_ENV = "MILES_SGLANG_PYTHON"
 """Environment variable naming the SGLang venv's interpreter (when ``rollout.engine.python`` is unset)."""
 STUB_DIR = "lib/miles-libcuda"
 """Where, inside the SGLang venv, the setup script puts the stand-in ``libcuda.so.1``."""
+CPU_COMPAT_DIR = Path(__file__).with_name("sglang_cpu")
+"""Holds only ``sitecustomize.py``: put on a CPU server's ``PYTHONPATH`` (see the module docstring)."""
 
 SUPERVISOR = Path(__file__).with_name("sglang_supervisor.py")
 """Started by the SGLang interpreter in front of ``sglang.launch_server``: see :mod:`miles.rollout.sglang_supervisor`."""
@@ -104,6 +108,8 @@ def server_env(python: Path, device: str, num_threads: int) -> dict[str, str]:
                 f"{stub / 'libcuda.so.1'} is missing: SGLang's sgl_kernel wheel does not load on a machine "
                 "without an NVIDIA driver unless it finds one. Run scripts/setup_sglang.sh (it builds it).")
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(stub), env.get("LD_LIBRARY_PATH")) if p)
+        env["PYTHONPATH"] = str(CPU_COMPAT_DIR)
+        env["MILES_SGLANG_CPU_COMPAT"] = "1"
     return env
 
 

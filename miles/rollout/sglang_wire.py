@@ -2,8 +2,9 @@
 
 What :class:`~miles.rollout.sglang_engine.SGLangEngine` sends and reads, kept apart from the process
 and liveness handling: a request checked and turned into SGLang sampling params, an answer turned
-into a :class:`~miles.types.GenerateResult`, and the facts of a checkpoint the engine checks against
-(vocabulary, EOS ids, positions, weight names and shapes).
+into a :class:`~miles.types.GenerateResult` (with its routes), the facts of a checkpoint the engine
+checks against (vocabulary, EOS ids, positions, weight names and shapes), and the mapping between a
+trainer's fused MoE expert tensors and the checkpoint's per-expert names.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,50 @@ class Checkpoint:
                    max_positions=text.get("max_position_embeddings"), shapes=shapes, optional=optional, moe_shape=moe)
 
 
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def split_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused MoE expert tensors -> the per-expert names of HF checkpoints (what SGLang
+    loads), as views: ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` -> ``<p>.experts.<e>.gate_proj.weight``
+    (rows ``:I``) and ``up_proj.weight`` (rows ``I:``); ``<p>.experts.down_proj`` ``[E, H, I]`` ->
+    ``<p>.experts.<e>.down_proj.weight``. Other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        m = _FUSED.match(k)
+        if m is None or v.ndim != 3:
+            out[k] = v
+            continue
+        prefix, kind = m.groups()
+        for e in range(v.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = v[e]
+            else:
+                half = v.shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = v[e, half:]
+    return out
+
+
+def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_experts`: per-expert checkpoint tensors -> transformers 5's fused ones
+    (what a transformers model holds, and what rollout quantization quantizes expert by expert)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k, v in state_dict.items():
+        m = _PER_EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+    for prefix, by_index in experts.items():
+        order = [by_index[e] for e in sorted(by_index)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in order])
+        out[f"{prefix}.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    return out
+
+
 def check_request(r: GenerateRequest, default: SamplingParams | None, ckpt: Checkpoint,
                   context_length: int | None) -> SamplingParams:
     """The request's sampling params after checking them and the request; ``ValueError`` says what is wrong."""
@@ -128,7 +174,7 @@ def sampling_params(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]
 
 
 def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, Any], ckpt: Checkpoint, *,
-              version: int, routing: bool = False) -> GenerateResult:
+              version: int, routing: bool = False, prompt_len: int = 0) -> GenerateResult:
     """One row of SGLang's answer -> a result. ``version``: reported when SGLang names none."""
     meta = out.get("meta_info") or {}
     ids = tuple(int(t) for t in out.get("output_ids") or ())
@@ -156,22 +202,34 @@ def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, An
         version = int(meta.get("weight_version"))
     except (TypeError, ValueError):
         pass
+    prompt_routes, routes = (decode_routing(meta.get("routed_experts"), prompt_len, len(ids), ckpt)
+                             if routing and status is not Status.ABORTED else (None, None))
     return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
-                          weight_version=version, finish_reason=reason, top_logprobs=top,
-                          routing=decode_routing(meta.get("routed_experts"), len(ids), ckpt) if routing else None)
+                          weight_version=version, finish_reason=reason, top_logprobs=top, routing=routes,
+                          prompt_routing=prompt_routes)
 
 
-def decode_routing(raw: str | None, num_tokens: int, ckpt: Checkpoint) -> torch.Tensor | None:
-    """SGLang's routed experts (base64 int32, taken as one ``[layers, top_k]`` row per scored position) ->
-    ``[T, layers, top_k]`` int16 for the response tokens (positions ``P - 1 + t``). Not run: SGLang 0.5.23
-    cannot capture on CPU, and no GPU has run it."""
+def decode_routing(raw: str | None, prompt_len: int, num_tokens: int,
+                   ckpt: Checkpoint) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SGLang's routed experts -> ``(prompt_routing [P - 1, layers, top_k], routing [T, layers, top_k])``
+    int16, as the torch engine reports them.
+
+    ``raw`` is base64 int32, one ``[layers, top_k]`` row per position the server ran through the
+    model: the prompt's ``0 .. P - 1`` and the generated tokens but the last, ``P + T - 1`` rows. Row
+    ``P - 1 + t`` is the step that produced response token ``t``; rows ``0 .. P - 2`` are the
+    prompt's own. On CPU they equal the routers' top-k of a transformers forward over prompt +
+    response (``tests/test_sglang_lora_moe.py``). (None, None) without routes or for a dense model.
+    """
     if raw is None or num_tokens == 0 or ckpt.moe_shape is None:
-        return None
+        return None, None
     layers, top_k = ckpt.moe_shape
     flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
     steps = flat.numel() // (layers * top_k)
-    per_step = flat[: steps * layers * top_k].view(steps, layers, top_k)
-    return per_step[steps - num_tokens:].to(torch.int16).clone() if steps >= num_tokens else None
+    if steps != prompt_len + num_tokens - 1:
+        raise RuntimeError(f"SGLang returned routes of {steps} positions for a prompt of {prompt_len} and "
+                           f"{num_tokens} generated tokens; expected {prompt_len + num_tokens - 1}")
+    per_step = flat[: steps * layers * top_k].view(steps, layers, top_k).to(torch.int16)
+    return per_step[: prompt_len - 1].clone(), per_step[prompt_len - 1:].clone()
 
 
 def aborted(request_id: str, index: int, version: int) -> GenerateResult:

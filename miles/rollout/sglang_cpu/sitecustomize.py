@@ -1,0 +1,69 @@
+"""miles' CPU compatibility layer for SGLang, imported at start-up by every process of a CPU server.
+
+The engine puts this directory on the server's ``PYTHONPATH`` with ``MILES_SGLANG_CPU_COMPAT=1``
+when ``device="cpu"`` (:func:`miles.rollout.sglang_server.server_env`); Python imports
+``sitecustomize`` by itself, also in the processes SGLang spawns. It imports nothing from miles and
+runs in SGLang's own venv.
+
+Page-locked host memory needs a CUDA driver. SGLang 0.5.23 asks for it where a GPU would copy from
+the host, and without a driver each request kills the server at start with ``RuntimeError: Found
+no NVIDIA driver on your system``:
+
+- its LoRA code pins buffers (``torch.tensor(..., pin_memory=True)``, ``Tensor.pin_memory()`` in
+  ``sglang/srt/lora/layers.py``, ``lora.py``, ``backend/torch_backend.py``);
+- its routed-experts capture (``--enable-return-routed-experts``) registers its host buffer with
+  ``torch.cuda.cudart().cudaHostRegister`` (``sglang/srt/mem_cache/pool_host/common.py``).
+
+Pinning only speeds up copies to a GPU; without one the same unpinned CPU memory is what the
+computation needs. So when CUDA is unavailable, :func:`install` makes pinning a no-op: the tensor
+factories drop ``pin_memory``, ``Tensor.pin_memory()`` returns the tensor itself, and
+``torch.cuda.cudart()`` answers host (un)registration with success.
+"""
+
+import functools
+import os
+
+_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like",
+              "full_like", "empty_strided")
+
+
+class _HostRegistration:
+    """The part of ``torch.cuda.cudart()`` SGLang calls for host buffers: every call succeeds."""
+
+    @staticmethod
+    def cudaHostRegister(ptr, size, flags):  # noqa: N802 (CUDA's names)
+        return 0
+
+    @staticmethod
+    def cudaHostUnregister(ptr):  # noqa: N802
+        return 0
+
+    @staticmethod
+    def cudaGetErrorString(code):  # noqa: N802
+        return "cudaSuccess"
+
+
+def install():
+    """Make pinning a no-op in this process when CUDA is unavailable (see the module docstring)."""
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch, "_miles_cpu_compat", False):
+        return
+
+    def unpinned(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in _FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.cuda.cudart = _HostRegistration
+    torch._miles_cpu_compat = True
+
+
+if os.environ.get("MILES_SGLANG_CPU_COMPAT") == "1":
+    install()
