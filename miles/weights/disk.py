@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
-from miles.weights.sync import Sent
+from miles.weights.transport import Sent
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class DiskTransport:
     name = "disk"
     concurrent = False
 
-    def __init__(self, cfg: WeightSyncConfig) -> None:
+    def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
         self.owned = cfg.disk_dir is None
         self.root = (tempfile.mkdtemp(prefix="miles-weights-") if self.owned
                      else str(Path(cfg.disk_dir).expanduser().resolve()))

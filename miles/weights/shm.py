@@ -33,7 +33,7 @@ from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import Sent
+from miles.weights.transport import Sent
 
 MAGIC = 0x4D494C4553574754  # "MILESWGT"
 WRITING, READY = 1, 2
@@ -171,7 +171,7 @@ class ShmTransport:
     name = "shm"
     concurrent = False
 
-    def __init__(self, cfg: WeightSyncConfig) -> None:
+    def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
         if not Path(cfg.shm_dir).is_dir():
             raise ValueError(f"weight_sync.shm_dir: {cfg.shm_dir!r} is not a directory (on Linux use /dev/shm)")
         self.prefix = str(Path(cfg.shm_dir) / f"miles-weights-{uuid.uuid4().hex[:12]}")
