@@ -136,7 +136,7 @@ class HookChain:
     """The hooks of a run, called by the loop at each point in list order.
 
     Each point method takes the step first, then the point's arguments. An empty chain (the default of
-    :class:`miles.core.loop.LoopContext`) calls nothing and logs no metric.
+    :class:`miles.core.step.LoopContext`) calls nothing and logs no metric.
     """
 
     def __init__(self, specs: Sequence[HookSpec] = (), *, config: MilesConfig | None = None, task: Any = None,
