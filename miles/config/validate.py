@@ -270,7 +270,7 @@ def _check_precision(run: MilesConfig) -> None:
 
 def _check_checkpointing(run: MilesConfig) -> None:
     """Run checkpoints: ranges, and a ``resume_from`` that names a checkpoint with steps left to run."""
-    from miles.core import resume
+    from miles.config import checkpoints
 
     t = run.trainer
     if t.save_every < 0:
@@ -280,9 +280,9 @@ def _check_checkpointing(run: MilesConfig) -> None:
     if t.resume_from is None:
         return
     try:
-        state = resume.load(t.resume_from)
+        state = checkpoints.load(t.resume_from)
         if run.algo.estimator == "gae":
-            resume.critic_state(state)
+            checkpoints.critic_state(state)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"trainer.resume_from: {e}") from None
     if state.step >= t.num_steps:

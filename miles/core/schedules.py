@@ -57,10 +57,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from miles.config.checkpoints import LoopState
 from miles.core.evaluate import evaluate
 from miles.core.ledger import OUTCOMES, Ledger
 from miles.core.progress import Progress
-from miles.core.resume import LoopState
 from miles.core.step import (
     LoopContext,
     engine_busy,

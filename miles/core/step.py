@@ -19,6 +19,7 @@ import ray
 import torch
 
 from miles.algos.gae import gae_from_lists
+from miles.config import checkpoints
 from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
@@ -124,10 +125,10 @@ def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id
     ctx.hooks.on_checkpoint(step, str(path))
 
 
-def resume_checkpoint(ctx: LoopContext) -> resume.LoopState:
+def resume_checkpoint(ctx: LoopContext) -> checkpoints.LoopState:
     """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
-    state = resume.load(ctx.run.trainer.resume_from)
-    critic = resume.critic_state(state) if ctx.critics else None
+    state = checkpoints.load(ctx.run.trainer.resume_from)
+    critic = checkpoints.critic_state(state) if ctx.critics else None
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
     if changed:
         log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "

@@ -176,7 +176,7 @@ class AfterEval(Protocol):
 
 class OnCheckpoint(Protocol):
     def on_checkpoint(self, ctx: HookContext, path: str) -> None:
-        """After a run checkpoint is written: its directory (:func:`miles.core.resume.step_dir`). The
+        """After a run checkpoint is written: its directory (:func:`miles.config.checkpoints.step_dir`). The
         step's evaluation has run, so a hook cannot ask to stop here."""
         ...
 
