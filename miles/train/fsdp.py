@@ -68,18 +68,12 @@ import torch.distributed as dist
 
 from miles.adapters import lora
 from miles.algos.logprobs import token_logprobs
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
 from miles.config.schema import MilesConfig
 from miles.precision.on_policy import sequence_logits
 from miles.precision.recipe import quantize_train_forward
-from miles.train.batching import (
-    PaddedBatch,
-    count_microbatches,
-    pad_batch,
-    response_logits,
-    split_microbatches,
-    unpad_response,
-)
+from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
 from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_scheduler
 from miles.train.rank import FSDPRank, pad_token_id

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
 from miles.config.schema import MilesConfig
-from miles.train.batching import PaddedBatch, count_microbatches, pad_batch, split_microbatches
+from miles.train.batching import PaddedBatch, pad_batch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
 from miles.train.objective import mismatch_settings, policy_objective

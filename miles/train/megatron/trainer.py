@@ -71,11 +71,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
-from miles.train.batching import count_microbatches, pad_batch, split_microbatches
+from miles.train.batching import pad_batch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import check_dims
 from miles.train.megatron.policy import MegatronPolicy, parallel_dims
