@@ -205,7 +205,7 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
     from miles.core.actors import ENGINE_MAX_CONCURRENCY
     from miles.core.cluster import actor_env, start_ray
     from miles.core.evaluate import evaluate
-    from miles.core.step import LoopContext
+    from miles.core.loop import LoopContext
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.rollout.torch_engine import TorchEngine

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
-from miles.weights.transport import Sent
+from miles.weights.transport import Sent, Transport
 
 MAGIC = 0x4D494C4553425354  # "MILESBST"
 
@@ -186,7 +186,7 @@ class BroadcastReceiver:
         return layout.views(flat)
 
 
-class BroadcastTransport:
+class BroadcastTransport(Transport):
     """``weight_sync.transport=broadcast``: the driver hosts the group's store for the run."""
 
     name = "broadcast"

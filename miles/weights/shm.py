@@ -33,7 +33,7 @@ from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
-from miles.weights.transport import Sent
+from miles.weights.transport import Sent, Transport
 
 MAGIC = 0x4D494C4553574754  # "MILESWGT"
 WRITING, READY = 1, 2
@@ -165,7 +165,7 @@ class ShmReceiver:
         return seg.views
 
 
-class ShmTransport:
+class ShmTransport(Transport):
     """``weight_sync.transport=shm``."""
 
     name = "shm"
@@ -182,12 +182,6 @@ class ShmTransport:
     def receiver(self, engine_index: int, version: int, sent: Sent | None) -> ShmReceiver:
         assert sent is not None
         return ShmReceiver(self.prefix, sent.handle, version)
-
-    def begin(self, trainers: Any, engines: Any) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
 
     def close(self) -> None:
         """Unlink the segment files (on this node: with rank 0 on another node they go with that node's tmpfs)."""
