@@ -67,17 +67,8 @@ def collate_sft(
     return input_ids, attention_mask, labels
 
 
-def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    max_tokens_per_microbatch: int = 0,
-) -> dict[str, float]:
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task, *, steps: int,
+               batch_size: int, lr: float, seed: int, max_tokens_per_microbatch: int = 0) -> dict[str, float]:
     """Train ``model`` in place for ``steps`` AdamW steps on ``task.sft_examples``; deterministic under ``seed``.
 
     ``task`` needs ``sft_examples(n, rng) -> list[(prompt, response)]``. The learning rate warms up

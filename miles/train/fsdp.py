@@ -130,19 +130,9 @@ class FSDPTrainer(FSDPRank):
     parallelisms: frozenset[str] = frozenset()
     """Data parallel over the ranks only (:data:`miles.backends.contract.PARALLELISMS`)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        checkpoint_dir: str,
-        run: MilesConfig,
-        num_threads: int = 0,
-        device: str = "cpu",
-        adapter_names: tuple[str, ...] = ("default",),
-    ) -> None:
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
+                 run: MilesConfig, num_threads: int = 0, device: str = "cpu",
+                 adapter_names: tuple[str, ...] = ("default",)) -> None:
         from transformers import AutoModelForCausalLM
 
         t = run.trainer  # ranges and combinations were checked by miles.config.validate

@@ -50,19 +50,9 @@ class MegatronPolicy:
     """megatron's model is not the engines' (transformers'): in bf16 their kernels round apart, which mismatch
     correction counts as other numerics (:func:`miles.precision.recipe.numerics_differ`; the driver logs it)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        checkpoint_dir: str,
-        run: MilesConfig,
-        num_threads: int = 0,
-        device: str = "cpu",
-        adapter_names: tuple[str, ...] = ("default",),
-    ) -> None:
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
+                 run: MilesConfig, num_threads: int = 0, device: str = "cpu",
+                 adapter_names: tuple[str, ...] = ("default",)) -> None:
         from miles.train.megatron import load
 
         if num_threads > 0:
