@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from miles.agent.calculator import Calculator
-from miles.agent.metrics import sample_counts
 from miles.agent.rewards import tool_answer_reward
 from miles.agent.rollout import tool_loop
 from miles.agent.tools import parse_tool_calls
 from miles.config import TargetConfig, validate
 from miles.rollout.generate import GenerateContext
+from miles.rollout.manager import sample_counts
 from miles.rollout.protocols import check_group
 from miles.tasks.procedural import exact_answer_reward
 from miles.types import SamplingParams, Status

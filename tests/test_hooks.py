@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import ConfigError, validate
-from miles.core import resume
+from miles.config import ConfigError, checkpoints, validate
 from miles.hooks import (
     POINTS,
     Curriculum,
@@ -594,7 +593,7 @@ def test_every_point_is_called_in_order_with_its_arguments(ray_cluster, plugins,
         assert seen[("after_weight_sync", step)] == {"version": step}
     for step in (0, 2, 3):
         assert seen[("after_eval", step)]["only_eval"]
-    assert seen[("on_checkpoint", 2)] == {"path": str(resume.step_dir(tmp_path / "ck", 2)), "exists": True}
+    assert seen[("on_checkpoint", 2)] == {"path": str(checkpoints.step_dir(tmp_path / "ck", 2)), "exists": True}
     assert seen[("on_run_end", 3)] == {"status": "FINISHED", "wall": True, "stop_reason": None}
     assert final["eval/accuracy"] == seen[("after_eval", 3)]["accuracy"]
 
@@ -634,7 +633,7 @@ def test_early_stop_ends_the_run_at_the_step_the_target_is_reached(ray_cluster, 
     assert set(_history(client, r.info.run_id, "eval/accuracy")) == {0, 2}
     assert max(_history(client, r.info.run_id, "train/lr")) == 2
     assert set(_history(client, r.info.run_id, "perf/wall_time_s")) == {2}
-    assert [s for s, _ in resume.checkpoints(tmp_path / "ck")] == [2]
+    assert [s for s, _ in checkpoints.checkpoints(tmp_path / "ck")] == [2]
 
 
 def test_a_raising_hook_fails_the_run_naming_it(ray_cluster, plugins, tmp_path: Path, cache: Path) -> None:

@@ -158,8 +158,8 @@ def test_warm_start_micro_batches_give_the_gradient_of_one_pass(tiny_qwen3_dir: 
     """A warm-start batch over the token budget is split by length; the accumulated gradient is the one pass's."""
     import random
 
+    from miles.models.warm_start import _accumulate, collate_sft
     from miles.tasks.count import CountTask
-    from miles.train.sft import _accumulate, collate_sft
 
     task = CountTask(max_span=24)
     tok = train_tokenizer(task.corpus(), 320)

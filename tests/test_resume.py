@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.config import ConfigError, validate
+from miles.config import ConfigError, checkpoints, validate
 from miles.core import resume
 
 
 def _fake_checkpoint(root: Path, step: int, *, trainer: bool = True) -> Path:
-    """The files :func:`resume.load` reads, with a loop state of ``step`` (for the config checks)."""
-    d = resume.step_dir(root, step)
+    """The files :func:`checkpoints.load` reads, with a loop state of ``step`` (for the config checks)."""
+    d = checkpoints.step_dir(root, step)
     (d / "trainer").mkdir(parents=True)
     if trainer:
         (d / "trainer" / "trainer_state.json").write_text("{}")
     (d / "loop_state.json").write_text(json.dumps(
-        {"format": resume.FORMAT, "step": step, "next_group_id": 4 * step, "rng_state": [3, [1, 2, 3], None]}))
+        {"format": checkpoints.FORMAT, "step": step, "next_group_id": 4 * step, "rng_state": [3, [1, 2, 3], None]}))
     return d
 
 
@@ -28,25 +28,25 @@ def test_newest_complete_checkpoint_is_found(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, 10)
     (tmp_path / "step_000012.tmp").mkdir()  # an interrupted write is never read
     (tmp_path / "step_000011").mkdir()  # nor a directory without its loop state
-    assert [s for s, _ in resume.checkpoints(tmp_path)] == [2, 10]
-    assert resume.find_checkpoint(tmp_path) == resume.step_dir(tmp_path, 10)
-    assert resume.find_checkpoint(resume.step_dir(tmp_path, 2)) == resume.step_dir(tmp_path, 2)
-    state = resume.load(tmp_path)
+    assert [s for s, _ in checkpoints.checkpoints(tmp_path)] == [2, 10]
+    assert checkpoints.find_checkpoint(tmp_path) == checkpoints.step_dir(tmp_path, 10)
+    assert checkpoints.find_checkpoint(checkpoints.step_dir(tmp_path, 2)) == checkpoints.step_dir(tmp_path, 2)
+    state = checkpoints.load(tmp_path)
     assert (state.step, state.next_group_id, state.rng_state) == (10, 40, (3, (1, 2, 3), None))
     with pytest.raises(ValueError, match="no such directory"):
-        resume.find_checkpoint(tmp_path / "nope")
+        checkpoints.find_checkpoint(tmp_path / "nope")
     with pytest.raises(ValueError, match="neither a run checkpoint"):
-        resume.find_checkpoint(tmp_path / "step_000011")
+        checkpoints.find_checkpoint(tmp_path / "step_000011")
 
 
 def test_incomplete_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path / "a", 3, trainer=False)
     with pytest.raises(ValueError, match="no trainer/ state"):
-        resume.load(tmp_path / "a")
+        checkpoints.load(tmp_path / "a")
     d = _fake_checkpoint(tmp_path / "b", 3)
     (d / "loop_state.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(ValueError, match="format 99"):
-        resume.load(d)
+        checkpoints.load(d)
 
 
 def test_config_checks_before_anything_starts(tmp_path: Path) -> None:
@@ -65,8 +65,8 @@ def test_config_checks_before_anything_starts(tmp_path: Path) -> None:
     gae = {"algo": {"estimator": "gae"}, "trainer": {"resume_from": str(tmp_path), "num_steps": 7}}
     with pytest.raises(ConfigError, match=r"no critic/ state, but this run trains a critic"):
         validate(gae)
-    (resume.step_dir(tmp_path, 6) / "critic").mkdir()
-    (resume.step_dir(tmp_path, 6) / "critic" / "trainer_state.json").write_text("{}")
+    (checkpoints.step_dir(tmp_path, 6) / "critic").mkdir()
+    (checkpoints.step_dir(tmp_path, 6) / "critic" / "trainer_state.json").write_text("{}")
     assert validate(gae).algo.estimator == "gae"
 
 
@@ -80,7 +80,7 @@ def test_config_differences_leave_out_what_a_resume_may_change() -> None:
 def test_only_the_newest_checkpoints_stay(ray_cluster, tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):  # no trainer ranks: the loop state and config alone
         resume.save([], tmp_path, step, (3, (1,), None), step, {"seed": 0}, keep=2)
-    assert [s for s, _ in resume.checkpoints(tmp_path)] == [3, 4]
+    assert [s for s, _ in checkpoints.checkpoints(tmp_path)] == [3, 4]
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -111,9 +111,9 @@ def test_resumed_run_continues_with_the_same_numbers(ray_cluster, tmp_path: Path
         return seen
 
     full = job(["trainer.save_every=1", f"trainer.save_dir={tmp_path / 'ck'}"])
-    assert [s for s, _ in resume.checkpoints(tmp_path / "ck")] == [1, 2]
-    assert (resume.step_dir(tmp_path / "ck", 1) / "critic" / "model.safetensors").is_file()
-    resumed = job([f"trainer.resume_from={resume.step_dir(tmp_path / 'ck', 1)}"])
+    assert [s for s, _ in checkpoints.checkpoints(tmp_path / "ck")] == [1, 2]
+    assert (checkpoints.step_dir(tmp_path / "ck", 1) / "critic" / "model.safetensors").is_file()
+    resumed = job([f"trainer.resume_from={checkpoints.step_dir(tmp_path / 'ck', 1)}"])
     assert sorted(resumed) == [2]
     for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/lr", "rollout/response_len_mean",
                 "critic/value_loss", "critic/value_mean", "critic/grad_norm", "critic/lr", "eval/accuracy"):

@@ -81,7 +81,7 @@ def test_open_prompts_come_back_from_the_sampler_state_of_the_oldest(tmp_path: P
     (another task) is refused."""
     import random
 
-    from miles.core.resume import LoopState
+    from miles.config.checkpoints import LoopState
     from miles.core.schedules import reopen
     from miles.tasks.largest import LargestNumberTask
 
@@ -326,7 +326,7 @@ def test_async_run_resumed_mid_stream_trains_every_prompt_once(ray_cluster, prob
                                                                schedule: str, engine: str) -> None:
     """A 4-step run checkpoints at step 2 with prompts still in flight; the run resumed from there
     generates those again and, with the first run's steps 1-2, trains every drawn prompt exactly once."""
-    from miles.core import resume
+    from miles.config import checkpoints
     from miles.core.run import run_job
 
     def job(trainer: dict) -> list[list[int]]:
@@ -336,12 +336,12 @@ def test_async_run_resumed_mid_stream_trains_every_prompt_once(ray_cluster, prob
         return [[gid for gid, _ in batch] for batch in probe.TRAINED]
 
     first = job({"save_every": 2, "save_dir": str(tmp_path / "a")})
-    ckpt = resume.load(resume.step_dir(tmp_path / "a", 2))
+    ckpt = checkpoints.load(checkpoints.step_dir(tmp_path / "a", 2))
     assert ckpt.stream is not None and ckpt.stream["open"] == ckpt.ledger["open"] != []  # prompts in flight
     resumed = job({"save_every": 2, "save_dir": str(tmp_path / "b"), "resume_from": str(ckpt.path)})
     assert len(resumed) == 2  # steps 3 and 4
 
-    end = resume.load(resume.step_dir(tmp_path / "b", 4))
+    end = checkpoints.load(checkpoints.step_dir(tmp_path / "b", 4))
     ledger = end.ledger
     ids = [g for ids in ledger.values() for g in ids]
     assert ledger["open"] == [] and sorted(ids) == list(range(end.next_group_id))  # each drawn id settled once

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from miles.models.warm_start import sft_loss
 from miles.tasks.arithmetic import ArithmeticTask, Problem, exact_answer_reward
-from miles.train.sft import sft_loss
 
 
 def test_eval_set_is_deterministic_and_distinct() -> None:

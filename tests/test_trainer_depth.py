@@ -14,9 +14,9 @@ import torch
 from fsdp_ranks import Group, hf_model_from, local_trainer, rl_batch
 from safetensors.torch import load_file
 
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.schema import MilesConfig
 from miles.config.validate import validate
-from miles.train.batching import count_microbatches, split_microbatches
 from miles.train.fsdp import checkpoint_activations
 from miles.train.optim import lr_multiplier
 from miles.types import TrainBatch

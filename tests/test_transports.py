@@ -11,7 +11,8 @@ import pytest
 import ray
 import torch
 
-from miles.bench.sync import WeightSource, qwen_like_state_dict
+from miles.bench.state_dicts import qwen_like_state_dict
+from miles.bench.sync import WeightSource
 from miles.config.schema import PrecisionConfig, WeightSyncConfig
 from miles.rollout.torch_engine import TorchEngine
 from miles.weights.layout import FlatLayout

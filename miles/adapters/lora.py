@@ -40,30 +40,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def lora_config(cfg: AdapterConfig, *, inference: bool = False) -> Any:
-    """The ``peft.LoraConfig`` of ``cfg`` (dropout off: see :func:`check_adapter_config`)."""
+    """The ``peft.LoraConfig`` of ``cfg`` (dropout off: see :func:`miles.config.validate.check_adapter_config`)."""
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
                       target_modules=list(cfg.target_modules), task_type="CAUSAL_LM", inference_mode=inference)
-
-
-def check_adapter_config(cfg: AdapterConfig) -> None:
-    """``ValueError`` naming the first out-of-range ``adapter.*`` value."""
-    if cfg.kind == "none":
-        return
-    if cfg.rank < 1:
-        raise ValueError(f"adapter.rank: must be >= 1, found {cfg.rank}")
-    if cfg.alpha <= 0:
-        raise ValueError(f"adapter.alpha: must be > 0, found {cfg.alpha}")
-    if cfg.dropout != 0.0:
-        raise ValueError(
-            f"adapter.dropout={cfg.dropout}: the trainer recomputes the engine's log-probs and takes its PPO "
-            "ratio against its own no-grad pass, both without dropout; a dropped-out training forward would "
-            "put noise into every ratio. Set adapter.dropout=0.0")
-    if not cfg.target_modules:
-        raise ValueError("adapter.target_modules: name at least one module (e.g. [q_proj, v_proj])")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise ValueError(f"adapter.lr: must be > 0 (or null for trainer.lr), found {cfg.lr}")
 
 
 def add_adapters(model: torch.nn.Module, cfg: AdapterConfig, names: Sequence[str], *,

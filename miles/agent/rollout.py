@@ -34,7 +34,7 @@ group's other samples go on. A failed first turn fails the whole group (no sampl
 The sample's response is everything after the prompt (policy turns with their log-probs and loss
 mask 1, observations with loss mask 0); its ``response_text``, which the reward sees, is the last
 policy turn's text. Per-sample counts go to ``Sample.metadata["counts"]`` and the rollout manager
-sums them into ``rollout/agent/*`` metrics (:func:`miles.agent.metrics.sample_counts`): ``turns``
+sums them into ``rollout/agent/*`` metrics (:func:`miles.rollout.manager.sample_counts`): ``turns``
 (policy turns), ``tool_malformed`` (malformed ``<tool_call>`` blocks the policy wrote, in any turn it finished; a turn cut off at
 ``max_new_tokens`` is not parsed),
 ``tool_calls`` (calls whose response the policy got, malformed ones included), ``tool_calls_ok``

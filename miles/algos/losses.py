@@ -293,7 +293,7 @@ def sft_loss(
     ``old_logp``, ``clip_low``, ``clip_high`` and ``loss_mask`` are accepted for the loss protocol
     and ignored: the gradient is the plain NLL gradient ``-A`` per token, at any ratio. Returns
     ``(loss [B, T], indicators)`` with ``sft_weighted_frac`` (A != 0): the share of trained tokens
-    that are learned from. Unlike :func:`miles.train.sft.sft_loss` (the warm start's cross-entropy
+    that are learned from. Unlike :func:`miles.models.warm_start.sft_loss` (the warm start's cross-entropy
     over logits) this takes the trainer's log-probs, so the RL trainer calls it unchanged.
     """
     advantages = _per_token_shape("sft_loss", advantages, logp)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import socket
 import statistics
 import tempfile
 import time
@@ -94,12 +93,6 @@ def _checkpoint(directory: str, moe: bool) -> str:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_config(recipe: str, args: argparse.Namespace, *, replay: bool, true_on_policy: bool) -> Any:
     from hydra import compose, initialize_config_module
 
@@ -125,13 +118,14 @@ def _trainer_class(name: str) -> type:
 
 def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool, trainer_name: str = "fsdp") -> dict[str, Any]:
     """``args.steps`` RL steps of one configuration; the row's numbers."""
+    from miles.core.cluster import free_port
     from miles.rollout.generate import routes_of
     from miles.rollout.torch_engine import TorchEngine
     from miles.types import GenerateRequest, SamplingParams, TrainBatch
 
     engine = TorchEngine(ckpt, run.precision, capture_routing=moe and not run.precision.true_on_policy,
                          max_batch_size=args.prompts * args.samples, num_threads=args.threads)
-    trainer = _trainer_class(trainer_name)(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    trainer = _trainer_class(trainer_name)(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                                            checkpoint_dir=ckpt, run=run, num_threads=args.threads)
     sampling = SamplingParams(temperature=run.rollout.temperature, max_new_tokens=args.max_new_tokens)
     diffs: list[torch.Tensor] = []

@@ -4,7 +4,7 @@
 [--repeats 5] [--bucket-mb 512]``
 
 For each size, a checkpoint of a Qwen3-style decoder with the names and shapes of
-:data:`miles.bench.sync.SIZES` (random fp32 weights, untied head) is written, one
+:data:`miles.bench.state_dicts.SIZES` (random fp32 weights, untied head) is written, one
 :class:`~miles.rollout.sglang_engine.SGLangEngine` (fp32, one thread) is started on it in this
 process, and ``engine.update_weights(state_dict, version)`` is timed end to end (checks, the load
 through the path, SGLang's copy into its parameters; the engine reports the version on return),
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from miles.bench.sync import SIZES, qwen_like_state_dict
+from miles.bench.state_dicts import SIZES, qwen_like_state_dict
 
 PATHS = ("tensor", "distributed", "disk")
 

@@ -37,7 +37,6 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
-import socket
 import statistics
 import tempfile
 import time
@@ -77,12 +76,6 @@ def _checkpoint(flavor: str, vocab_size: int, directory: str) -> str:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _plain_step_fn(ckpt: str, batch, run) -> Callable[[], None]:
     """A minimal single-process RL step on the HF model, with the trainer's loss and optimizer settings."""
     from transformers import AutoModelForCausalLM
@@ -113,10 +106,11 @@ def _plain_step_fn(ckpt: str, batch, run) -> Callable[[], None]:
 
 def _megatron_child(conn: Any, ckpt: str, run: Any, batch: Any, threads: int) -> None:
     """A MegatronTrainer rank in a child process: ``train_step`` on each "step" message, timed here."""
+    from miles.core.cluster import free_port
     from miles.train.megatron import MegatronTrainer
 
     torch.set_num_threads(threads)
-    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                               checkpoint_dir=ckpt, run=run, num_threads=threads)
     conn.send("ready")
     try:
@@ -166,6 +160,7 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
     from safetensors.torch import load_file
 
     from miles.config.validate import validate
+    from miles.core.cluster import free_port
     from miles.train.fsdp import FSDPTrainer
     from miles.types import TrainBatch
 
@@ -188,7 +183,7 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="miles-bench-train-") as tmp:
         ckpt = _checkpoint(args.flavor, args.vocab_size, tmp)
         n_params = sum(v.numel() for v in load_file(f"{tmp}/model.safetensors").values())
-        trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+        trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                               checkpoint_dir=ckpt, run=run, num_threads=args.threads)
         plain = _plain_step_fn(ckpt, batch, run)
         sides: dict[str, Callable[[], object]] = {"miles": lambda: trainer.train_step(batch)}

@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from miles.config.schema import GROUP_SCHEMAS, HOOK_OPTIONAL_KEY, SPECIAL_KEYS, MilesConfig, TargetConfig
+from miles.config.schema import (
+    GROUP_SCHEMAS,
+    HOOK_OPTIONAL_KEY,
+    SPECIAL_KEYS,
+    AdapterConfig,
+    MilesConfig,
+    TargetConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -263,7 +270,7 @@ def _check_precision(run: MilesConfig) -> None:
 
 def _check_checkpointing(run: MilesConfig) -> None:
     """Run checkpoints: ranges, and a ``resume_from`` that names a checkpoint with steps left to run."""
-    from miles.core import resume
+    from miles.config import checkpoints
 
     t = run.trainer
     if t.save_every < 0:
@@ -273,9 +280,9 @@ def _check_checkpointing(run: MilesConfig) -> None:
     if t.resume_from is None:
         return
     try:
-        state = resume.load(t.resume_from)
+        state = checkpoints.load(t.resume_from)
         if run.algo.estimator == "gae":
-            resume.critic_state(state)
+            checkpoints.critic_state(state)
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"trainer.resume_from: {e}") from None
     if state.step >= t.num_steps:
@@ -335,12 +342,7 @@ def _check_adapter(run: MilesConfig) -> None:
     a = run.adapter
     if a.kind == "none":
         return
-    from miles.adapters.lora import check_adapter_config
-
-    try:
-        check_adapter_config(a)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_adapter_config(a)
     if not run.trainer.target.endswith(ADAPTER_TRAINERS):
         raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
                           "or trainer=megatron with adapter=lora, or adapter=none")
@@ -355,6 +357,25 @@ def _check_adapter(run: MilesConfig) -> None:
 
     if importlib.util.find_spec("peft") is None:  # found, not imported: importing peft takes seconds
         raise ConfigError("adapter=lora needs peft: pip install 'miles-rl[lora]'")
+
+
+def check_adapter_config(cfg: AdapterConfig) -> None:
+    """:class:`ConfigError` naming the first out-of-range ``adapter.*`` value."""
+    if cfg.kind == "none":
+        return
+    if cfg.rank < 1:
+        raise ConfigError(f"adapter.rank: must be >= 1, found {cfg.rank}")
+    if cfg.alpha <= 0:
+        raise ConfigError(f"adapter.alpha: must be > 0, found {cfg.alpha}")
+    if cfg.dropout != 0.0:
+        raise ConfigError(
+            f"adapter.dropout={cfg.dropout}: the trainer recomputes the engine's log-probs and takes its PPO "
+            "ratio against its own no-grad pass, both without dropout; a dropped-out training forward would "
+            "put noise into every ratio. Set adapter.dropout=0.0")
+    if not cfg.target_modules:
+        raise ConfigError("adapter.target_modules: name at least one module (e.g. [q_proj, v_proj])")
+    if cfg.lr is not None and cfg.lr <= 0:
+        raise ConfigError(f"adapter.lr: must be > 0 (or null for trainer.lr), found {cfg.lr}")
 
 
 def _check_tenants(run: MilesConfig) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from miles.types import Problem, SamplingParams
 
 if TYPE_CHECKING:
-    from miles.core.loop import LoopContext
+    from miles.core.step import LoopContext
 
 
 def evaluate(ctx: LoopContext, problems: Sequence[Problem]) -> dict[str, float]:

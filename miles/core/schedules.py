@@ -13,7 +13,7 @@ The trainer, on the driver's main thread, repeats:
 1. take the next ``algo.num_prompts_per_step`` finished groups, in the order they finished; a group
    whose oldest token is more than ``schedule.max_staleness`` versions behind the trainer's weights
    is dropped (``stale`` in the ledger) and the next one taken;
-2. advantages and one train step, as in the synchronous loop (:func:`miles.core.loop.learn`), with
+2. advantages and one train step, as in the synchronous loop (:func:`miles.core.step.learn`), with
    the decoupled PPO correction (:func:`miles.train.objective.mismatch_settings`);
 3. every ``schedule.update_interval`` steps, push the weights to the engines without waiting for the
    generations in flight: their remaining tokens come from the new weights (partial rollout; each
@@ -57,9 +57,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from miles.config.checkpoints import LoopState
 from miles.core.evaluate import evaluate
 from miles.core.ledger import OUTCOMES, Ledger
-from miles.core.loop import (
+from miles.core.progress import Progress
+from miles.core.step import (
     LoopContext,
     engine_busy,
     engine_busy_metrics,
@@ -69,8 +71,6 @@ from miles.core.loop import (
     sampling_params,
     save_checkpoint,
 )
-from miles.core.progress import Progress
-from miles.core.resume import LoopState
 from miles.types import Sample, SamplingParams
 from miles.weights.sync import sync_weights
 

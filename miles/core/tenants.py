@@ -90,8 +90,8 @@ class MixedTask:
 def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     """``trainer.num_steps`` steps over every tenant (module docstring); returns the last step's metrics."""
     from miles.core.evaluate import evaluate
-    from miles.core.loop import learn, log_batch_sizes, sampling_params
     from miles.core.progress import Progress
+    from miles.core.step import learn, log_batch_sizes, sampling_params
     from miles.weights.sync import sync_weights
 
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks

@@ -2,9 +2,9 @@
 
     python -m miles 'hooks=[{_target_: miles.hooks.EarlyStop, metric: eval/accuracy, target: 0.7}]'
 
-- :mod:`miles.hooks.protocols`: the points, one Protocol each, and the start-up contract check;
-- :mod:`miles.hooks.chain`: building the chain, the context a hook gets (step, config, task,
-  metrics, stopping), how metrics, stops and errors are handled;
+- :mod:`miles.hooks.protocols`: the points, one Protocol each, the context a hook gets (step,
+  config, task, metrics, stopping) and the start-up contract check;
+- :mod:`miles.hooks.chain`: building the chain, how metrics, stops and errors are handled;
 - shipped hooks: :class:`EarlyStop` (stop at a target metric), :class:`Curriculum` (raise the
   task's difficulty as the reward rises), :class:`RewardHackingMonitor` (reward up while response
   length or a reference metric goes down).

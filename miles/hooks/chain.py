@@ -28,13 +28,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from miles.config import ConfigError, MilesConfig, build, check_allowed
 from miles.config.schema import HOOK_OPTIONAL_KEY
-from miles.hooks.protocols import check_hook, hook_name
+from miles.hooks.protocols import HookContext, HookSpec, check_hook, hook_name
 from miles.types import Sample, TrainBatch
 
 log = logging.getLogger(__name__)
@@ -42,24 +41,6 @@ log = logging.getLogger(__name__)
 
 class HookError(RuntimeError):
     """A hook raised; the message names its config entry, target and point."""
-
-
-@dataclass(frozen=True)
-class HookSpec:
-    """One checked entry of ``hooks``."""
-
-    key: str
-    """Its config key, ``hooks[i]``."""
-    target: str
-    """Its ``_target_``."""
-    hook: Any
-    """The object built from it."""
-    points: tuple[str, ...]
-    """The points it implements."""
-    optional: bool = False
-    """``_optional_: true``: its errors are counted, not fatal."""
-    name: str = ""
-    """Its metric namespace (``hooks/<name>/...``)."""
 
 
 def build_hooks(run: MilesConfig, task: Any) -> list[HookSpec]:
@@ -87,56 +68,11 @@ def build_hooks(run: MilesConfig, task: Any) -> list[HookSpec]:
     return specs
 
 
-class HookContext:
-    """What a hook gets at every point: where the run is, the task, and what it may do to the run."""
-
-    def __init__(self, chain: HookChain, spec: HookSpec) -> None:
-        self._chain, self._spec = chain, spec
-
-    @property
-    def step(self) -> int:
-        """The current step (0: before the first step and in the step-0 evaluation)."""
-        return self._chain.step
-
-    @property
-    def config(self) -> MilesConfig:
-        """The run's validated config (frozen)."""
-        return self._chain.config
-
-    @property
-    def task(self) -> Any:
-        """The task the loop draws prompts from; a hook may change its difficulty
-        (:class:`miles.tasks.procedural.Difficulty`) and nothing else."""
-        return self._chain.task
-
-    @property
-    def name(self) -> str:
-        """This hook's metric namespace: its metrics are logged as ``hooks/<name>/<key>``."""
-        return self._spec.name
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the run is stopping early (whichever hook asked first), or None."""
-        return self._chain.stop_reason
-
-    def add_metrics(self, metrics: Mapping[str, float]) -> None:
-        """Log ``metrics`` with the current step's as ``hooks/<name>/<key>``; values must be numbers."""
-        for k, v in metrics.items():
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise TypeError(f"add_metrics: '{k}' must be a number, found {v!r}")
-            self._chain._metrics[f"hooks/{self.name}/{k}"] = float(v)
-
-    def request_stop(self, reason: str) -> None:
-        """End the run cleanly after the current step (see :mod:`miles.hooks.chain`); ``reason`` is
-        logged and recorded in MLflow. Not available at ``on_checkpoint`` and ``on_run_end``."""
-        self._chain._request_stop(self._spec, reason)
-
-
 class HookChain:
     """The hooks of a run, called by the loop at each point in list order.
 
     Each point method takes the step first, then the point's arguments. An empty chain (the default of
-    :class:`miles.core.loop.LoopContext`) calls nothing and logs no metric.
+    :class:`miles.core.step.LoopContext`) calls nothing and logs no metric.
     """
 
     def __init__(self, specs: Sequence[HookSpec] = (), *, config: MilesConfig | None = None, task: Any = None,

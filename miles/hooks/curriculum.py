@@ -22,7 +22,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from miles.hooks.chain import HookContext, finite
+from miles.hooks.chain import finite
+from miles.hooks.protocols import HookContext
 
 log = logging.getLogger(__name__)
 

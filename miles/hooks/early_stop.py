@@ -17,7 +17,8 @@ import logging
 from collections.abc import Mapping
 
 from miles.config.validate import suggest
-from miles.hooks.chain import HookContext, finite
+from miles.hooks.chain import finite
+from miles.hooks.protocols import HookContext
 
 log = logging.getLogger(__name__)
 

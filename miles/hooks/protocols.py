@@ -1,7 +1,7 @@
-"""The points of the loop where hooks are called, one Protocol each, and the start-up contract check.
+"""The hook points of the loop (one Protocol each), the context a hook gets, and the start-up contract check.
 
 A hook is an object; for every point it implements it has a method of the point's name, called
-with a :class:`~miles.hooks.chain.HookContext` and the point's arguments, positionally:
+with a :class:`HookContext` and the point's arguments, positionally:
 
 =====================  ====================================================================  ===================
 point                  when                                                                  arguments after ctx
@@ -42,13 +42,87 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from miles.config.schema import MilesConfig
 from miles.config.validate import ConfigError, suggest
 from miles.types import Sample, TrainBatch
 
-if TYPE_CHECKING:
-    from miles.hooks.chain import HookContext
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One checked entry of ``hooks``."""
+
+    key: str
+    """Its config key, ``hooks[i]``."""
+    target: str
+    """Its ``_target_``."""
+    hook: Any
+    """The object built from it."""
+    points: tuple[str, ...]
+    """The points it implements."""
+    optional: bool = False
+    """``_optional_: true``: its errors are counted, not fatal."""
+    name: str = ""
+    """Its metric namespace (``hooks/<name>/...``)."""
+
+
+class _Chain(Protocol):
+    """What a :class:`HookContext` reads of its chain (:class:`miles.hooks.chain.HookChain`)."""
+
+    step: int
+    config: Any
+    task: Any
+    stop_reason: str | None
+    _metrics: dict[str, float]
+
+    def _request_stop(self, spec: HookSpec, reason: str) -> None: ...
+
+
+class HookContext:
+    """What a hook gets at every point: where the run is, the task, and what it may do to the run."""
+
+    def __init__(self, chain: _Chain, spec: HookSpec) -> None:
+        self._chain, self._spec = chain, spec
+
+    @property
+    def step(self) -> int:
+        """The current step (0: before the first step and in the step-0 evaluation)."""
+        return self._chain.step
+
+    @property
+    def config(self) -> MilesConfig:
+        """The run's validated config (frozen)."""
+        return self._chain.config
+
+    @property
+    def task(self) -> Any:
+        """The task the loop draws prompts from; a hook may change its difficulty
+        (:class:`miles.tasks.procedural.Difficulty`) and nothing else."""
+        return self._chain.task
+
+    @property
+    def name(self) -> str:
+        """This hook's metric namespace: its metrics are logged as ``hooks/<name>/<key>``."""
+        return self._spec.name
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run is stopping early (whichever hook asked first), or None."""
+        return self._chain.stop_reason
+
+    def add_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Log ``metrics`` with the current step's as ``hooks/<name>/<key>``; values must be numbers."""
+        for k, v in metrics.items():
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"add_metrics: '{k}' must be a number, found {v!r}")
+            self._chain._metrics[f"hooks/{self.name}/{k}"] = float(v)
+
+    def request_stop(self, reason: str) -> None:
+        """End the run cleanly after the current step (see :mod:`miles.hooks.chain`); ``reason`` is
+        logged and recorded in MLflow. Not available at ``on_checkpoint`` and ``on_run_end``."""
+        self._chain._request_stop(self._spec, reason)
 
 
 class OnRunStart(Protocol):
@@ -102,7 +176,7 @@ class AfterEval(Protocol):
 
 class OnCheckpoint(Protocol):
     def on_checkpoint(self, ctx: HookContext, path: str) -> None:
-        """After a run checkpoint is written: its directory (:func:`miles.core.resume.step_dir`). The
+        """After a run checkpoint is written: its directory (:func:`miles.config.checkpoints.step_dir`). The
         step's evaluation has run, so a hook cannot ask to stop here."""
         ...
 

@@ -26,7 +26,8 @@ from collections import deque
 from collections.abc import Mapping
 from statistics import fmean
 
-from miles.hooks.chain import HookContext, finite
+from miles.hooks.chain import finite
+from miles.hooks.protocols import HookContext
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 With ``model.path`` set, that checkpoint is used as is. Otherwise miles builds
 one offline: a BPE tokenizer trained on the task's text, the spec's model at
 that vocabulary size (initialised under ``torch.manual_seed(seed)``), a short
-supervised warm start (:mod:`miles.train.sft`), then ``save_pretrained``
+supervised warm start (:mod:`miles.models.warm_start`), then ``save_pretrained``
 (safetensors) of model, tokenizer and generation config.
 
 Built checkpoints are cached under ``warm_start.cache_dir`` in a directory
@@ -119,7 +119,7 @@ def _build(run: MilesConfig, spec: ModelSpec, task, out: Path) -> None:
     # transformers' modeling code and the trainer: a few seconds of imports that a cached build never needs
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from miles.train.sft import warm_start
+    from miles.models.warm_start import warm_start
 
     t0 = time.perf_counter()
     tokenizer = train_tokenizer(task.corpus(), TOKENIZER_VOCAB_SIZE)

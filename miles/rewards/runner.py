@@ -97,19 +97,10 @@ class RewardRunner:
     ``metadata=`` keyword arguments. Create once per run, :meth:`close` at the end (or use ``with``).
     """
 
-    def __init__(
-        self,
-        fn: TargetConfig,
-        *,
-        allow: Sequence[str] = (),
-        timeout_s: float = 10.0,
-        num_workers: int = 1,
-        kind: Literal["sample", "group"] = "sample",
-        isolation: Literal["process", "inline"] | None = None,
-        num_threads_per_worker: int = 1,
-        startup_timeout_s: float = 120.0,
-        key: str = "task.reward",
-    ) -> None:
+    def __init__(self, fn: TargetConfig, *, allow: Sequence[str] = (), timeout_s: float = 10.0,
+                 num_workers: int = 1, kind: Literal["sample", "group"] = "sample",
+                 isolation: Literal["process", "inline"] | None = None, num_threads_per_worker: int = 1,
+                 startup_timeout_s: float = 120.0, key: str = "task.reward") -> None:
         if kind not in ("sample", "group"):
             raise ConfigError(f"{key}: reward kind must be 'sample' or 'group', found {kind!r}")
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s >= 0):

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from miles.agent.metrics import sample_counts
 from miles.config.schema import RolloutConfig
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardItem
@@ -381,3 +380,16 @@ class RolloutManager:
 def _fn_name(fn: Any) -> str:
     inner = fn.func if isinstance(fn, functools.partial) else fn
     return getattr(inner, "__name__", type(inner).__name__)
+
+
+def sample_counts(samples: Sequence[Sample]) -> dict[str, float]:
+    """Sums of the samples' ``metadata["counts"]`` as ``rollout/<name>``; with tool calls also
+    ``rollout/agent/tool_success_rate`` (calls that returned without error / calls). Empty when no
+    sample has counts."""
+    total: Counter[str] = Counter()
+    for s in samples:
+        total.update(s.metadata.get("counts", {}))
+    out = {f"rollout/{k}": float(v) for k, v in sorted(total.items())}
+    if total["agent/tool_calls"]:
+        out["rollout/agent/tool_success_rate"] = total["agent/tool_calls_ok"] / total["agent/tool_calls"]
+    return out

@@ -32,7 +32,6 @@ from miles.types import Problem, Sample, SamplingParams, Status
 
 if TYPE_CHECKING:
     from miles.rollout.generate import GenerateContext
-    from miles.rollout.manager import RolloutManager
 
 
 class ContractError(ValueError):
@@ -83,8 +82,15 @@ def _name(fn: Any) -> str:
     return getattr(inner, "__qualname__", repr(inner))
 
 
+class _GroupGenerator(Protocol):
+    """What :func:`check_generate_fn` needs of a :class:`miles.rollout.manager.RolloutManager`."""
+
+    async def generate_group(self, fn: Any, problem: Problem, n: int, sampling: SamplingParams, *, group_id: int,
+                             seed: int) -> list[Sample]: ...
+
+
 def check_generate_fn(
-    fn: Any, manager: RolloutManager, problem: Problem, *, n: int = 2, sampling: SamplingParams | None = None
+    fn: Any, manager: _GroupGenerator, problem: Problem, *, n: int = 2, sampling: SamplingParams | None = None
 ) -> list[Sample]:
     """Run ``fn`` once for ``problem`` through ``manager``'s engines and check every promise of
     :class:`GenerateFn`. Returns the samples it produced."""

@@ -118,9 +118,9 @@ from typing import Any
 
 import torch
 
-from miles.adapters import lora
 from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
+from miles.config.validate import check_adapter_config
 from miles.rollout.dispatch import EngineDeadError
 from miles.rollout.sglang_calls import SGLangCalls
 from miles.rollout.sglang_engine_weights import SGLangEngineWeights
@@ -230,7 +230,7 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         adapters = adapter is not None and adapter.kind == "lora"
         lora_backend = resolve_backend(lora_backend, device)
         if adapters:
-            lora.check_adapter_config(adapter)
+            check_adapter_config(adapter)
             check_adapter(adapter, tuple(adapter_names), lora_backend)
         if device == "cpu" and deterministic:
             raise ValueError("rollout.engine.deterministic=true needs a GPU attention backend (fa3, flashinfer, "

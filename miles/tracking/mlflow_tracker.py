@@ -95,15 +95,8 @@ def clamp_tags(tags: Mapping[str, str]) -> dict[str, str]:
 class MlflowTracker:
     """Logs one miles job as one MLflow run; never raises because of the tracking server."""
 
-    def __init__(
-        self,
-        run: MilesConfig,
-        *,
-        resolved_yaml: str,
-        overrides: Sequence[str],
-        config_dict: Mapping[str, Any],
-        launch: Launch | None = None,
-    ):
+    def __init__(self, run: MilesConfig, *, resolved_yaml: str, overrides: Sequence[str],
+                 config_dict: Mapping[str, Any], launch: Launch | None = None):
         launch = launch or Launch()
         self.cfg = run.tracking
         self.uri = default_uri(run.tracking)

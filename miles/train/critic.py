@@ -50,18 +50,8 @@ class ValueModel(torch.nn.Module):
 class FSDPCritic(FSDPRank):
     """One FSDP2 data-parallel critic rank (a plain class; the driver makes it a Ray actor)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        checkpoint_dir: str,
-        run: MilesConfig,
-        num_threads: int = 0,
-        device: str = "cpu",
-    ) -> None:
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
+                 run: MilesConfig, num_threads: int = 0, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         c = run.algo.critic  # ranges were checked by miles.config.validate

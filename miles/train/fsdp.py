@@ -68,18 +68,12 @@ import torch.distributed as dist
 
 from miles.adapters import lora
 from miles.algos.logprobs import token_logprobs
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
 from miles.config.schema import MilesConfig
 from miles.precision.on_policy import sequence_logits
 from miles.precision.recipe import quantize_train_forward
-from miles.train.batching import (
-    PaddedBatch,
-    count_microbatches,
-    pad_batch,
-    response_logits,
-    split_microbatches,
-    unpad_response,
-)
+from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
 from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_scheduler
 from miles.train.rank import FSDPRank, pad_token_id
@@ -136,19 +130,9 @@ class FSDPTrainer(FSDPRank):
     parallelisms: frozenset[str] = frozenset()
     """Data parallel over the ranks only (:data:`miles.backends.contract.PARALLELISMS`)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        checkpoint_dir: str,
-        run: MilesConfig,
-        num_threads: int = 0,
-        device: str = "cpu",
-        adapter_names: tuple[str, ...] = ("default",),
-    ) -> None:
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
+                 run: MilesConfig, num_threads: int = 0, device: str = "cpu",
+                 adapter_names: tuple[str, ...] = ("default",)) -> None:
         from transformers import AutoModelForCausalLM
 
         t = run.trainer  # ranges and combinations were checked by miles.config.validate

@@ -46,24 +46,13 @@ def mismatch_settings(run: MilesConfig, *, same_forward: bool = True) -> dict[st
     return {"tis_clip": clip, "mismatch_mode": p.mismatch_mode, "mismatch_level": p.mismatch_level}
 
 
-def policy_objective(
-    *,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    entropy: torch.Tensor,
-    policy_loss_fn: PolicyLossFn,
-    algo: AlgoConfig,
-    tis_clip: float | None = None,
-    mismatch_mode: MismatchMode = "tis",
-    mismatch_level: MismatchLevel = "token",
-    ref_logp: torch.Tensor | None = None,
-    global_tokens: torch.Tensor | float | None = None,
-    global_seqs: torch.Tensor | float | None = None,
-    norm_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_objective(*, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                     advantages: torch.Tensor, loss_mask: torch.Tensor, entropy: torch.Tensor,
+                     policy_loss_fn: PolicyLossFn, algo: AlgoConfig, tis_clip: float | None = None,
+                     mismatch_mode: MismatchMode = "tis", mismatch_level: MismatchLevel = "token",
+                     ref_logp: torch.Tensor | None = None, global_tokens: torch.Tensor | float | None = None,
+                     global_seqs: torch.Tensor | float | None = None,
+                     norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the loss (scalar, differentiable) and of each metric (detached scalars).
 
     logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B] (one

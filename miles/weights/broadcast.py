@@ -34,7 +34,7 @@ from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import Sent
+from miles.weights.transport import Sent, Transport
 
 MAGIC = 0x4D494C4553425354  # "MILESBST"
 
@@ -186,13 +186,13 @@ class BroadcastReceiver:
         return layout.views(flat)
 
 
-class BroadcastTransport:
+class BroadcastTransport(Transport):
     """``weight_sync.transport=broadcast``: the driver hosts the group's store for the run."""
 
     name = "broadcast"
     concurrent = True
 
-    def __init__(self, cfg: WeightSyncConfig, num_engines: int) -> None:
+    def __init__(self, cfg: WeightSyncConfig, *, num_engines: int, **_: Any) -> None:
         if cfg.bucket_mb * 2**20 < 1:
             raise ValueError(f"weight_sync.bucket_mb: must be > 0 (MiB per bucket), found {cfg.bucket_mb}")
         if cfg.timeout_s <= 0:

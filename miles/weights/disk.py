@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
-from miles.weights.sync import Sent
+from miles.weights.transport import Sent, Transport
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,13 @@ class DiskReceiver:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
-class DiskTransport:
+class DiskTransport(Transport):
     """``weight_sync.transport=disk``."""
 
     name = "disk"
     concurrent = False
 
-    def __init__(self, cfg: WeightSyncConfig) -> None:
+    def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
         self.owned = cfg.disk_dir is None
         self.root = (tempfile.mkdtemp(prefix="miles-weights-") if self.owned
                      else str(Path(cfg.disk_dir).expanduser().resolve()))
@@ -121,12 +121,6 @@ class DiskTransport:
     def receiver(self, engine_index: int, version: int, sent: Sent | None) -> DiskReceiver:
         assert sent is not None
         return DiskReceiver(sent.handle, version)
-
-    def begin(self, trainers: Any, engines: Any) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
 
     def close(self) -> None:
         """Remove the version directories (and the directory itself when the transport made it)."""

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from miles.config.schema import WeightSyncConfig
 from miles.config.validate import ConfigError
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import Sent, Transport
+from miles.weights.transport import Sent, Transport
 
 _KEEP: dict[str, Any] = {}
 """This process's current buffer (rank 0): the engines' handles point into it."""
@@ -74,6 +75,9 @@ class IpcTransport(Transport):
 
     name = "ipc"
     concurrent = False
+
+    def __init__(self, cfg: WeightSyncConfig, *, placement: str, device: str, **_: Any) -> None:
+        check(placement, device)
 
     def sender(self, version: int) -> IpcSender:
         return IpcSender()

@@ -14,7 +14,8 @@ from typing import Any
 import ray
 import torch
 
-from miles.weights.sync import Transport
+from miles.config.schema import WeightSyncConfig
+from miles.weights.transport import Sent, Transport
 
 
 class ObjectStoreSender:
@@ -26,8 +27,6 @@ class ObjectStoreSender:
     """
 
     def send(self, state_dict: dict[str, Any], version: int) -> Any:
-        from miles.weights.sync import Sent
-
         t0 = time.perf_counter()
         raw = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch."),
                    t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -57,6 +56,9 @@ class ObjectStoreTransport(Transport):
 
     name = "object_store"
     concurrent = False
+
+    def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
+        pass
 
     def sender(self, version: int) -> ObjectStoreSender:
         return ObjectStoreSender()

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
-from miles.weights.sync import Sent
+from miles.weights.transport import Sent, Transport
 
 MAGIC = 0x4D494C4553574754  # "MILESWGT"
 WRITING, READY = 1, 2
@@ -165,13 +165,13 @@ class ShmReceiver:
         return seg.views
 
 
-class ShmTransport:
+class ShmTransport(Transport):
     """``weight_sync.transport=shm``."""
 
     name = "shm"
     concurrent = False
 
-    def __init__(self, cfg: WeightSyncConfig) -> None:
+    def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
         if not Path(cfg.shm_dir).is_dir():
             raise ValueError(f"weight_sync.shm_dir: {cfg.shm_dir!r} is not a directory (on Linux use /dev/shm)")
         self.prefix = str(Path(cfg.shm_dir) / f"miles-weights-{uuid.uuid4().hex[:12]}")
@@ -182,12 +182,6 @@ class ShmTransport:
     def receiver(self, engine_index: int, version: int, sent: Sent | None) -> ShmReceiver:
         assert sent is not None
         return ShmReceiver(self.prefix, sent.handle, version)
-
-    def begin(self, trainers: Any, engines: Any) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
 
     def close(self) -> None:
         """Unlink the segment files (on this node: with rank 0 on another node they go with that node's tmpfs)."""

@@ -26,49 +26,25 @@ transport (broadcast) runs them at the same time.
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from miles.config.schema import WeightSyncConfig
+from miles.weights.transport import Sent, Transport
 
+TRANSPORTS: dict[str, str] = {
+    "object_store": "miles.weights.object_store:ObjectStoreTransport",
+    "broadcast": "miles.weights.broadcast:BroadcastTransport",
+    "disk": "miles.weights.disk:DiskTransport",
+    "shm": "miles.weights.shm:ShmTransport",
+    "ipc": "miles.weights.ipc:IpcTransport",
+}
+"""The entry table: transport name -> its class as ``module:Class``, imported when a run names it."""
 CPU_TRANSPORTS = ("object_store", "broadcast", "disk", "shm")
 """The transports that work between CPU processes."""
-TRANSPORTS = (*CPU_TRANSPORTS, "ipc")
-
-
-@dataclass(frozen=True)
-class Sent:
-    """What trainer rank 0's ``sender.send`` returns to the driver."""
-
-    handle: Any
-    """What the receivers need to find this version (an object ref, a path, ...; None for broadcast)."""
-    bytes: int
-    """Bytes of weights sent (one copy)."""
-    send_s: float
-    """Seconds ``send`` took on rank 0 (the gather before it is not included)."""
-
-
-class Transport(Protocol):
-    """Set up once per run; ``sender()`` / ``receiver()`` are called once per sync."""
-
-    name: str
-    concurrent: bool
-    """True: sender and receivers must run at the same time (a collective)."""
-
-    def begin(self, trainers: Sequence[Any], engines: Sequence[Any]) -> None:
-        """Called at the start of every sync with the actors taking part."""
-
-    def sender(self, version: int) -> Any: ...
-
-    def receiver(self, engine_index: int, version: int, sent: Sent | None) -> Any: ...
-
-    def failed(self) -> None:
-        """A sync failed part-way; the next one must not depend on state it left behind."""
-
-    def close(self) -> None:
-        """The run is over: release what the transport holds (nothing, unless a transport says so)."""
 
 
 def drop_process_state() -> None:
@@ -76,10 +52,10 @@ def drop_process_state() -> None:
 
     For an actor parked between jobs (:mod:`miles.backends.reuse`): the next job's transport sets up its own.
     """
-    from miles.weights import broadcast, shm
-
-    broadcast.drop_process_state()
-    shm.drop_process_state()
+    for entry in TRANSPORTS.values():
+        module = sys.modules.get(entry.partition(":")[0])  # a transport never imported here holds nothing here
+        if hasattr(module, "drop_process_state"):
+            module.drop_process_state()
 
 
 def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequence[Any], *,
@@ -91,28 +67,11 @@ def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequ
     """
     if not engines:
         raise ValueError("make_transport: no engines to send weights to")
-    if cfg.transport == "object_store":
-        from miles.weights.object_store import ObjectStoreTransport
-
-        return ObjectStoreTransport()
-    if cfg.transport == "broadcast":
-        from miles.weights.broadcast import BroadcastTransport
-
-        return BroadcastTransport(cfg, num_engines=len(engines))
-    if cfg.transport == "disk":
-        from miles.weights.disk import DiskTransport
-
-        return DiskTransport(cfg)
-    if cfg.transport == "shm":
-        from miles.weights.shm import ShmTransport
-
-        return ShmTransport(cfg)
-    if cfg.transport == "ipc":
-        from miles.weights import ipc
-
-        ipc.check(placement, device)
-        return ipc.IpcTransport()
-    raise ValueError(f"weight_sync.transport: {cfg.transport!r} is not a transport; valid: {', '.join(TRANSPORTS)}")
+    if cfg.transport not in TRANSPORTS:
+        raise ValueError(f"weight_sync.transport: {cfg.transport!r} is not a transport; valid: {', '.join(TRANSPORTS)}")
+    module, _, cls = TRANSPORTS[cfg.transport].partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg, num_engines=len(engines), placement=placement,
+                                                         device=device)
 
 
 def sync_weights(
@@ -126,9 +85,7 @@ def sync_weights(
     import ray
 
     if transport is None:
-        from miles.weights.object_store import ObjectStoreTransport
-
-        transport = ObjectStoreTransport()
+        transport = make_transport(WeightSyncConfig(transport="object_store"), trainers, engines)
     t0 = time.perf_counter()
     transport.begin(trainers, engines)
     sender = transport.sender(version)

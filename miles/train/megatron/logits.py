@@ -28,17 +28,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def vocab_parallel_logp_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    vocab_start: int = 0,
-    vocab_size: int | None = None,
-    temperature: float = 1.0,
-    sum_fn: Reduce = _identity,
-    max_fn: Reduce = _identity,
-    with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logp_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
+                                vocab_size: int | None = None, temperature: float = 1.0,
+                                sum_fn: Reduce = _identity, max_fn: Reduce = _identity,
+                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target and the entropy, of ``softmax(logits / temperature)`` over all ranks' slices.
 
     logits: [..., V_r] (this rank's slice, any float dtype), targets: [...] int64 (global ids) ->

@@ -19,7 +19,7 @@ and the engines take the weight sync as they take the FSDP trainer's (``tests/te
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,26 +27,24 @@ import torch.distributed as dist
 from miles.adapters import lora as peft_lora
 from miles.train.megatron.lora import Adapters, sync_names
 from miles.train.megatron.lora_layout import LoraEntry, peft_base_name
+from miles.train.megatron.policy import MegatronPolicy
 from miles.train.optim import read_train_meta, read_train_tensors, write_train_state
-
-if TYPE_CHECKING:
-    from miles.train.megatron.trainer import MegatronTrainer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _adapters(trainer: MegatronTrainer) -> Adapters | None:
+def _adapters(trainer: MegatronPolicy) -> Adapters | None:
     assert trainer.lora is not None
     return trainer.lora.io.gather({k: p.detach() for k, p in trainer.lora.params.items()})
 
 
-def send_weights(trainer: MegatronTrainer, sender: Any, version: int) -> Any:
+def send_weights(trainer: MegatronPolicy, sender: Any, version: int) -> Any:
     """Collective. Rank 0 sends the adapters' tensors (sync names) and returns what ``sender.send`` returns."""
     adapters = _adapters(trainer)
     return None if adapters is None else sender.send(sync_names(adapters), version)
 
 
-def export_adapters(trainer: MegatronTrainer, directory: str) -> list[str]:
+def export_adapters(trainer: MegatronPolicy, directory: str) -> list[str]:
     """Collective. Every adapter in PEFT format under ``directory/<name>``; rank 0 returns the paths."""
     adapters = _adapters(trainer)
     if adapters is None:
@@ -55,7 +53,7 @@ def export_adapters(trainer: MegatronTrainer, directory: str) -> list[str]:
                                          base_model=trainer.run.model.path)) for name, state in adapters.items()]
 
 
-def full_state_dict(trainer: MegatronTrainer) -> dict[str, torch.Tensor] | None:
+def full_state_dict(trainer: MegatronPolicy) -> dict[str, torch.Tensor] | None:
     """Collective. Rank 0: the base weights in HF names with the first adapter merged in; others None."""
     base = trainer.engine.io.gather({k: p.detach() for k, p in trainer.params.items()})
     adapters = _adapters(trainer)
@@ -77,7 +75,7 @@ def _param_name(key: str, adapter: str) -> str:
                                                                             f".lora_B.{adapter}.weight")
 
 
-def save_state(trainer: MegatronTrainer, directory: str) -> None:
+def save_state(trainer: MegatronPolicy, directory: str) -> None:
     """Collective. Gather base, adapters and AdamW moments; rank 0 writes (module docstring)."""
     lora, opt = trainer.lora, trainer.optimizer
     assert lora is not None
@@ -110,7 +108,7 @@ def save_state(trainer: MegatronTrainer, directory: str) -> None:
     export_adapters(trainer, f"{directory}/adapters")
 
 
-def load_state(trainer: MegatronTrainer, directory: str) -> None:
+def load_state(trainer: MegatronPolicy, directory: str) -> None:
     """Collective. Restore what :func:`save_state` (or the FSDP trainer with the same adapters) wrote."""
     lora, opt, io = trainer.lora, trainer.optimizer, trainer.engine.io
     assert lora is not None

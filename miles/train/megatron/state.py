@@ -10,20 +10,18 @@ trainer) loads at any other. Rank 0 writes (atomic rename) and reads; the others
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from miles.train.megatron.policy import MegatronPolicy
 from miles.train.optim import read_train_meta, read_train_tensors, write_train_state
-
-if TYPE_CHECKING:
-    from miles.train.megatron.trainer import MegatronTrainer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _groups(trainer: MegatronTrainer) -> list[dict[str, Any]]:
+def _groups(trainer: MegatronPolicy) -> list[dict[str, Any]]:
     """The optimizer's param groups as :func:`~miles.train.optim.flatten_optimizer_state` writes them."""
     groups = []
     for g in trainer.optimizer.state_dict()["param_groups"]:
@@ -32,7 +30,7 @@ def _groups(trainer: MegatronTrainer) -> list[dict[str, Any]]:
     return groups
 
 
-def save_state(trainer: MegatronTrainer, directory: str) -> None:
+def save_state(trainer: MegatronPolicy, directory: str) -> None:
     """Collective. Gather weights and AdamW moments in HF names; rank 0 writes them."""
     io, opt = trainer.engine.io, trainer.optimizer
     model_sd = io.gather({k: p.detach() for k, p in trainer.params.items()})
@@ -54,7 +52,7 @@ def save_state(trainer: MegatronTrainer, directory: str) -> None:
         dist.barrier()
 
 
-def load_state(trainer: MegatronTrainer, directory: str) -> None:
+def load_state(trainer: MegatronPolicy, directory: str) -> None:
     """Collective. Restore weights, AdamW state, hyperparameters and schedule from ``directory``."""
     io, opt = trainer.engine.io, trainer.optimizer
     meta = read_train_meta(directory)

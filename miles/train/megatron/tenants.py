@@ -1,7 +1,7 @@
 """``train_step`` and ``compute_gradients`` of the megatron trainer with LoRA adapters (one, or one per tenant).
 
 What :meth:`miles.train.fsdp.FSDPTrainer.train_step` does with adapters, on megatron's passes
-(:meth:`~.trainer.MegatronTrainer._prepare` / ``_backward``, :class:`~.lora.MegatronLora`):
+(:meth:`~.policy.MegatronPolicy._prepare` / ``_backward``, :class:`~.lora.MegatronLora`):
 
 * the batch is split per adapter (``batch.adapters``, multi-LoRA tenants) or is the first adapter's
   alone; every proximal and reference log-prob is computed before the first update, each through its
@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from miles.train.megatron.policy import MegatronPolicy
 from miles.train.megatron.replay import route_metrics
 from miles.types import TrainBatch
 
-if TYPE_CHECKING:
-    from miles.train.megatron.trainer import MegatronTrainer
 
-
-def split_by_adapter(trainer: MegatronTrainer, batch: TrainBatch) -> list[tuple[str | None, TrainBatch]]:
+def split_by_adapter(trainer: MegatronPolicy, batch: TrainBatch) -> list[tuple[str | None, TrainBatch]]:
     """``[(None, batch)]`` unless the samples name adapters, then ``[(name, its samples)]`` in adapter order."""
     assert trainer.lora is not None
     names = trainer.lora.names
@@ -43,7 +40,7 @@ def split_by_adapter(trainer: MegatronTrainer, batch: TrainBatch) -> list[tuple[
             if n in batch.adapters]
 
 
-def train_step(trainer: MegatronTrainer, batch: TrainBatch) -> dict[str, float]:
+def train_step(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, float]:
     """One RL update of the adapters on ``batch`` (module docstring). Collective; the same metrics on every rank."""
     lora, engine, opt = trainer.lora, trainer.engine, trainer.optimizer
     assert lora is not None
@@ -117,7 +114,7 @@ def train_step(trainer: MegatronTrainer, batch: TrainBatch) -> dict[str, float]:
     return out
 
 
-def compute_gradients(trainer: MegatronTrainer, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
+def compute_gradients(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, torch.Tensor] | None:
     """Rank 0: ``{peft parameter name (...lora_A.<adapter>.weight): full gradient}`` of every adapter
     (zeros for an adapter without samples) on ``batch`` as one mini-batch; no clipping, no step. Collective."""
     lora, engine = trainer.lora, trainer.engine

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.models.tokenizer import encode_prompt
-from miles.train.batching import count_microbatches, split_microbatches
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +67,8 @@ def collate_sft(
     return input_ids, attention_mask, labels
 
 
-def warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    max_tokens_per_microbatch: int = 0,
-) -> dict[str, float]:
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task, *, steps: int,
+               batch_size: int, lr: float, seed: int, max_tokens_per_microbatch: int = 0) -> dict[str, float]:
     """Train ``model`` in place for ``steps`` AdamW steps on ``task.sft_examples``; deterministic under ``seed``.
 
     ``task`` needs ``sft_examples(n, rng) -> list[(prompt, response)]``. The learning rate warms up
@@ -85,7 +76,7 @@ def warm_start(
     ``{"sft/loss_first", "sft/loss_last", "sft/steps"}`` (``loss_last`` averages the final 10% of steps).
 
     A batch whose padded size is over ``max_tokens_per_microbatch`` (0: no limit) is sorted by length and
-    split into passes of at most that many padded tokens (:func:`miles.train.batching.split_microbatches`);
+    split into passes of at most that many padded tokens (:func:`miles.algos.microbatches.split_microbatches`);
     each pass's summed loss over the batch's labelled-token count accumulates into the same gradient.
     On answers of widely varied length this halves the work (a 19M model on ``count``: 6.2 -> 3.5 s
     per batch of 32). A batch within the budget takes one pass, exactly as without the option.

@@ -1,0 +1,188 @@
+"""The parts of a training step that the synchronous loop and the async schedules share.
+
+:class:`LoopContext` (what a loop runs on), :func:`learn` (advantages and the train step on a batch of
+scored groups), run checkpoints (:func:`save_checkpoint`, :func:`resume_checkpoint`), the engines'
+busy time, the sampling of training rollouts and the batch sizes logged at start. The synchronous loop
+is :mod:`miles.core.loop`, the asynchronous schedules :mod:`miles.core.schedules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from miles.algos.gae import gae_from_lists
+from miles.config import checkpoints
+from miles.config.schema import MilesConfig
+from miles.core import resume
+from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
+from miles.core.ledger import Ledger
+from miles.hooks.chain import HookChain
+from miles.rollout.manager import RolloutManager
+from miles.types import SamplingParams, Status, TrainBatch
+from miles.weights.sync import Transport, sync_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopContext:
+    """What the loop needs, built once by :func:`miles.core.run.run_job`."""
+
+    run: MilesConfig
+    task: Any
+    rollout: RolloutManager
+    trainers: Sequence[Any]
+    engines: Sequence[Any]
+    advantage_fn: Callable[[torch.Tensor], torch.Tensor]
+    log_metrics: Callable[[dict[str, float], int], None]
+    critics: Sequence[Any] = ()
+    """Critic ranks (:class:`miles.train.critic.FSDPCritic`) when ``algo.estimator`` is ``gae``."""
+    transport: Transport | None = None
+    """Weight-sync transport (``weight_sync.transport``); None: the Ray object store."""
+    start_offload: Callable[[Sequence[Any]], list[Any]] = lambda engines: []
+    """colocate: engines start releasing memory for the train step (:meth:`miles.core.actors.Actors.start_offload`);
+    the weight sync after it brings them back."""
+    log_distributions: Callable[[dict[str, list[float]], int], None] | None = None
+    """Per-sample values of a step (rewards, response lengths): the tracker logs their quantiles."""
+    save_dir: str | None = None
+    """Where run checkpoints go when ``trainer.save_every`` is set (:mod:`miles.core.resume`)."""
+    hooks: HookChain = field(default_factory=HookChain)
+    """The ``hooks:`` chain (:mod:`miles.hooks`), called at the points of the loop; empty: none."""
+    ledger: Ledger = field(default_factory=Ledger)
+    """Outcome of every prompt drawn for training (:mod:`miles.core.ledger`)."""
+
+
+def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]
+          ) -> tuple[dict[str, float], list[Any]]:
+    """Steps 3-4 on a batch of scored groups: advantages, then one train step (and the critic's).
+
+    Returns the metrics with the reward and train metrics added, and the batch's samples in order.
+    """
+    run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
+    # 3. advantages: how much better each response is than its siblings (failed ones sit out),
+    # or, with a critic (PPO), than the critic expected at each token (GAE)
+    if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
+        metrics |= shape_overlong(groups, run)
+    hooks.after_reward(step, groups)  # the rewards are final: advantages come from them
+    gae = algo.estimator == "gae"
+    metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
+    samples = [s for g in groups for s in g]
+    if len(samples) % (algo.num_minibatches * run.placement.trainer_world_size):
+        raise RuntimeError(
+            f"step {step}: the rollout returned {len(samples)} samples, which do not split into "
+            f"algo.num_minibatches ({algo.num_minibatches}) x placement.trainer_world_size "
+            f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
+    batch = TrainBatch.from_samples(samples)
+    if gae:
+        values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
+        batch.token_advantages, returns = gae_from_lists(
+            [s.reward for s in samples], values, batch.loss_mask,
+            gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
+        )
+    hooks.before_train(step, batch)
+
+    # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
+    # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
+    # CPUs, so one after the other)
+    offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
+    if metrics["train/trainable_samples"] > 0:
+        batch = ray.put(batch)
+        metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+        if gae:
+            metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
+    elif all(s.status is Status.FAILED for s in samples):
+        raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
+    else:  # nothing to learn from (e.g. every group filtered out): keep the weights
+        log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
+    ray.get(offloading)
+    hooks.after_train(step, metrics)
+    return metrics, samples
+
+
+def _config_dict(run: MilesConfig) -> dict[str, Any]:
+    from miles.config.schema import to_yaml_dict
+
+    return to_yaml_dict(dataclasses.asdict(run))
+
+
+def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id: int,
+                    ledger: dict[str, list[int]], stream: dict[str, Any] | None = None) -> None:
+    """The run checkpoint of ``step`` (:func:`miles.core.resume.save`), then the ``on_checkpoint`` hooks."""
+    t0 = time.perf_counter()
+    if ctx.save_dir is None:
+        raise RuntimeError("trainer.save_every is set but the loop got no save directory")
+    path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
+                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream)
+    log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
+    ctx.hooks.on_checkpoint(step, str(path))
+
+
+def resume_checkpoint(ctx: LoopContext) -> checkpoints.LoopState:
+    """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
+    state = checkpoints.load(ctx.run.trainer.resume_from)
+    critic = checkpoints.critic_state(state) if ctx.critics else None
+    changed = resume.config_differences(state.config, _config_dict(ctx.run))
+    if changed:
+        log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "
+                    "not follow the uninterrupted one", state.path, ", ".join(changed[:10])
+                    + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
+    if state.ledger is not None:
+        ctx.ledger.restore(state.ledger)
+    ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
+    if critic is not None:
+        ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
+    sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
+    log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
+    return state
+
+
+def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
+    """``(busy_s, clock_s)`` of each engine by engine id: seconds spent generating so far and the
+    engine's clock (``health()``); engines that do not report them (or do not answer in 10 s) are left out."""
+    out = {}
+    for ref in [e.health.remote() for e in engines]:
+        try:
+            h = ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
+            continue
+        if "busy_s" in h:
+            out[int(h["engine_id"])] = (float(h["busy_s"]), float(h["clock_s"]))
+    return out
+
+
+def engine_busy_metrics(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
+                        ) -> dict[str, float]:
+    """Between two :func:`engine_busy` readings, averaged over the engines in both:
+    ``perf/engine_busy_s`` (seconds spent generating) and ``perf/engine_busy_frac`` (that over the
+    seconds between the readings, on the engine's clock)."""
+    both = [(after[e][0] - before[e][0], after[e][1] - before[e][1]) for e in before.keys() & after.keys()]
+    if not both or min(dt for _, dt in both) <= 0:
+        return {}
+    return {"perf/engine_busy_s": sum(b for b, _ in both) / len(both),
+            "perf/engine_busy_frac": sum(b / dt for b, dt in both) / len(both)}
+
+
+def sampling_params(run: MilesConfig) -> SamplingParams:
+    """The sampling of training rollouts (``rollout.*``)."""
+    r = run.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+
+def log_batch_sizes(run: MilesConfig) -> None:
+    """Print the derived batch sizes once, in the units they are configured in."""
+    a, ws = run.algo, run.placement.trainer_world_size
+    samples = a.num_prompts_per_step * a.num_samples_per_prompt
+    log.info(
+        "batch: %d prompts x %d samples = %d samples per step = %d optimizer step(s) x %d samples "
+        "(%d per rank at world size %d)",
+        a.num_prompts_per_step, a.num_samples_per_prompt, samples, a.num_minibatches,
+        samples // a.num_minibatches, samples // a.num_minibatches // ws, ws,
+    )
