@@ -31,7 +31,8 @@ def _run(cfg: DictConfig) -> float | None:
     try:
         run = validate(cfg)
         if _plan_only:  # --plan: where every actor would run; no Ray
-            from miles.core.plan import Machine, make_plan
+            from miles.core.plan import make_plan
+            from miles.machine import Machine
 
             print(make_plan(run, Machine.here()).describe())
             return None

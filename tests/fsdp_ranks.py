@@ -11,7 +11,7 @@ import torch
 from miles.algos.advantages import group_normalized
 from miles.algos.logprobs import token_logprobs
 from miles.config.schema import MilesConfig
-from miles.core.cluster import free_port
+from miles.machine import free_port
 from miles.train.fsdp import FSDPTrainer
 from miles.types import TrainBatch
 

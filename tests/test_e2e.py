@@ -66,7 +66,8 @@ def test_placement_that_never_becomes_ready_fails_within_its_timeout(ray_cluster
 
     from miles.config import ConfigError
     from miles.core.cluster import reserve
-    from miles.core.plan import Machine, make_plan
+    from miles.core.plan import make_plan
+    from miles.machine import Machine
 
     run = validate({"placement": {"trainer_world_size": 4, "cpus_per_bundle": 2.0, "ready_timeout_s": 2.0},
                     "cluster": {"address": "auto"}})
@@ -110,7 +111,8 @@ def test_rendezvous_is_on_the_node_of_rank_0(ray_cluster) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from miles.core.cluster import rendezvous
-    from miles.core.plan import Machine, make_plan
+    from miles.core.plan import make_plan
+    from miles.machine import Machine
 
     pg = placement_group([{"CPU": 0.5}])
     ray_cluster.get(pg.ready(), timeout=30)

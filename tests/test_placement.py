@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from miles.config import ConfigError, validate
-from miles.core.plan import Machine, Plan, make_plan
+from miles.core.plan import Plan, make_plan
+from miles.machine import Machine
 
 
 def _run(placement: dict, **cluster) -> object:

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from miles.config import ConfigError, validate
 from miles.config.schema import GROUP_SCHEMAS
 from miles.config.validate import group_options
-from miles.core.plan import Machine, Plan, Pool, make_plan
+from miles.core.plan import Plan, Pool, make_plan
+from miles.machine import Machine
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 CONF = Path(__file__).parents[1] / "miles" / "conf"

@@ -20,7 +20,7 @@ ACTOR = dict(num_cpus=0.5, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 
 
 def _free_port() -> int:
-    from miles.core.cluster import free_port
+    from miles.machine import free_port
 
     return free_port()
 

@@ -205,7 +205,8 @@ def eval_checkpoint(run: Any, checkpoint: Path, task: Any) -> dict[str, float]:
     from miles.core.cluster import start_ray
     from miles.core.evaluate import evaluate
     from miles.core.loop import LoopContext
-    from miles.core.plan import Machine, make_plan
+    from miles.core.plan import make_plan
+    from miles.machine import Machine
     from miles.rewards import RewardRunner
     from miles.rollout.manager import RolloutManager
     from miles.rollout.torch_engine import TorchEngine

@@ -118,7 +118,7 @@ def _trainer_class(name: str) -> type:
 
 def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool, trainer_name: str = "fsdp") -> dict[str, Any]:
     """``args.steps`` RL steps of one configuration; the row's numbers."""
-    from miles.core.cluster import free_port
+    from miles.machine import free_port
     from miles.rollout.generate import routes_of
     from miles.rollout.torch_engine import TorchEngine
     from miles.types import GenerateRequest, SamplingParams, TrainBatch

@@ -106,7 +106,7 @@ def _plain_step_fn(ckpt: str, batch, run) -> Callable[[], None]:
 
 def _megatron_child(conn: Any, ckpt: str, run: Any, batch: Any, threads: int) -> None:
     """A MegatronTrainer rank in a child process: ``train_step`` on each "step" message, timed here."""
-    from miles.core.cluster import free_port
+    from miles.machine import free_port
     from miles.train.megatron import MegatronTrainer
 
     torch.set_num_threads(threads)
@@ -160,7 +160,7 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
     from safetensors.torch import load_file
 
     from miles.config.validate import validate
-    from miles.core.cluster import free_port
+    from miles.machine import free_port
     from miles.train.fsdp import FSDPTrainer
     from miles.types import TrainBatch
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import socket
 import time
 
 import ray
@@ -26,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.config import ConfigError
 from miles.config.schema import ClusterConfig
 from miles.core.plan import HINT, Plan
+from miles.machine import free_port
 
 log = logging.getLogger(__name__)
 
@@ -69,29 +68,6 @@ def stop_ray() -> None:
     if _KEPT is not None and ray.is_initialized():
         ray.shutdown()
     _KEPT = None
-
-
-RENDEZVOUS_PORTS = (30000, 32768)
-"""Where :func:`free_port` looks first: below the kernel's ephemeral range (32768+ by default), so that
-no outgoing connection (Ray opens many) or ``bind(0)`` takes the port between picking it and the
-process group's store binding it; above Ray's worker ports (10002-19999) and the ports SGLang picks
-(below 30000)."""
-
-
-def free_port(host: str = "127.0.0.1", attempts: int = 64, ports: tuple[int, int] | None = None) -> int:
-    """A port ``host`` can bind now: one of ``attempts`` random ports in ``ports`` (default
-    :data:`RENDEZVOUS_PORTS`), else (all tried ones taken) any free port the kernel gives."""
-    lo, hi = ports or RENDEZVOUS_PORTS
-    for port in random.sample(range(lo, hi), min(attempts, hi - lo)):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _node_rendezvous() -> tuple[str, int]:

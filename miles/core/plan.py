@@ -28,14 +28,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from miles.config import ConfigError, MilesConfig, check_allowed, locate
 from miles.config.schema import PlacementConfig
+from miles.machine import Machine, resolve_device
 from miles.train.megatron.dims import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -46,26 +45,6 @@ _ONLY_FOR = {"cpus_per_bundle": "colocate", "cpus_per_engine": "disaggregated", 
 HINT = {"colocate": "placement.cpus_per_bundle, placement.num_engines or placement.trainer_world_size",
         "disaggregated": "placement.cpus_per_engine, placement.cpus_per_trainer_rank, placement.num_engines "
                          "or placement.trainer_world_size"}  # the keys that size a placement's request
-
-
-@dataclass(frozen=True, kw_only=True)
-class Machine:
-    """What a plan needs to know of where it runs; :meth:`here` reads it."""
-
-    cpus: int  # cores this process may run on
-    cuda_devices: int = 0
-    ray_gpus: float | None = None
-    """GPUs of the Ray cluster this process is connected to; None before it connects."""
-
-    @classmethod
-    def here(cls) -> Machine:
-        """This machine, and the Ray cluster this process is connected to (if any; nothing is started)."""
-        import torch
-
-        ray = sys.modules.get("ray")
-        gpus = ray.cluster_resources().get("GPU", 0.0) if ray is not None and ray.is_initialized() else None
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return cls(cpus=cpus, cuda_devices=torch.cuda.device_count(), ray_gpus=gpus)
 
 
 @dataclass(frozen=True)
@@ -269,16 +248,6 @@ def _threads(p: PlacementConfig, joined: bool, cpus_held: float, cores: int, res
     if p.name == "disaggregated":
         share = min(share, math.floor(cpus_held))
     return max(1, share)
-
-
-def resolve_device(setting: str, joined: bool, machine: Machine) -> str:
-    """``placement.device`` with ``auto`` resolved: ``cuda`` when the Ray cluster offers GPUs (before Ray
-    starts: when this machine has a CUDA device and no cluster is joined), else ``cpu``."""
-    if setting != "auto":
-        return setting
-    if machine.ray_gpus is not None:
-        return "cuda" if machine.ray_gpus > 0 else "cpu"
-    return "cuda" if not joined and machine.cuda_devices > 0 else "cpu"
 
 
 def describe_request(name: str, pools: tuple[Pool, ...] | list[Pool]) -> str:

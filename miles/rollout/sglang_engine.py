@@ -170,7 +170,7 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         """Refuse, before any actor starts, what this engine cannot serve: true on-policy numerics, a weight-load
         path it does not know, and adapters it cannot hold."""
         from miles.config.validate import ConfigError
-        from miles.core.plan import Machine, resolve_device
+        from miles.machine import Machine, resolve_device
 
         kwargs = run.rollout.engine.kwargs
         if kwargs.get("weight_load", "tensor") not in WEIGHT_LOADS:

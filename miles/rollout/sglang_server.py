@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from miles.core.cluster import free_port
+from miles.machine import free_port
 
 PORT_RANGE = (10000, 22000)
 """Where the server's HTTP port is picked: below the kernel's ephemeral range (32768+ here), where no
