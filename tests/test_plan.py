@@ -42,11 +42,17 @@ def _option(group: str, option: str) -> dict[str, Any]:
     return yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
 
 
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` over ``base``, mappings merged key by key (OmegaConf.merge's rule, on plain dicts)."""
+    return base | {k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                   for k, v in changes.items()}
+
+
 def _with(defaults: dict[str, Any], *options: tuple[str, str], **changes: Any) -> Plan:
     """The plan of the defaults with group options swapped in (Hydra replaces a group's node with the
     option's YAML the same way) and ``changes`` merged over them."""
     cfg = defaults | {group: _option(group, option) for group, option in options}
-    return make_plan(validate(OmegaConf.to_container(OmegaConf.merge(cfg, changes))), TWO_CORES)
+    return make_plan(validate(_merge(cfg, changes)), TWO_CORES)
 
 
 def _plan(machine: Machine = TWO_CORES, **sections: dict) -> Plan:

@@ -15,7 +15,6 @@ CPUs; a job of another key shuts it down before it reserves its own.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,11 +48,6 @@ class Actors:
     reused: bool = False
     """Whether these are the last job's actors, constructed anew (``cluster.reuse_actors``)."""
 
-    @property
-    def offload(self) -> bool:
-        """Whether :meth:`offload_engines` / :meth:`restore_engines` do anything (colocate + offload_engines)."""
-        return self.plan.offload
-
     def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
         """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
 
@@ -62,29 +56,9 @@ class Actors:
         error, and the next weight sync brings the engines back. Nothing for disaggregated or
         ``offload_engines=false``.
         """
-        if not self.offload:
+        if not self.plan.offload:
             return []
         return [e.release_memory.remote() for e in (self.engines if engines is None else engines)]
-
-    def offload_engines(self) -> dict[str, float]:
-        """:meth:`start_offload` and wait for it; ``perf/engine_offload_s`` (empty metrics when off)."""
-        if not self.offload:
-            return {}
-        t0 = time.perf_counter()
-        ray.get(self.start_offload())
-        return {"perf/engine_offload_s": time.perf_counter() - t0}
-
-    def restore_engines(self) -> dict[str, float]:
-        """colocate: undo :meth:`offload_engines`, bit-exactly. No-op when not offloading.
-
-        Not needed before a weight sync: a full weight update brings a released engine back by
-        itself, with the new weights (without reading the offloaded copy).
-        """
-        if not self.offload:
-            return {}
-        t0 = time.perf_counter()
-        ray.get([e.resume_memory.remote() for e in self.engines])
-        return {"perf/engine_restore_s": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
         try:
@@ -122,15 +96,13 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
                                                                  placement_group_bundle_index=slot.bundle),
             **options)
 
-    args = _constructor_args(plan, run, checkpoint_dir, groups)
+    engine_args, trainer_args, critic_args = _constructor_args(plan, run, checkpoint_dir, groups)
     engine_cls, trainer_cls = locate(plan.engine_class), locate(plan.trainer_class)
     engines = [place(engine_cls, slot, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*a, **kw)
-               for slot, (a, kw) in zip(plan.engines, args.engines, strict=True)]
-    trainers = [place(trainer_cls, slot).remote(**kw) for slot, kw in zip(plan.trainers, args.trainers, strict=True)]
-    critics = []
-    if plan.critic_class is not None:
-        critic_cls = locate(plan.critic_class)
-        critics = [place(critic_cls, slot).remote(**kw) for slot, kw in zip(plan.critics, args.critics, strict=True)]
+               for slot, (a, kw) in zip(plan.engines, engine_args, strict=True)]
+    trainers = [place(trainer_cls, slot).remote(**kw) for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
+    critics = [place(locate(plan.critic_class), slot).remote(**kw)
+               for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics)
     try:
         # surface construction errors now, with the actor's traceback
@@ -141,17 +113,12 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     return _ready(actors, reused=False)
 
 
-@dataclass(frozen=True)
-class _Args:
-    """Constructor arguments of every actor of a job: engines ``(args, kwargs)``, ranks' kwargs."""
-
-    engines: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    trainers: list[dict[str, Any]]
-    critics: list[dict[str, Any]]
+_Args = tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]
 
 
 def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str, groups: list[PlacementGroup]) -> _Args:
-    """What each actor is constructed with, for new actors and reused ones alike."""
+    """What each actor is constructed with, for new actors and reused ones alike: every engine's
+    ``(args, kwargs)``, every trainer rank's kwargs, every critic rank's kwargs."""
     engines = [((checkpoint_dir, run.precision),
                 dict(plan.engine_kwargs, seed=run.seed + 1000 * s.index, num_threads=s.threads, engine_id=s.index,
                      device=plan.device))
@@ -165,7 +132,7 @@ def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str, groups:
                      checkpoint_dir=checkpoint_dir, run=run, num_threads=s.threads, device=plan.device)
                 for s in slots]
 
-    return _Args(engines=engines, trainers=ranks(plan.trainers, plan.rank_kwargs), critics=ranks(plan.critics, {}))
+    return engines, ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {})
 
 
 def _ready(actors: Actors, *, reused: bool) -> Actors:
@@ -219,10 +186,10 @@ def _take_parked(plan: Plan, reuse: bool) -> Actors | None:
 
 
 def _reinit(actors: Actors, plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
-    args = _constructor_args(plan, run, checkpoint_dir, actors.placement_groups)
-    ray.get([e.reinit.remote(*a, **kw) for e, (a, kw) in zip(actors.engines, args.engines, strict=True)]
+    engine_args, trainer_args, critic_args = _constructor_args(plan, run, checkpoint_dir, actors.placement_groups)
+    ray.get([e.reinit.remote(*a, **kw) for e, (a, kw) in zip(actors.engines, engine_args, strict=True)]
             + [t.reinit.remote(**kw) for t, kw in zip(actors.trainers + actors.critics,
-                                                     args.trainers + args.critics, strict=True)])
+                                                     trainer_args + critic_args, strict=True)])
     actors.plan = plan
     return actors
 

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.config import ConfigError
 from miles.config.schema import ClusterConfig
-from miles.core.plan import HINT, Plan
+from miles.core.plan import HINT, Plan, describe_request
 from miles.machine import free_port
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,8 @@ def start_ray(cluster: ClusterConfig, *, keep: bool = False) -> bool:
     if cluster.address:
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        ray.init(
-            num_cpus=cluster.num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            runtime_env={"env_vars": env},
-            logging_level=logging.WARNING,
-        )
+        ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
+                 logging_level=logging.WARNING)
     if keep:
         _KEPT = want
     return True
@@ -101,7 +97,6 @@ def reserve(plan: Plan) -> list[PlacementGroup]:
     done, _ = ray.wait(ready, num_returns=len(ready), timeout=plan.ready_timeout_s)
     if len(done) == len(ready):
         return groups
-    placed = {i for i, r in enumerate(ready) if r in done}
     for g in groups:
         remove_placement_group(g)
     time.sleep(0.2)  # let the released bundles show up as available again
@@ -109,14 +104,10 @@ def reserve(plan: Plan) -> list[PlacementGroup]:
     have = f"{avail.get('CPU', 0.0):g} of {total.get('CPU', 0.0):g} CPU"
     for k in sorted({k for pool in pools for k in pool.resources}):
         have += f", {avail.get(k, 0.0):g} of {total.get(k, 0.0):g} {k}"
-    if len(pools) == 1:
-        asked = f"{pools[0].describe()}"
-        missing = ""
-    else:
-        asked = " + ".join(f"{pool.name} pool {pool.describe()}" for pool in pools)
-        missing = "; not placed: " + ", ".join(f"{pool.name} pool" for i, pool in enumerate(pools) if i not in placed)
+    missing = "" if len(pools) == 1 else "; not placed: " + ", ".join(
+        f"{pool.name} pool" for pool, r in zip(pools, ready, strict=True) if r not in done)
     raise ConfigError(
-        f"placement '{plan.placement}' asked for {asked}, but the cluster has {have} available "
+        f"{describe_request(plan.placement, pools)}, but the cluster has {have} available "
         f"(waited {plan.ready_timeout_s:g} s{missing}). Lower {HINT[plan.placement]}, or add nodes"
         + (" that offer the custom resources." if any(pool.resources for pool in pools) else ".")
     )

@@ -26,7 +26,6 @@ the node of their bundle 0; the port is picked when the actors are created (:fun
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -36,8 +35,6 @@ from miles.config import ConfigError, MilesConfig, check_allowed, locate
 from miles.config.schema import PlacementConfig
 from miles.machine import Machine, resolve_device
 from miles.train.megatron.dims import ParallelDims
-
-log = logging.getLogger(__name__)
 
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 # placement keys only one mode reads: setting them in the other mode is a mistake
@@ -67,8 +64,7 @@ class Pool:
 
     def describe(self) -> str:
         """E.g. ``2 bundle(s) x 1 CPU (+ node2: 1 per bundle) = 2 CPU``."""
-        extra = ", ".join(f"{k}: {v:g}" for k, v in ({"GPU": self.gpus_per_bundle} if self.gpus_per_bundle else {}
-                                                      | dict(self.resources)).items())
+        extra = ", ".join(f"{k}: {v:g}" for k, v in self.bundle().items() if k != "CPU")
         extra = f" (+ {extra} per bundle)" if extra else ""
         return f"{self.num_bundles} bundle(s) x {self.cpus_per_bundle:g} CPU{extra} = {self.cpus:g} CPU"
 
@@ -155,25 +151,16 @@ class Plan:
         return "\n".join(lines)
 
     def _slots(self, slots: tuple[Slot, ...]) -> list[str]:
-        out = []
-        for s in slots:
-            gpus = f", {s.gpus:g} GPU" if s.gpus else ""
-            env = " ".join(f"{k}={v}" for k, v in s.env.items())
-            who = {"engine": "engine", "trainer": "rank", "critic": "critic rank"}[s.role]
-            out.append(f"  {who} {s.index}: {self.pools[s.pool].name} bundle {s.bundle}, {s.cpus:g} CPU{gpus}, "
-                       f"{s.threads} thread(s); {env}")
-        return out
+        who = {"engine": "engine", "trainer": "rank", "critic": "critic rank"}
+        return [f"  {who[s.role]} {s.index}: {self.pools[s.pool].name} bundle {s.bundle}, {s.cpus:g} CPU"
+                + (f", {s.gpus:g} GPU" if s.gpus else "") + f", {s.threads} thread(s); "
+                + " ".join(f"{k}={v}" for k, v in s.env.items()) for s in slots]
 
 
 def actor_env(threads: int, huge_pages: bool) -> dict[str, str]:
-    """Environment of an engine or trainer process: its thread count, and torch's huge-page switch.
-
-    ``THP_MEM_ALLOC_ENABLE`` is read once per process, at torch's first allocation, so it can only be set at
-    process start. With it, torch page-aligns CPU tensors of 2 MiB or more and advises them onto transparent
-    huge pages (the kernel decides: ``/sys/kernel/mm/transparent_hugepage``). On the 19M Qwen3 on CPU,
-    re-allocating an engine's 800 MB KV cache after a release took 0.11-0.16 s against 0.35 s, and a 128-row
-    rollout about 5% less time.
-    """
+    """Environment of an engine or trainer process: its thread count, and torch's huge-page switch
+    (``placement.huge_pages``; torch reads ``THP_MEM_ALLOC_ENABLE`` once, at the process's first allocation).
+    On the 19M Qwen3 on CPU it re-allocated an engine's 800 MB KV cache after a release in 0.11-0.16 s, not 0.35 s."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if huge_pages:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -197,15 +184,14 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
     if p.name == "colocate":  # a shared bundle hosts an engine and a trainer rank: it needs both
         both = {k: engine_res.get(k, 0.0) + trainer_res.get(k, 0.0) for k in engine_res | trainer_res}
         pools = (Pool("shared", max(p.num_engines, p.trainer_world_size), p.cpus_per_bundle, both, gpu),)
-        engine_pool = trainer_pool = 0
         engine_cpus = trainer_cpus = p.cpus_per_bundle / 2
         engine_gpus, trainer_gpus = (0.4, 0.3) if gpu else (0, 0)
     else:
         pools = (Pool("engine", p.num_engines, p.cpus_per_engine, engine_res, gpu),
                  Pool("trainer", p.trainer_world_size, p.cpus_per_trainer_rank, trainer_res, gpu))
-        engine_pool, trainer_pool = 0, 1
         engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
         engine_gpus, trainer_gpus = (1.0, 0.5) if gpu else (0, 0)
+    engine_pool, trainer_pool = 0, len(pools) - 1
     if not joined:
         _check_fits(run, pools, machine)
     classes = backends(run)
@@ -220,8 +206,7 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         return tuple(Slot(role=role, index=i, pool=pool, bundle=i % pools[pool].num_bundles, cpus=cpus, gpus=gpus,
                           threads=threads, env=env) for i in range(n))
 
-    w = p.trainer_world_size
-    t = run.trainer
+    w, t = p.trainer_world_size, run.trainer
     return Plan(
         placement=p.name, device=device, joined=joined, pools=pools,
         engines=slots("engine", p.num_engines, engine_pool, engine_cpus, engine_gpus, engine_threads),
@@ -250,7 +235,7 @@ def _threads(p: PlacementConfig, joined: bool, cpus_held: float, cores: int, res
     return max(1, share)
 
 
-def describe_request(name: str, pools: tuple[Pool, ...] | list[Pool]) -> str:
+def describe_request(name: str, pools: tuple[Pool, ...]) -> str:
     if len(pools) == 1:
         return f"placement '{name}' asks for {pools[0].describe()}"
     total = sum(pool.cpus for pool in pools)

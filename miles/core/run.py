@@ -252,18 +252,9 @@ def run_job(
                                      args=(status,), name="miles-tracking-finish")
         finishing.start()
         try:
-            for manager, *runners in tenant_parts:
-                manager.close()
-                for runner in runners:
-                    if runner is not None:
-                        runner.close()
-            if rollout is not None:
-                rollout.close()
-            if transport is not None:
-                transport.close()
-            for runner in (reward, eval_reward):
-                if runner is not None:
-                    runner.close()
+            for part in [*(p for parts in tenant_parts for p in parts), rollout, transport, reward, eval_reward]:
+                if part is not None:
+                    part.close()
             ray_stays = keep_ray or not started_ray
             if actors is not None:
                 # while Ray outlives the job, a finished job's actors wait for the next job (cluster.reuse_actors)
