@@ -217,9 +217,8 @@ class PlacementConfig:
     ``None``: when the engine class can (``release_memory`` / ``resume_memory``; the torch engine can, SGLang's
     CPU engine cannot); ``true`` with an engine that cannot is a config error."""
     torch_threads_per_actor: int = 0
-    """torch threads in each engine and trainer actor; 0: the cores left by the driver and the reward workers,
-    shared among the engines and trainer ranks (which can compute at once), at most a disaggregated actor's
-    bundle CPUs, at least 1 (:mod:`miles.core.plan`)."""
+    """torch threads in each engine and trainer actor; 0: the cores the driver and reward workers leave, shared
+    among engines and trainer ranks, at most a disaggregated actor's bundle CPUs, at least 1 (miles.core.plan)."""
     huge_pages: bool = True
     """Engine and trainer actors put CPU tensors of 2 MiB or more on transparent huge pages (torch's
     ``THP_MEM_ALLOC_ENABLE=1``): fewer page faults when a released engine regrows its KV cache and fewer

@@ -61,10 +61,8 @@ def to_schema(cls: type, node: Any, key: str = "") -> Any:
                 f"Valid keys under '{key or '<root>'}': {_options(valid_keys)}"
             )
         values[name] = _convert(hints[name], value, full)
-    missing = [
-        n for n, f in fields.items()
-        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    missing = [n for n, f in fields.items()
+               if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{key or '<root>'}: missing required key(s) {', '.join(missing)}")
     return cls(**values)
@@ -157,13 +155,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 def validate(cfg: Any) -> MilesConfig:
     """Validate a composed config (DictConfig or dict) and return the frozen :class:`MilesConfig`."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(cfg, DictConfig):
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a core dependency
-        pass
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     if isinstance(cfg, Mapping) and isinstance(cfg.get("tenants"), Sequence):
         cfg = {**cfg, "tenants": [_tenant_task(t, i) for i, t in enumerate(cfg["tenants"])]}
     run = to_schema(MilesConfig, cfg)

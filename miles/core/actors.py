@@ -104,8 +104,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     critics = [place(locate(plan.critic_class), slot).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics)
-    try:
-        # surface construction errors now, with the actor's traceback
+    try:  # surface construction errors now, with the actor's traceback
         ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
     except BaseException:
         actors.shutdown()
