@@ -73,7 +73,7 @@ def test_placement_that_never_becomes_ready_fails_within_its_timeout(ray_cluster
                     "cluster": {"address": "auto"}})
     run = make_plan(run, Machine(cpus=4))
     t0 = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"asked for 4 bundle\(s\) x 2 CPU = 8 CPU, but the cluster has"):
+    with pytest.raises(ConfigError, match=r"asks for 4 bundle\(s\) x 2 CPU = 8 CPU, but the cluster has"):
         reserve(run)
     assert time.perf_counter() - t0 < 30
 

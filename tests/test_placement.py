@@ -69,7 +69,7 @@ def test_too_big_placement_fails_within_its_timeout_naming_each_pool(ray_cluster
     before = ray_cluster.util.placement_group_table()
     colocate = _plan({"trainer_world_size": 4, "cpus_per_bundle": 2.0, "ready_timeout_s": 1.0})
     t0 = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"placement 'colocate' asked for 4 bundle\(s\) x 2 CPU = 8 CPU, but the "
+    with pytest.raises(ConfigError, match=r"placement 'colocate' asks for 4 bundle\(s\) x 2 CPU = 8 CPU, but the "
                                           r"cluster has \d+ of 4 CPU available \(waited 1 s\)"):
         reserve(colocate)
     disagg = _plan({"name": "disaggregated", "trainer_world_size": 4, "cpus_per_trainer_rank": 2.0,
@@ -77,8 +77,8 @@ def test_too_big_placement_fails_within_its_timeout_naming_each_pool(ray_cluster
     with pytest.raises(ConfigError) as e:
         reserve(disagg)
     msg = str(e.value)
-    assert ("asked for engine pool 1 bundle(s) x 1 CPU = 1 CPU + trainer pool 4 bundle(s) x 2 CPU = 8 CPU, "
-            "but the cluster has") in msg
+    assert ("asks for engine pool 1 bundle(s) x 1 CPU = 1 CPU + trainer pool 4 bundle(s) x 2 CPU = 8 CPU = 9 CPU in "
+            "all, but the cluster has") in msg
     assert "not placed: trainer pool)" in msg, msg  # the engine pool fitted; only the trainer pool did not
     pinned = _plan({"name": "disaggregated", "engine_resources": {"node2": 1}, "ready_timeout_s": 1.0})
     with pytest.raises(ConfigError, match=r"\(\+ node2: 1 per bundle\).*, 0 of 0 node2 available .*not placed: "
