@@ -139,7 +139,7 @@ MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "sha
 @pytest.mark.parametrize("engine,schedule,extra", [
     *(pytest.param("torch", schedule, extra, id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
     *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=pytest.mark.sglang)
-      for schedule, extra in SCHEDULES if schedule != "sync"),
+      for schedule, extra in SCHEDULES),
     # the product stack: the megatron trainer under the async schedule, on either engine
     pytest.param("torch+megatron", *SCHEDULES[2], id="torch-megatron-fully_async", marks=pytest.mark.megatron),
     pytest.param("sglang+megatron", *SCHEDULES[1], id="sglang-megatron-one_step_off",
@@ -162,7 +162,7 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
     cfg["schedule"] = {"name": schedule, **({"max_staleness": 1} if schedule != "sync" else {}),
                        **extra.get("schedule", {})}
     cfg |= {"hooks": [{"_target_": "schedule_probe.Probe"}], "plugins": {"allow": ["schedule_probe."]}}
-    if schedule != "sync":
+    if schedule != "sync" or engine == "sglang":  # SGLang: every schedule on one placement shares a server
         cfg["placement"] = {"name": "disaggregated"}
     if engine == "sglang":
         cfg |= SGLANG

