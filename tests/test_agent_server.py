@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -49,7 +50,7 @@ def server(checkpoint: Path):
     engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1, prefix_cache_tokens=4096)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     generate, version = engine_backend(engine)
-    app = create_app(generate, tok, weight_version=version, token=TOKEN, control=engine)
+    app = create_app(generate, tok, weight_version=version, token=TOKEN, control=engine, limits=engine.limits)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -113,6 +114,15 @@ def test_generate_and_chat_completions(server) -> None:
     assert choice["message"]["content"] == server.tok.decode(list(want.response_ids), skip_special_tokens=True)
     assert chat["usage"]["completion_tokens"] == len(want.response_ids)
     assert _post(f"{server.url}/generate", {"input_ids": []})[0] == 422
+    # the engine's own request check, before the request is queued: 422 naming the field
+    vocab = server.engine.vocab_size
+    for ids, sampling, detail in [
+        ([1, vocab], {}, f"request 'gen-.*': prompt_ids: token ids must be in \\[0, {vocab}\\), got min 1, max {vocab}"),
+        ([1], {"top_p": 0}, r"top_p must be in \(0, 1\] \(1 disables nucleus sampling\), got 0"),
+        ([1], {"top_k": "x"}, "top_k: expected a number, got 'x'"),
+    ]:
+        code, out = _post(f"{server.url}/generate", {"input_ids": ids, "sampling_params": sampling})
+        assert code == 422 and re.search(detail, out["detail"]), out
 
 
 def test_tool_calls_become_openai_tool_calls() -> None:
@@ -129,10 +139,13 @@ def test_concurrent_requests_get_their_own_answers(server) -> None:
     want = [server.engine.generate([GenerateRequest(request_id=str(i), prompt_ids=tuple(p), seed=100 + i)],
                                    SamplingParams(max_new_tokens=8))[0].response_ids for i, p in enumerate(prompts)]
     body = [{"input_ids": p, "sampling_params": {"max_new_tokens": 8, "seed": 100 + i}} for i, p in enumerate(prompts)]
+    bad = {"input_ids": prompts[0], "sampling_params": {"temperature": -1}}  # refused alone, failing no other
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda b: _post(f"{server.url}/generate", b), body))
+        got = list(pool.map(lambda b: _post(f"{server.url}/generate", b), body[:16] + [bad] * 4 + body[16:]))
     seconds = time.perf_counter() - t0
+    assert [code for code, _ in got[16:20]] == [422] * 4 and "temperature must be >= 0" in got[16][1]["detail"]
+    got = got[:16] + got[20:]
     assert all(code == 200 for code, _ in got)
     assert [out["output_ids"] for _, out in got] == [list(w) for w in want]
     print(f"32 concurrent /generate requests in {seconds:.2f} s")
@@ -190,12 +203,12 @@ def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -
 
 
 def test_a_failed_turn_retried_does_not_duplicate_tokens(server) -> None:
-    """The engine refuses the first attempt (context past max_position_embeddings); the retry of the
-    same turn samples from the same ids, and the session holds the prompt and one reply."""
+    """The first attempt is refused (context past the engine's 256 positions: 422 naming max_new_tokens);
+    the retry of the same turn samples from the same ids, and the session holds the prompt and one reply."""
     messages = [{"role": "user", "content": "what is 1 plus 2?"}]
     headers_body = {"model": "tiny", "messages": messages, "session_id": "retry"}
-    code, _ = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 1000})
-    assert code == 500
+    code, out = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 1000})
+    assert code == 422 and "+ max_new_tokens (1000) exceeds the context length 256" in out["detail"], out
     code, out = _post(f"{server.url}/v1/chat/completions", headers_body | {"max_tokens": 5, "seed": 1})
     assert code == 200
     held = _post(f"{server.url}/sessions/retry")[1]

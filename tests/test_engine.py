@@ -581,10 +581,10 @@ def test_bf16_engine_and_bad_requests(tiny_qwen3_dir) -> None:
     x = dict(request_id="x", prompt_ids=(1, 2))
     for req, sp, match in [
         (dict(request_id="x", prompt_ids=()), SAMPLED, "prompt_ids is empty"),
-        (dict(request_id="x", prompt_ids=(1, 96)), SAMPLED, r"token ids must be in \[0, 96\)"),
-        (x, SamplingParams(top_p=0.0), "top_p"),
+        (dict(request_id="x", prompt_ids=(1, 96)), SAMPLED, r"prompt_ids: token ids must be in \[0, 96\), got min 1, max 96"),
+        (x, SamplingParams(top_p=0.0), r"request 'x': top_p must be in \(0, 1\]"),
         (x, SamplingParams(max_new_tokens=0), "max_new_tokens must be >= 1"),
-        (x, SamplingParams(max_new_tokens=255), "max_position_embeddings=256"),
+        (x, SamplingParams(max_new_tokens=255), r"\(255\) exceeds the context length 256; lower max_new_tokens"),
         (x, SamplingParams(logprobs_top_k=97), r"logprobs_top_k must be in \[0, 96\]"),
         (x, SamplingParams(stop_token_ids=(96,)), "stop_token_ids"),
         (x, SamplingParams(stop=("a",)), "stop strings need a tokenizer"),
@@ -686,7 +686,7 @@ def test_decode_attention_is_sdpa_to_rounding(heads: int, kv_heads: int) -> None
 def test_sampled_tokens_are_the_race_over_the_rows_own_exponential_draws(tiny_qwen3_dir: Path) -> None:
     """Each token is argmax(logits / T - log E), E the row generator's next Exp(1) draws, chunk after chunk
     (the engine keeps -log E per row); a greedy row in the same batch ignores the noise buffer."""
-    from miles.rollout.torch_engine import _row_seed
+    from miles.rollout.requests import row_seed
 
     eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
     model = _hf_model(tiny_qwen3_dir)
@@ -696,7 +696,7 @@ def test_sampled_tokens_are_the_race_over_the_rows_own_exponential_draws(tiny_qw
         greedy = GenerateRequest(request_id="g", prompt_ids=(7, 8), sampling=SamplingParams(greedy=True,
                                                                                              max_new_tokens=steps))
         got, greedy_got = eng.generate([req, greedy], SamplingParams(temperature=temperature, max_new_tokens=steps))
-        gen = torch.Generator().manual_seed(_row_seed(11, 0))
+        gen = torch.Generator().manual_seed(row_seed(11, 0))
         ids, want = list(req.prompt_ids), []
         chunk = torch.empty(0, eng.vocab_size)
         for t in range(steps):

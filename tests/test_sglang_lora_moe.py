@@ -158,7 +158,7 @@ def test_what_the_adapter_engine_refuses_leaves_it_unchanged(engines, moe_dir) -
         sglang.update_weights({**state, key: torch.zeros(1, 1)}, version + 1)
     with pytest.raises(ValueError, match="unknown adapter 'other'"):
         sglang.update_weights({f"{lora.SYNC_PREFIX}other:{key.split(':', 2)[2]}": state[key]}, version + 1)
-    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+    with pytest.raises(ValueError, match="adapter 'nope' is not one this engine holds"):
         _greedy(sglang, PROMPTS[0], adapter="nope")
     with pytest.raises(ValueError, match="prefill batch that mixes adapters"):  # lm_head adapter: no base rows
         _greedy(sglang, PROMPTS[0], adapter=lora.BASE)

@@ -60,6 +60,7 @@ from fastapi.responses import JSONResponse
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import parse_tool_calls
 from miles.config.validate import ConfigError
+from miles.rollout.requests import EngineLimits, check_request
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 TOKEN_ENV = "MILES_ROLLOUT_TOKEN"
@@ -131,11 +132,29 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
-def _sampling(body: dict[str, Any], *, max_key: str) -> SamplingParams:
+def to_request(rid: str, prompt_ids: list[int], body: dict[str, Any], *, max_key: str,
+               limits: EngineLimits | None, session_id: str | None = None) -> GenerateRequest:
+    """A request of ``prompt_ids`` and a body's sampling fields (``max_key``: its ``max_new_tokens``),
+    checked against the engine's ``limits`` when known; a wrong field answers 422 naming it."""
+    def number(key: str, value: Any, kind: type) -> Any:
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise HTTPException(422, f"{key}: expected a number, got {value!r}") from None
+
+    temperature = number("temperature", body.get("temperature", 1.0), float)
     max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
-    return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                          top_k=int(body.get("top_k", 0)), max_new_tokens=int(max_new),
-                          greedy=float(body.get("temperature", 1.0)) == 0.0, seed=body.get("seed"))
+    sampling = SamplingParams(temperature=temperature, greedy=temperature == 0.0, seed=body.get("seed"),
+                              top_p=number("top_p", body.get("top_p", 1.0), float),
+                              top_k=number("top_k", body.get("top_k", 0), int),
+                              max_new_tokens=number(max_key, max_new, int))
+    request = GenerateRequest(request_id=rid, prompt_ids=tuple(prompt_ids), sampling=sampling, session_id=session_id)
+    if limits is not None:
+        try:
+            check_request(request, None, limits)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+    return request
 
 
 def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
@@ -181,11 +200,12 @@ def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
 
 
 def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[], int] = lambda: -1,
-               token: str | None = None, control: Any = None) -> Any:
+               token: str | None = None, control: Any = None, limits: EngineLimits | None = None) -> Any:
     """The FastAPI app. ``generate(request, session_id)`` completes one request (``session_id`` is the
     chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`).
     ``control``: an engine with ``pause``, ``resume`` and ``update_weights`` for the control endpoints
-    (None: they answer 501)."""
+    (None: they answer 501). ``limits``: the engine's, to check each request against before it is queued
+    (422 when it is wrong, failing no other request of its batch); None: the engine checks."""
     app = FastAPI(title="miles rollout")
     ids = itertools.count()
     sessions: dict[str, Session] = {}
@@ -204,9 +224,9 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
         input_ids = body.get("input_ids")
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise HTTPException(422, "input_ids: a non-empty list of token ids is required")
-        sampling = _sampling(body.get("sampling_params", {}), max_key="max_new_tokens")
-        (r,) = await generate(GenerateRequest(request_id=f"gen-{next(ids)}", prompt_ids=tuple(input_ids),
-                                              sampling=sampling), None)
+        request = to_request(f"gen-{next(ids)}", input_ids, body.get("sampling_params", {}),
+                             max_key="max_new_tokens", limits=limits)
+        (r,) = await generate(request, None)
         return {"output_ids": list(r.response_ids),
                 "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
                 "meta_info": {"output_token_logprobs": list(r.logprobs), "finish_reason": r.finish_reason or
@@ -232,10 +252,10 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
             raise HTTPException(409 if session_id else 422, f"messages: {e}") from None
         prompt = list(session.ids)
         rid = f"chatcmpl-{next(ids)}"
+        request = to_request(rid, prompt, body, max_key="max_tokens", limits=limits, session_id=session_id)
         busy.add(session_id)
         try:
-            (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt), session_id=session_id,
-                                                  sampling=_sampling(body, max_key="max_tokens")), session_id)
+            (r,) = await generate(request, session_id)
         finally:
             busy.discard(session_id)
         message = assistant_message(session.add_policy(r), rid)
@@ -262,8 +282,7 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
         else:
             raise HTTPException(422, "prompt: a non-empty string or list of token ids is required (one prompt)")
         rid = f"cmpl-{next(ids)}"
-        (r,) = await generate(GenerateRequest(request_id=rid, prompt_ids=tuple(prompt_ids),
-                                              sampling=_sampling(body, max_key="max_tokens")), None)
+        (r,) = await generate(to_request(rid, prompt_ids, body, max_key="max_tokens", limits=limits), None)
         tokens = [tokenizer.decode([t]) for t in r.response_ids]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.get("model", ""),
                 "choices": [{"index": 0, "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
@@ -381,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = TorchEngine(args.checkpoint, PrecisionConfig())
     generate, version = engine_backend(engine)
     app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token,
-                     control=engine)
+                     control=engine, limits=engine.limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

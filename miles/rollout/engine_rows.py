@@ -1,34 +1,18 @@
 """Per-row bookkeeping of :class:`miles.rollout.torch_engine.TorchEngine` and small helpers.
 
 ``_Job`` is one ``generate`` call waiting for its results, ``_Row`` one completion of a request from
-submission to result; ``_row_seed`` derives a completion's generator seed, ``_ids`` reads token ids from
-a model config, ``_listing`` shortens name lists for error messages.
+submission to result; ``_listing`` shortens name lists for error messages.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
-
-
-def _ids(value: Any) -> list[int]:
-    """An int, a list of ints, or None -> list of ints."""
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
-
-
-def _row_seed(seed: int, index: int) -> int:
-    """The generator seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
-    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass(eq=False)

@@ -25,16 +25,6 @@ import torch
 from torch import Tensor
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    """Raise ``ValueError`` for sampling parameters outside their domain."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 disables nucleus sampling), got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {top_k}")
-
-
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Mask to ``-inf`` every token outside the top-k / top-p set.
 

@@ -65,9 +65,9 @@ from typing import Any
 
 import torch
 
-from miles.adapters import lora
+from miles.rollout.requests import EngineLimits, check_request, request_seed
 from miles.rollout.sglang_server import ServerHTTPError
-from miles.rollout.sglang_wire import Checkpoint, aborted, check_request, sampling_params, to_result
+from miles.rollout.sglang_wire import Checkpoint, aborted, sampling_params, to_result
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
 
 log = logging.getLogger("miles.rollout.sglang_engine")
@@ -165,7 +165,7 @@ class SGLangCalls:
 
     engine_id: int
     ckpt: Checkpoint
-    context_length: int | None
+    limits: EngineLimits
     capture_routing: bool
     adapters: Any
     request_timeout_s: float
@@ -191,13 +191,8 @@ class SGLangCalls:
                  ) -> list[GenerateResult]:
         """Complete each request ``n`` times; results ordered by request then index (module docstring)."""
         self._check_usable("generate")
-        params = [check_request(r, sampling, self.ckpt, self.context_length) for r in requests]
-        for r in requests:
-            if self.adapters is not None:
-                self.adapters.check_request(r.request_id, r.adapter)
-            elif r.adapter is not None and r.adapter != lora.BASE:
-                raise ValueError(f"request {r.request_id!r} asks for adapter {r.adapter!r}; this engine holds none")
-        seeds = [self._request_seed(r, sp) for r, sp in zip(requests, params, strict=True)]
+        params = [check_request(r, sampling, self.limits) for r in requests]
+        seeds = [request_seed(r, sp, self._seeds, self._cv) for r, sp in zip(requests, params, strict=True)]
         rows = [_Row(request=r, sampling=sp, index=j, seed=seed)
                 for r, sp, seed in zip(requests, params, seeds, strict=True) for j in range(r.n)]
         call = _Call(rows=rows)
@@ -409,13 +404,6 @@ class SGLangCalls:
                 if not quiet:
                     log.warning("engine %d: abort of %s failed: %s", self.engine_id, rid, e)
                 return
-
-    def _request_seed(self, r: GenerateRequest, sp: SamplingParams) -> int:
-        seed = r.seed if r.seed is not None else sp.seed
-        if seed is None:
-            with self._cv:
-                seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return seed
 
     def _activity(self) -> dict[str, Any]:
         """Rows in flight, calls waiting, and the busy counter, for ``health()``."""

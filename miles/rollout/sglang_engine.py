@@ -122,6 +122,7 @@ from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.config.validate import check_adapter_config
 from miles.rollout.dispatch import EngineDeadError
+from miles.rollout.requests import EngineLimits, row_seed
 from miles.rollout.sglang_calls import SGLangCalls
 from miles.rollout.sglang_engine_weights import SGLangEngineWeights
 from miles.rollout.sglang_lora import SGLangAdapters, check_adapter, resolve_backend
@@ -134,7 +135,7 @@ from miles.rollout.sglang_server import (
     server_env,
 )
 from miles.rollout.sglang_weights import WEIGHT_LOADS, weights_dir
-from miles.rollout.sglang_wire import Checkpoint, row_seed
+from miles.rollout.sglang_wire import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,6 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         self.weight_load, self.bucket_bytes = weight_load, int(weight_bucket_mb * 2**20)
         self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
         self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
-        self.context_length = context_length or self.ckpt.max_positions
         self._seeds = torch.Generator().manual_seed(row_seed(seed, engine_id))
         self._init_calls()
         self._closed = False
@@ -259,6 +259,12 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         self._loaders: dict[str, Any] = {}
         self.adapters = (SGLangAdapters(adapter, tuple(adapter_names), self.ckpt.shapes, self._control,
                                         request_timeout_s, self.dtype, lora_backend) if adapters else None)
+        self.limits = EngineLimits(
+            vocab_size=self.vocab_size, context_length=context_length or self.ckpt.max_positions,
+            adapters=tuple(adapter_names) if adapters else (),
+            no_stop_strings="stop strings need a tokenizer, which the SGLang engine's server does not load "
+                            "(--skip-tokenizer-init); use stop_token_ids",
+            no_base_model=self.adapters.no_base_model if self.adapters is not None else None)
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,

@@ -102,11 +102,11 @@ class SGLangAdapters:
         if not names or len(set(names)) != len(names) or lora.BASE in names:
             raise ValueError(f"adapter names must be distinct and not {lora.BASE!r}; got {list(names)}")
         self.cfg, self.names, self.post, self.timeout_s, self.dtype = cfg, tuple(names), post, timeout_s, dtype
-        self.backend = backend
         self.shapes = adapter_shapes(cfg, weight_shapes)
         if not self.shapes:
             raise ValueError(f"adapter.target_modules={list(cfg.target_modules)} name no 2-D weight of the checkpoint")
-        self.lm_head = "lm_head" in cfg.target_modules
+        self.no_base_model = (f"the engine holds an lm_head adapter: {LM_HEAD_MIXING}"
+                              if "lm_head" in cfg.target_modules and backend == "torch_native" else None)
         config = lora.lora_config(cfg, inference=True).to_dict()
         self.config = json.loads(json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()},
                                             default=str))
@@ -118,16 +118,6 @@ class SGLangAdapters:
     def lora_path(self, adapter: str | None) -> str | None:
         """SGLang's ``lora_path`` of a request for ``adapter`` (None: the default one; ``lora.BASE``: none)."""
         return None if adapter == lora.BASE else self.current[adapter or self.default()]
-
-    def check_request(self, request_id: str, adapter: str | None) -> None:
-        if adapter is None or adapter in self.names:
-            return
-        if adapter == lora.BASE:
-            if self.lm_head and self.backend == "torch_native":
-                raise ValueError(f"request {request_id!r} asks for the base model ({lora.BASE!r}) while the engine "
-                                 f"holds an lm_head adapter: {LM_HEAD_MIXING}")
-            return
-        raise ValueError(f"request {request_id!r}: unknown adapter {adapter!r} (held: {list(self.names)})")
 
     def check(self, state_dict: Mapping[str, Tensor], version: int) -> dict[str, dict[str, Tensor]]:
         """``{adapter: {PEFT key: tensor}}`` of an adapter-only update; ``ValueError`` before anything is sent."""

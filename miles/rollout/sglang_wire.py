@@ -1,7 +1,7 @@
 """SGLang's ``/generate`` JSON and checkpoint facts <-> miles' types, as plain functions.
 
 What :class:`~miles.rollout.sglang_engine.SGLangEngine` sends and reads, kept apart from the process
-and liveness handling: a request checked and turned into SGLang sampling params, an answer turned
+and liveness handling: a checked request's sampling params as SGLang's, an answer turned
 into a :class:`~miles.types.GenerateResult` (with its routes), the facts of a checkpoint the engine
 checks against (vocabulary, EOS ids, positions, weight names and shapes), and the mapping between a
 trainer's fused MoE expert tensors and the checkpoint's per-expert names.
@@ -10,7 +10,6 @@ trainer's fused MoE expert tensors and the checkpoint's per-expert names.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -19,20 +18,8 @@ from typing import Any
 
 import torch
 
-from miles.rollout.sampling import check_sampling
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
-
-
-def row_seed(seed: int, index: int) -> int:
-    """The sampling seed of completion ``index`` of a request seeded with ``seed`` (63 bits)."""
-    digest = hashlib.sha256(f"miles-row:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+from miles.rollout.requests import eos_ids, row_seed
+from miles.types import GenerateResult, SamplingParams, Status
 
 
 @dataclass(frozen=True)
@@ -56,9 +43,7 @@ class Checkpoint:
         config = json.loads((path / "config.json").read_text())
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        eos_ids = sorted(set(_ids(config.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
-        if not eos_ids:
-            raise ValueError(f"{path}: neither config.json nor generation_config.json sets eos_token_id")
+        eos = eos_ids(str(path), config.get("eos_token_id"), gen.get("eos_token_id"))
         text = config.get("text_config", config)
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -79,7 +64,7 @@ class Checkpoint:
             dense = set(text.get("mlp_only_layers") or ())
             layers = sum(1 for i in range(int(text["num_hidden_layers"])) if (i + 1) % step == 0 and i not in dense)
             moe = (layers, int(text["num_experts_per_tok"]))
-        return cls(eos_ids=eos_ids, vocab_size=int(text["vocab_size"]),
+        return cls(eos_ids=eos, vocab_size=int(text["vocab_size"]),
                    max_positions=text.get("max_position_embeddings"), shapes=shapes, optional=optional, moe_shape=moe)
 
 
@@ -125,37 +110,6 @@ def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in order])
         out[f"{prefix}.down_proj"] = torch.stack([x["down_proj"] for x in order])
     return out
-
-
-def check_request(r: GenerateRequest, default: SamplingParams | None, ckpt: Checkpoint,
-                  context_length: int | None) -> SamplingParams:
-    """The request's sampling params after checking them and the request; ``ValueError`` says what is wrong."""
-    rid, vocab = r.request_id, ckpt.vocab_size
-    sp = r.sampling if r.sampling is not None else default
-    if sp is None:
-        raise ValueError(f"request {rid!r} has no sampling params: pass generate(..., sampling) "
-                         "or set GenerateRequest.sampling")
-    check_sampling(sp.temperature, sp.top_p, sp.top_k)
-    if sp.stop:
-        raise ValueError(f"request {rid!r}: stop strings need a tokenizer, which the SGLang engine's server does "
-                         "not load (--skip-tokenizer-init); use stop_token_ids")
-    if sp.max_new_tokens < 1:
-        raise ValueError(f"request {rid!r}: max_new_tokens must be >= 1, got {sp.max_new_tokens}")
-    if not 0 <= sp.logprobs_top_k <= vocab:
-        raise ValueError(f"request {rid!r}: logprobs_top_k must be in [0, {vocab}], got {sp.logprobs_top_k}")
-    if any(not 0 <= t < vocab for t in sp.stop_token_ids):
-        raise ValueError(f"request {rid!r}: stop_token_ids must be in [0, {vocab}); got {list(sp.stop_token_ids)}")
-    if r.n < 1:
-        raise ValueError(f"request {rid!r}: n must be >= 1, got {r.n}")
-    if not r.prompt_ids:
-        raise ValueError(f"request {rid!r}: prompt_ids is empty; send at least one token")
-    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
-        raise ValueError(f"request {rid!r}: token ids must be in [0, {vocab}); "
-                         f"got min {min(r.prompt_ids)}, max {max(r.prompt_ids)}")
-    if context_length and len(r.prompt_ids) + sp.max_new_tokens > context_length:
-        raise ValueError(f"request {rid!r}: prompt ({len(r.prompt_ids)}) + max_new_tokens ({sp.max_new_tokens}) "
-                         f"exceeds the context length {context_length}")
-    return sp
 
 
 def sampling_params(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]:

@@ -97,7 +97,6 @@ weight updates and memory release in :mod:`miles.rollout.engine_weights`; the pe
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import logging
 import os
@@ -117,10 +116,10 @@ from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.engine_emit import EngineEmission
 from miles.rollout.engine_intake import EngineIntake
-from miles.rollout.engine_rows import _ids, _Job, _Row
-from miles.rollout.engine_rows import _row_seed as _row_seed  # importable from here too
+from miles.rollout.engine_rows import _Row
 from miles.rollout.engine_weights import EngineWeights
 from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
+from miles.rollout.requests import eos_ids
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
@@ -193,12 +192,8 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         self.model = model.to(self.device).eval().requires_grad_(False)
         apply_rollout_quant(self.model, precision)
         cfg, gen_cfg = self.model.config, self.model.generation_config
-        eos = _ids(getattr(gen_cfg, "eos_token_id", None)) + _ids(getattr(cfg, "eos_token_id", None))
-        self.eos_ids = sorted(set(eos))
-        if not self.eos_ids:
-            raise ValueError(
-                f"{checkpoint_dir}: neither config.json nor generation_config.json sets eos_token_id"
-            )
+        self.eos_ids = eos_ids(checkpoint_dir, getattr(gen_cfg, "eos_token_id", None),
+                               getattr(cfg, "eos_token_id", None))
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.vocab_size = int(cfg.vocab_size)
@@ -206,9 +201,6 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         # Noise chunk: a row draws Exp(1) noise for this many steps at once (fixed per vocabulary, so a
         # row's draws never depend on the batch); about 64k floats per draw.
         self.noise_chunk = max(1, min(16, 65536 // self.vocab_size))
-        digest = hashlib.sha256(f"miles-engine:{seed}:{engine_id}".encode()).digest()
-        self._generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        self._seed_lock = threading.Lock()
         self._version = 0
         self._base = self.model.base_model
         self._lm_head = self.model.get_output_embeddings()
@@ -231,7 +223,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
             self._adapters = {n: lora.adapter_parameters(self._peft, n) for n in adapter_names}
         self.default_adapter = adapter_names[0] if self._peft is not None else None
         self._lm_head = self.model.get_output_embeddings()  # an adapter's own layer when lm_head is a target
-        self._tokenizer: Any = None
+        self._init_intake(seed, tuple(self._adapters))
         self._offload: str | dict[str, Tensor] | None = None  # weights while released
         self.capture_routing = capture_routing
         self._routers = self._hook_routers() if capture_routing else []
@@ -269,10 +261,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         until every completion is done (aborted ones come back with status ``ABORTED``).
         """
         self._check_usable("generate")
-        params = [self._check_request(r, sampling) for r in requests]  # all checked before any seed is drawn
-        job = _Job(results=[[None] * r.n for r in requests], remaining=sum(r.n for r in requests))
-        rows = [row for i, (r, sp) in enumerate(zip(requests, params, strict=True))
-                for row in self._rows_for(job, i, r, sp)]
+        job, rows = self._intake(requests, sampling)
         if not rows:
             return []
         if self.precision.true_on_policy:  # between two scheduler steps, one row after the other
