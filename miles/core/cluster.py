@@ -79,9 +79,8 @@ def rendezvous(plan: Plan, pg: PlacementGroup) -> tuple[str, int]:
     """
     if not plan.joined:
         return "127.0.0.1", free_port()
-    probe = ray.remote(num_cpus=0)(_node_rendezvous).options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-    )
+    at_bundle_0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    probe = ray.remote(num_cpus=0)(_node_rendezvous).options(scheduling_strategy=at_bundle_0)
     return ray.get(probe.remote(), timeout=plan.ready_timeout_s)
 
 
@@ -106,11 +105,9 @@ def reserve(plan: Plan) -> list[PlacementGroup]:
         have += f", {avail.get(k, 0.0):g} of {total.get(k, 0.0):g} {k}"
     missing = "" if len(pools) == 1 else "; not placed: " + ", ".join(
         f"{pool.name} pool" for pool, r in zip(pools, ready, strict=True) if r not in done)
-    raise ConfigError(
-        f"{describe_request(plan.placement, pools)}, but the cluster has {have} available "
-        f"(waited {plan.ready_timeout_s:g} s{missing}). Lower {HINT[plan.placement]}, or add nodes"
-        + (" that offer the custom resources." if any(pool.resources for pool in pools) else ".")
-    )
+    raise ConfigError(f"{describe_request(plan.placement, pools)}, but the cluster has {have} available "
+                      f"(waited {plan.ready_timeout_s:g} s{missing}). Lower {HINT[plan.placement]}, or add nodes"
+                      + (" that offer the custom resources." if any(pool.resources for pool in pools) else "."))
 
 
 def bundle_nodes(pg: PlacementGroup) -> list[str]:

@@ -115,9 +115,8 @@ class Plan:
     @property
     def engine_memory(self) -> str:
         """What the engines do with their memory while the trainer trains, in words."""
-        if self.placement != "colocate":
-            return "have bundles of their own"
-        return "release their memory while the trainer trains" if self.offload else "keep their memory while the trainer trains"
+        kept = "release" if self.offload else "keep"
+        return f"{kept} their memory while the trainer trains" if self.placement == "colocate" else "have bundles of their own"
 
     def key(self) -> str:
         """What fixes the actors' processes: classes, bundles, resources, threads and environment. Jobs
@@ -312,12 +311,7 @@ def backends(run: MilesConfig) -> Backends:
     its Protocol (:mod:`miles.backends.contract`): a class that cannot serve raises :class:`ConfigError`
     before any actor starts.
     """
-    from miles.backends.contract import (
-        can_offload,
-        check_critic_class,
-        check_engine_class,
-        check_trainer_class,
-    )
+    from miles.backends import contract
 
     node, allow = run.rollout.engine, run.plugins.allow
     for key, target in (("rollout.engine._target_", node.target), ("trainer._target_", run.trainer.target),
@@ -325,15 +319,15 @@ def backends(run: MilesConfig) -> Backends:
         check_allowed(target, allow, key=key)
     engine = locate(node.target)
     p = run.placement
-    offload = p.name == "colocate" and (can_offload(engine) if p.offload_engines is None else p.offload_engines)
+    offload = p.name == "colocate" and (contract.can_offload(engine) if p.offload_engines is None else p.offload_engines)
     kwargs = engine_kwargs(run)
-    check_engine_class(engine, kwargs=kwargs, offload=offload, run=run)
+    contract.check_engine_class(engine, kwargs=kwargs, offload=offload, run=run)
     trainer = locate(run.trainer.target)
-    check_trainer_class(trainer, run)
+    contract.check_trainer_class(trainer, run)
     critic = None
     if run.algo.estimator == "gae":
         critic = locate(run.algo.critic.target)
-        check_critic_class(critic)
+        contract.check_critic_class(critic)
     return Backends(engine=engine, engine_kwargs=kwargs, trainer=trainer, critic=critic, offload=offload)
 
 

@@ -187,10 +187,8 @@ def run_job(
         if run.placement.device == "auto" and plan.joined:  # the joined cluster's GPUs decide it
             plan = make_plan(run, Machine.here())
         log.debug("plan:\n%s", plan.describe())
-        reward = RewardRunner(  # its workers start while Ray does
-            run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,
-            num_workers=run.task.reward_num_workers, kind=run.task.reward_kind,
-        )
+        reward = RewardRunner(run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,  # workers
+                              num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)  # start now
         eval_reward = _eval_runner(run.task, run.plugins.allow, "task")
         actors = create_actors(plan, run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s) that %s, %d trainer rank(s)%s", time.perf_counter() - t_start,
@@ -201,14 +199,10 @@ def run_job(
         rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"])
         ctx = LoopContext(
-            run=run, task=parts["task"], rollout=rollout,
-            trainers=actors.trainers, engines=actors.engines, advantage_fn=parts["advantage_fn"],
-            critics=actors.critics, transport=transport,
-            start_offload=actors.start_offload,
-            log_distributions=tracker.log_distributions,
-            save_dir=save_dir, hooks=hooks,
-            log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics),
-        )
+            run=run, task=parts["task"], rollout=rollout, trainers=actors.trainers, engines=actors.engines,
+            advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,
+            start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
+            log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
         if run.tenants:
             from miles.core.tenants import Tenant, tenant_run, train_tenants
 

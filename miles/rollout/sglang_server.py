@@ -61,11 +61,6 @@ class ServerStartError(RuntimeError):
     server: SGLangServer | None = None
 
 
-def pick_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
-    """A port in :data:`PORT_RANGE` that ``host`` can bind now (else any free port)."""
-    return free_port(host, attempts=attempts, ports=PORT_RANGE)
-
-
 class ServerHTTPError(RuntimeError):
     """The server answered an HTTP call with an error status; ``status`` and the body are kept."""
 
@@ -118,7 +113,7 @@ class SGLangServer:
 
     def __init__(self, python: Path, args: list[str], env: dict[str, str], log_path: Path, *,
                  start_timeout_s: float, host: str = "127.0.0.1") -> None:
-        self.host, self.port = host, pick_port(host)
+        self.host, self.port = host, free_port(host, ports=PORT_RANGE)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self.exit_code: int | None = None

@@ -191,9 +191,9 @@ class DistributedLoader:
     def _connect(self) -> None:
         import torch.distributed as dist
 
-        from miles.rollout.sglang_server import pick_port
+        from miles.rollout.sglang_server import PORT_RANGE, free_port
 
-        port = pick_port(self.host)
+        port = free_port(self.host, ports=PORT_RANGE)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._store = dist.TCPStore(self.host, port, 2, True, timeout=timeout, wait_for_workers=False)
         answer: dict[str, Any] = {}
