@@ -191,8 +191,8 @@ def run_job(
                               num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)  # start now
         eval_reward = _eval_runner(run.task, run.plugins.allow, "task")
         actors = create_actors(plan, run, str(checkpoint))
-        log.info("cluster ready in %.1fs: %d engine(s) that %s, %d trainer rank(s)%s", time.perf_counter() - t_start,
-                 len(actors.engines), plan.engine_memory, len(actors.trainers),
+        log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s); the engines %s%s", time.perf_counter() - t_start,
+                 len(actors.engines), len(actors.trainers), plan.engine_memory,
                  " (the last job's, reused)" if actors.reused else "")
         transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=plan.placement,
                                    device=plan.device)
