@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 def test_each_step_is_the_reference_grpo_update(ray_cluster, tmp_path: Path, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import miles.core.loop as loop
     from miles.bench.e2e import compose
     from miles.core.run import build_components, run_job
     from miles.models.checkpoint import ensure_checkpoint
     from miles.train.optim import lr_multiplier
+    from miles.types import TrainBatch
 
     steps, prompts, n = 3, 4, 4
     # the count task's partial credit gives groups unequal rewards from the first step
@@ -39,14 +39,14 @@ def test_each_step_is_the_reference_grpo_update(ray_cluster, tmp_path: Path, mon
     checkpoint = ensure_checkpoint(run, parts["spec"], parts["task"])
 
     batches: list[list] = []  # what the loop hands the trainer, step by step
-    record = loop.TrainBatch.from_samples
+    record = TrainBatch.from_samples
 
     def recording(samples):
         batches.append([(s.prompt_ids, s.response_ids, s.rollout_logprobs, s.loss_mask, s.reward, s.advantage,
                          s.response_text, s.label) for s in samples])
         return record(samples)
 
-    monkeypatch.setattr(loop.TrainBatch, "from_samples", staticmethod(recording))
+    monkeypatch.setattr(TrainBatch, "from_samples", staticmethod(recording))
     run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: None)
     assert len(batches) == steps and all(len(b) == prompts * n for b in batches)
 
