@@ -357,6 +357,9 @@ def test_compat_warns_on_another_megatron_version(monkeypatch: pytest.MonkeyPatc
     compat.uninstall()
     try:
         monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+        # the record reaches caplog whatever logging set-up an earlier test in this process left behind
+        monkeypatch.setattr(compat.log, "disabled", False)
+        monkeypatch.setattr(compat.log, "propagate", True)
         with caplog.at_level("WARNING", logger=compat.__name__):
             assert compat.install()
         assert "megatron-core 0.17.0" in caplog.text and "must be re-checked" in caplog.text

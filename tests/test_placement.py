@@ -247,14 +247,14 @@ def test_two_nodes_engines_on_the_second_node(tmp_path: Path) -> None:
 
 
 def test_free_port_is_below_the_ephemeral_range_and_falls_back_when_it_is_taken(monkeypatch) -> None:
-    import miles.core.cluster as cluster
+    import miles.machine as machine
 
-    port = cluster.free_port()
-    assert cluster.RENDEZVOUS_PORTS[0] <= port < cluster.RENDEZVOUS_PORTS[1]
+    port = machine.free_port()
+    assert machine.RENDEZVOUS_PORTS[0] <= port < machine.RENDEZVOUS_PORTS[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free when returned
     with socket.socket() as held:  # the whole range taken: the kernel's free port instead
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        monkeypatch.setattr(cluster, "RENDEZVOUS_PORTS", (taken, taken + 1))
-        assert cluster.free_port(attempts=1) != taken
+        monkeypatch.setattr(machine, "RENDEZVOUS_PORTS", (taken, taken + 1))
+        assert machine.free_port(attempts=1) != taken
