@@ -56,6 +56,22 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_parked_actors():
+    """After each module, shut down the actors its runs parked for a next job (miles.core.actors).
+
+    Parked actors keep their bundles' CPUs. Inside a module, runs of one shape reuse them; a later
+    module's own actors (a gloo group of four ranks, a weight source) must not wait for CPUs that
+    a finished module's runs still hold.
+    """
+    yield
+    import sys
+
+    actors = sys.modules.get("miles.core.actors")
+    if actors is not None:
+        actors.release_parked()
+
+
 @pytest.fixture(scope="session")
 def megatron_pair(ray_cluster):
     """Two megatron trainer ranks (Ray actors, one gloo group) shared by the megatron test modules' layouts."""

@@ -77,7 +77,7 @@ def actors(ray_cluster, tiny_qwen3_dir):
     bad = _partial_source()
     engines = [ray.remote(TorchEngine).options(**ACTOR).remote(str(tiny_qwen3_dir), PrecisionConfig(),
                                                                  num_threads=1, engine_id=i) for i in range(2)]
-    ray.get([e.health.remote() for e in engines] + [bad.shapes.remote()])
+    ray.get([e.health.remote() for e in engines] + [bad.shapes.remote()], timeout=120)
     yield source, engines, bad
     for a in [source, bad, *engines]:
         ray.kill(a)
@@ -135,7 +135,7 @@ def test_broadcast_sender_that_died_times_out_and_next_sync_uses_a_fresh_group(a
     source, engines, _ = actors
     transport = make_transport(dataclasses.replace(CFG["broadcast"], timeout_s=2.0), [source], engines)
     dead = ray.remote(WeightSource).options(**ACTOR).remote("tiny")
-    ray.get(dead.shapes.remote())
+    ray.get(dead.shapes.remote(), timeout=120)
     ray.kill(dead)
     try:
         first = next(_version)
