@@ -37,7 +37,10 @@ def _run(cfg: DictConfig) -> float | None:
             print(make_plan(run, Machine.here()).describe())
             return None
     except ConfigError as e:
-        log.error("config error: %s", e)
+        if _plan_only:  # --plan sets Hydra's logging to none: the one line goes to stderr itself
+            print(f"miles: config error: {e}", file=sys.stderr)
+        else:
+            log.error("config error: %s", e)
         raise SystemExit(2) from None
     from hydra.core.hydra_config import HydraConfig
 
