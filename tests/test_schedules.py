@@ -123,7 +123,10 @@ SGLANG = {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLang
           "cluster": {"reuse_actors": True}}
 """The config sections of an SGLang run (the parked actor and its server serve the next job)."""
 
-ENGINES = [pytest.param("torch"), pytest.param("sglang", marks=pytest.mark.sglang)]
+SGLANG_ACTORS = pytest.mark.actors("sglang-fsdp-disaggregated")
+"""The SGLang jobs on the FSDP trainer, disaggregated: one shape, so one server serves them all."""
+
+ENGINES = [pytest.param("torch"), pytest.param("sglang", marks=[pytest.mark.sglang, SGLANG_ACTORS])]
 
 SCHEDULES = [
     ("sync", {"algo": {"dynamic_sampling": True}}),
@@ -138,7 +141,7 @@ MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "sha
 
 @pytest.mark.parametrize("engine,schedule,extra", [
     *(pytest.param("torch", schedule, extra, id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
-    *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=pytest.mark.sglang)
+    *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=[pytest.mark.sglang, SGLANG_ACTORS])
       for schedule, extra in SCHEDULES),
     # the product stack: the megatron trainer under both async schedules, on either engine (the jobs of
     # one engine share its actors: the second costs a few seconds)
