@@ -112,6 +112,29 @@ def test_two_trainer_ranks_and_their_critics_are_reused_too(ray_cluster, cache: 
     assert again == first
 
 
+@pytest.mark.slow
+def test_disaggregated_jobs_of_another_trainer_side_keep_the_engines(ray_cluster, cache: Path) -> None:
+    """Disaggregated, a job whose trainer side differs (here: PPO adds critic ranks) keeps the last job's
+    engines and their pool, and starts its trainer side anew; it computes what a job on new engines does."""
+    import ray
+
+    from miles.core.actors import parked, release_parked
+
+    a = TINY + ["placement=disaggregated", "trainer.num_steps=1", "trainer.eval_every=0",
+                f"warm_start.cache_dir={cache}"]
+    release_parked()
+    _job(a)
+    grpo = parked()
+    kept = _job(a + ["algo=ppo"])
+    ppo = parked()
+    assert _ids(ppo)[:1] == _ids(grpo)[:1] and len(ppo.critics) == 1  # the engine, kept
+    assert not set(_ids(ppo)[1:]) & set(_ids(grpo)[1:])  # new trainer and critic ranks
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(grpo.trainers[0].__ray_ready__.remote(), timeout=30)  # the old trainer rank is gone
+    release_parked()
+    assert _job(a + ["algo=ppo"]) == kept
+
+
 _KEEP_SCRIPT = """
 import logging
 import ray

@@ -123,8 +123,9 @@ SGLANG = {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLang
           "cluster": {"reuse_actors": True}}
 """The config sections of an SGLang run (the parked actor and its server serve the next job)."""
 
-SGLANG_ACTORS = pytest.mark.actors("sglang-fsdp-disaggregated")
-"""The SGLang jobs on the FSDP trainer, disaggregated: one shape, so one server serves them all."""
+SGLANG_ACTORS = pytest.mark.actors("sglang-disaggregated")
+"""The SGLang jobs, disaggregated: one engine side, so one server serves them all (the megatron jobs
+keep the engine and start their own trainer ranks)."""
 
 ENGINES = [pytest.param("torch"), pytest.param("sglang", marks=[pytest.mark.sglang, SGLANG_ACTORS])]
 
@@ -148,7 +149,8 @@ MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "sha
     *(pytest.param("torch+megatron", schedule, extra, id=f"torch-megatron-{schedule}", marks=pytest.mark.megatron)
       for schedule, extra in SCHEDULES[1:]),
     *(pytest.param("sglang+megatron", schedule, extra, id=f"sglang-megatron-{schedule}",
-                   marks=[pytest.mark.megatron, pytest.mark.sglang]) for schedule, extra in SCHEDULES[1:]),
+                   marks=[pytest.mark.megatron, pytest.mark.sglang, SGLANG_ACTORS])
+      for schedule, extra in SCHEDULES[1:]),
 ])
 def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_bound(
         ray_cluster, probe, engine: str, schedule: str, extra: dict) -> None:

@@ -8,8 +8,10 @@ Most of an actor's start-up is its process importing torch and transformers' mod
 (about 10 s of CPU per actor on 2 cores). So while Ray outlives a job (a sweep's jobs on the basic
 launcher, jobs run from Python), :func:`park_actors` keeps a finished job's actors, and the next
 job whose plan has the same :meth:`~miles.core.plan.Plan.key` takes them: each is constructed anew in its
-process (:mod:`miles.backends.reuse`). One set is kept at a time, because parked actors hold their bundles'
-CPUs; a job of another key shuts it down before it reserves its own.
+process (:mod:`miles.backends.reuse`). With ``placement=disaggregated``, a job whose plan differs only on
+the trainer side (the same :meth:`~miles.core.plan.Plan.engine_key`) takes the engines and their pool
+alone, so an SGLang engine keeps its server. One set is kept at a time, because parked actors hold their
+bundles' CPUs; a job of another key shuts down what it does not take before it reserves its own.
 """
 
 from __future__ import annotations
@@ -81,13 +83,15 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     in its process (:mod:`miles.backends.reuse`), which skips the process start and its imports.
     """
     warm = _take_parked(plan, run.cluster.reuse_actors)
-    if warm is not None:
+    if warm is not None and warm.trainers:
         try:
             return _ready(_reinit(warm, plan, run, checkpoint_dir), reused=True)
         except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
             log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
             warm.shutdown()
-    groups = reserve(plan)
+            warm = None
+    kept = warm  # None, or the last job's engines alone (disaggregated, the same engine side)
+    groups = reserve(plan) if kept is None else [*kept.placement_groups, *reserve(plan, first=1)]
 
     def place(cls: Any, slot: Slot, **options: Any) -> Any:
         return ray.remote(cls).options(
@@ -98,17 +102,25 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
 
     engine_args, trainer_args, critic_args = _constructor_args(plan, run, checkpoint_dir, groups)
     engine_cls, trainer_cls = locate(plan.engine_class), locate(plan.trainer_class)
-    engines = [place(engine_cls, slot, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*a, **kw)
-               for slot, (a, kw) in zip(plan.engines, engine_args, strict=True)]
+    if kept is not None:
+        engines = kept.engines
+        pending = [e.reinit.remote(*a, **kw) for e, (a, kw) in zip(engines, engine_args, strict=True)]
+    else:
+        engines = [place(engine_cls, slot, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*a, **kw)
+                   for slot, (a, kw) in zip(plan.engines, engine_args, strict=True)]
+        pending = []
     trainers = [place(trainer_cls, slot).remote(**kw) for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
     critics = [place(locate(plan.critic_class), slot).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics)
     try:  # surface construction errors now, with the actor's traceback
+        ray.get(pending)
         ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
     except BaseException:
         actors.shutdown()
         raise
+    if kept is not None:
+        log.info("kept the last job's %d engine(s) and their pool; new trainer ranks", len(engines))
     return _ready(actors, reused=False)
 
 
@@ -173,14 +185,26 @@ def _reusable(plan: Plan) -> bool:
 
 
 def _take_parked(plan: Plan, reuse: bool) -> Actors | None:
-    """The parked actors if they fit ``plan``; a parked set of another key is shut down (it holds CPUs)."""
+    """The parked actors if they fit ``plan``; or, disaggregated, their engines alone if the engine side
+    fits (:meth:`~miles.core.plan.Plan.engine_key`): the trainer side is shut down with its pool. Whatever
+    is not taken is shut down (it holds CPUs)."""
     global _PARKED
     kept = _PARKED
-    if (kept is not None and reuse and kept.key == plan.key() and _reusable(plan)
-            and ray.is_initialized() and kept.cluster == _cluster_id()):
+    if kept is None or not (reuse and ray.is_initialized() and kept.cluster == _cluster_id()):
+        release_parked()  # reuse off, or gone with its cluster
+        return None
+    if kept.key == plan.key() and _reusable(plan):
         _PARKED = None
         return kept.actors
-    release_parked()  # another key, reuse off, or gone with its cluster
+    old = kept.actors
+    if (plan.engine_key() is not None and old.plan.engine_key() == plan.engine_key()
+            and callable(getattr(locate(plan.engine_class), "reinit", None))):
+        _PARKED = None
+        trainer_side = Actors(engines=[], trainers=old.trainers, critics=old.critics,
+                              placement_groups=old.placement_groups[1:], plan=old.plan)
+        trainer_side.shutdown()
+        return Actors(engines=old.engines, trainers=[], placement_groups=old.placement_groups[:1], plan=old.plan)
+    release_parked()  # another key
     return None
 
 

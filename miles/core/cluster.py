@@ -84,13 +84,14 @@ def rendezvous(plan: Plan, pg: PlacementGroup) -> tuple[str, int]:
     return ray.get(probe.remote(), timeout=plan.ready_timeout_s)
 
 
-def reserve(plan: Plan) -> list[PlacementGroup]:
-    """One placement group per pool of ``plan``, in order; fail within the plan's ``ready_timeout_s``.
+def reserve(plan: Plan, first: int = 0) -> list[PlacementGroup]:
+    """One placement group per pool of ``plan`` from pool ``first`` on, in order; fail within the plan's
+    ``ready_timeout_s``.
 
     If any pool is not placed after ``placement.ready_timeout_s``, every group is released and a
     :class:`ConfigError` says what each pool asked for, which were not placed, and what the cluster has.
     """
-    pools = plan.pools
+    pools = plan.pools[first:]
     groups = [placement_group([pool.bundle() for _ in range(pool.num_bundles)], strategy="PACK") for pool in pools]
     ready = [g.ready() for g in groups]
     done, _ = ray.wait(ready, num_returns=len(ready), timeout=plan.ready_timeout_s)

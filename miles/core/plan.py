@@ -125,6 +125,17 @@ class Plan:
                   "trainer_class", "critic_class", "offload")
         return json.dumps({k: v for k, v in asdict(self).items() if k in fields}, sort_keys=True, default=str)
 
+    def engine_key(self) -> str | None:
+        """Disaggregated only: what fixes the engines and their pool of their own. A job whose :meth:`key`
+        differs only in its trainer side (another trainer class, world size, critics) can keep the
+        engines, and an SGLang engine its server (:mod:`miles.core.actors`)."""
+        if self.placement != "disaggregated":
+            return None
+        pool = self.pools[self.engines[0].pool]
+        return json.dumps({"device": self.device, "joined": self.joined, "pool": asdict(pool),
+                           "engines": [asdict(s) for s in self.engines], "engine_class": self.engine_class},
+                          sort_keys=True, default=str)
+
     def describe(self) -> str:
         """The plan as text (``python -m miles --plan``)."""
         cluster = "a joined Ray cluster" if self.joined else f"a local Ray cluster ({self.cores} core(s) for threads)"
