@@ -241,3 +241,17 @@ def test_help_introduces_miles_and_lists_the_groups_a_user_picks_from(monkeypatc
     assert groups == sorted([*GROUP_SCHEMAS, "experiment"])
     assert "placement: colocate, disaggregated" in out and "miles --plan" in out
     assert "Hydra" not in out.splitlines()[0] and "schema:" not in out
+
+
+def test_engine_key_is_the_engine_side_of_a_disaggregated_plan() -> None:
+    """Jobs differing only on the trainer side share an engine key (their engines can be kept); colocated
+    engines share bundles with the ranks, so they have none."""
+    dis = {"name": "disaggregated"}
+    base = _plan(placement=dis)
+    megatron = _plan(placement=dis, trainer={"_target_": "miles.train.megatron.MegatronTrainer",
+                                             "shared_prompt_forward": False})
+    ppo = _plan(placement=dis, algo={"name": "ppo", "estimator": "gae"})
+    assert base.key() != megatron.key() and base.key() != ppo.key()
+    assert base.engine_key() == megatron.engine_key() == ppo.engine_key() is not None
+    assert _plan(placement=dis | {"num_engines": 2}).engine_key() != base.engine_key()
+    assert _plan().engine_key() is None
