@@ -253,5 +253,5 @@ def test_engine_key_is_the_engine_side_of_a_disaggregated_plan() -> None:
     ppo = _plan(placement=dis, algo={"name": "ppo", "estimator": "gae"})
     assert base.key() != megatron.key() and base.key() != ppo.key()
     assert base.engine_key() == megatron.engine_key() == ppo.engine_key() is not None
-    assert _plan(placement=dis | {"num_engines": 2}).engine_key() != base.engine_key()
+    assert _plan(placement=dis | {"num_engines": 2, "cpus_per_engine": 0.5}).engine_key() != base.engine_key()
     assert _plan().engine_key() is None
