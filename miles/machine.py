@@ -50,11 +50,16 @@ process group's store binding it; above Ray's worker ports (10002-19999) and the
 (below 30000)."""
 
 
+_PORT_DRAWS = random.SystemRandom()
+"""Ports are drawn from the OS's entropy, never from the global generator a run seeds: runs with the
+same seed on one machine (a parallel sweep, two users) would otherwise try the same ports in order."""
+
+
 def free_port(host: str = "127.0.0.1", attempts: int = 64, ports: tuple[int, int] | None = None) -> int:
     """A port ``host`` can bind now: one of ``attempts`` random ports in ``ports`` (default
     :data:`RENDEZVOUS_PORTS`), else (all tried ones taken) any free port the kernel gives."""
     lo, hi = ports or RENDEZVOUS_PORTS
-    for port in random.sample(range(lo, hi), min(attempts, hi - lo)):
+    for port in _PORT_DRAWS.sample(range(lo, hi), min(attempts, hi - lo)):
         with socket.socket() as s:
             try:
                 s.bind((host, port))

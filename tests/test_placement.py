@@ -258,3 +258,19 @@ def test_free_port_is_below_the_ephemeral_range_and_falls_back_when_it_is_taken(
         taken = held.getsockname()[1]
         monkeypatch.setattr(machine, "RENDEZVOUS_PORTS", (taken, taken + 1))
         assert machine.free_port(attempts=1) != taken
+
+
+def test_free_port_does_not_follow_the_runs_seed() -> None:
+    """Runs seeded alike (a parallel sweep) must not try the same ports: the draw leaves the global
+    generator alone and does not repeat after it is reseeded."""
+    import random
+
+    import miles.machine as machine
+
+    random.seed(0)
+    expected = random.random()
+    random.seed(0)
+    ports = [machine.free_port() for _ in range(8)]
+    assert random.random() == expected  # the global generator was not drawn from
+    random.seed(0)
+    assert [machine.free_port() for _ in range(8)] != ports
