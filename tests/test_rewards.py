@@ -254,3 +254,36 @@ def test_a_script_without_a_main_guard_is_told_so(tmp_path: Path) -> None:
     guarded.write_text(body + "\n")
     p = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+LOKY_JOB = """
+from joblib.externals.loky import get_reusable_executor
+
+
+def job():
+    from miles.config import TargetConfig
+    from miles.rewards.runner import RewardItem, RewardRunner
+
+    node = TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True)
+    with RewardRunner(node, timeout_s=30.0, isolation="process", startup_timeout_s=60.0) as r:
+        out = r.score([RewardItem("7", "7"), RewardItem("8", "7")])
+        return [o.reward for o in out], r.num_crashes, r.num_restarts
+
+
+if __name__ == "__main__":
+    print("result", get_reusable_executor(max_workers=1).submit(job).result())
+"""
+
+
+def test_reward_workers_start_inside_a_joblib_launchers_job(tmp_path: Path) -> None:
+    """A joblib sweep runs each job in a loky worker, whose start method is "loky": a spawned reward
+    worker restored that first and died ("cannot find context for 'loky'")."""
+    import subprocess
+
+    pytest.importorskip("joblib")
+    script = tmp_path / "job.py"
+    script.write_text(LOKY_JOB)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "result ([1.0, 0.0], 0, 0)" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "cannot find context" not in p.stderr

@@ -128,6 +128,10 @@ class RewardRunner:
         self._closed = False
         self._inline_fn: Any = None
         self._inline_extras: tuple[str, ...] = ()
+        if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+            # e.g. "loky" in a joblib launcher's job: a spawned worker restores its parent's start method
+            # first, and "cannot find context for 'loky'" in a process that has not imported loky
+            mp.set_start_method("spawn", force=True)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = [_Worker(self._ctx, self._spec, startup_timeout_s)
                                         for _ in range(self.num_workers)]
