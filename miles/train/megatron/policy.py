@@ -57,11 +57,11 @@ class MegatronPolicy:
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        t = config.trainer
+        t, p, algo = config.trainer, config.precision, config.algo
         self.rank, self.world_size, self.config = rank, world_size, config
         self.mismatch = mismatch_settings(config, same_forward=self.same_forward_as_engine)
-        self.policy_loss_fn = build(config.algo.policy_loss, allow=config.allow, key="algo.policy_loss",
-                                    clip_low=config.algo.clip_low, clip_high=config.algo.clip_high)
+        self.policy_loss_fn = build(algo.policy_loss, allow=config.allow, key="algo.policy_loss",
+                                    clip_low=algo.clip_low, clip_high=algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                             master_port=master_port, device=device)
         engine, compat = _import_megatron()
@@ -74,10 +74,8 @@ class MegatronPolicy:
         check_dims(self.dims, self.arch)
         self.pad_id = pad_token_id(hf_config)
         self.hf_shapes, self.hf_param_names = load.hf_layout(hf_config)
-        p, algo = config.precision, config.algo
-        self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=config.seed,
-                                    device=self.device, bf16=p.train_dtype == "bfloat16",
-                                    recompute=t.activation_checkpointing,
+        self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=config.seed, device=self.device,
+                                    bf16=p.train_dtype == "bfloat16", recompute=t.activation_checkpointing,
                                     precision=p, routing_replay=algo.routing_replay == "rollout")
         # adapter=lora: the base frozen, one LoRA adapter per name trains (the reference model is the base alone)
         self.lora = None
