@@ -10,6 +10,7 @@ import torch
 
 from miles.algos.advantages import group_normalized
 from miles.algos.logprobs import token_logprobs
+from miles.config import RankConfig
 from miles.config.schema import MilesConfig
 from miles.machine import free_port
 from miles.train.fsdp import FSDPTrainer
@@ -77,7 +78,7 @@ class Group:
         actor_cls = ray.remote(num_cpus=0.5)(FSDPTrainer)
         port = free_port()
         self.actors = [actor_cls.remote(rank=r, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                                        checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                                        checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
                        for r in range(world_size)]
 
     def call(self, method: str, *args):
@@ -95,7 +96,7 @@ class Group:
 def local_trainer(ckpt: Path, run: MilesConfig) -> Iterator[FSDPTrainer]:
     """One rank (world size 1) in this process, shut down afterwards."""
     trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                          checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                          checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
     try:
         yield trainer
     finally:

@@ -10,6 +10,7 @@ from typing import Any
 from fsdp_ranks import TIMEOUT_S, free_port
 from ray import cloudpickle
 
+from miles.config import RankConfig
 from miles.config.schema import MilesConfig
 
 
@@ -27,7 +28,7 @@ class MegatronGroup:
     def _kwargs(self, rank: int, port: int, ckpt: Path, run: MilesConfig, extra: dict[str, Any]) -> dict[str, Any]:
         """The driver's constructor arguments, and ``extra`` ones (e.g. ``adapter_names``)."""
         return dict(rank=rank, world_size=self.world_size, master_addr="127.0.0.1", master_port=port,
-                    checkpoint_dir=str(ckpt), run=run, num_threads=1, **extra)
+                    checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1, **extra)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=TIMEOUT_S)

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles.config import RankConfig
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.fsdp import FSDPTrainer
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, TrainBatch
@@ -44,10 +45,11 @@ class DiesAtVersion(TorchEngine):
 
 
 class CountingTrainer(FSDPTrainer):
-    """The FSDP trainer, adding ``train/plugin_steps`` to its metrics."""
+    """The FSDP trainer, adding ``train/plugin_steps`` to its metrics; its ``config`` is the rank's part of
+    the run (:class:`miles.config.RankConfig`), the other arguments its place in the group."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, config: RankConfig, **kwargs: Any) -> None:
+        super().__init__(config=config, **kwargs)
         self.steps = 0
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

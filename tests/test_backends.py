@@ -16,7 +16,7 @@ from miles.backends.contract import (
     check_trainer,
     check_trainer_class,
 )
-from miles.config import ConfigError
+from miles.config import ConfigError, RankConfig
 from miles.config.schema import PrecisionConfig
 from miles.config.validate import validate
 from miles.core.plan import backends
@@ -60,7 +60,7 @@ def test_a_broken_engine_fails_its_contract_naming_the_promise(tiny_qwen3_dir: P
 def _trainer(cls: type, ckpt: Path, **run) -> FSDPTrainer:
     cfg = validate({"trainer": {"lr": 1e-3, "lr_warmup_steps": 0}, "algo": {"num_minibatches": 2}, **run})
     return cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), checkpoint_dir=str(ckpt),
-               run=cfg, num_threads=1)
+               config=RankConfig.of(cfg), num_threads=1)
 
 
 def test_fsdp_trainer_meets_the_trainer_contract(tiny_qwen3_dir: Path, hf_state_dict) -> None:
@@ -99,6 +99,14 @@ def test_class_checks_say_what_a_backend_lacks(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match=r"trainer._target_: .*TorchEngine is not a Trainer backend: it has no "
                                           r"compute_logprobs\(\)"):
         check_trainer_class(TorchEngine, validate({}))
+
+    class WholeRunTrainer(FSDPTrainer):  # a rank constructed with the whole run config, not its own part
+        def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
+                     run: object, num_threads: int = 0, device: str = "cpu") -> None: ...
+
+    with pytest.raises(ConfigError, match=r"trainer._target_: .*WholeRunTrainer.__init__ takes no 'config', which "
+                                          r"the driver passes every trainer rank"):
+        check_trainer_class(WholeRunTrainer, validate({}))
     # an async schedule takes an engine class that reports each token's weight version (a subclass of the
     # torch engine inherits it), and refuses one that does not
     asynchronous = validate({"schedule": {"name": "fully_async", "max_staleness": 2},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miles.algos.losses import aggregate, decoupled_ppo_loss, ppo_clip_loss
-from miles.config import validate
+from miles.config import RankConfig, validate
 from miles.train.objective import mismatch_settings, policy_objective
 
 # three tokens per row: pi_theta, pi_prox (the update's start), pi_behav (the weights that sampled it)
@@ -65,13 +65,13 @@ def test_async_schedules_train_with_the_decoupled_objective(engine: str) -> None
     one_off = validate({"schedule": {"name": "one_step_off", "max_staleness": 1},
                         "placement": {"name": "disaggregated"}, **ENGINES[engine]})
     assert one_off.rollout.engine.target.split(".")[2] == f"{engine}_engine"
-    assert mismatch_settings(sync)["tis_clip"] is None
-    assert mismatch_settings(one_off) == {"tis_clip": 2.0, "mismatch_mode": "tis", "mismatch_level": "token"}
+    assert mismatch_settings(RankConfig.of(sync))["tis_clip"] is None
+    assert mismatch_settings(RankConfig.of(one_off)) == {"tis_clip": 2.0, "mismatch_mode": "tis", "mismatch_level": "token"}
     logp, prox, behav, adv, mask = _inputs()
     loss, metrics = policy_objective(
         logp=logp, old_logp=prox, rollout_logp=behav, advantages=adv, loss_mask=mask, entropy=torch.zeros(2, 3),
         policy_loss_fn=functools.partial(ppo_clip_loss, clip_low=0.2, clip_high=0.2), algo=one_off.algo,
-        **mismatch_settings(one_off))
+        **mismatch_settings(RankConfig.of(one_off)))
     ref, _ = decoupled_ppo_loss(logp, prox, behav, adv, clip_low=0.2, clip_high=0.2, behaviour_clip=2.0,
                                 loss_mask=mask)
     torch.testing.assert_close(loss, aggregate(ref, mask, "token_mean"))

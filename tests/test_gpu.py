@@ -15,6 +15,7 @@ import torch
 from fsdp_ranks import free_port, hf_model_from, rl_batch
 
 from miles.backends.contract import check_engine, check_trainer
+from miles.config import RankConfig
 from miles.config.schema import PrecisionConfig
 from miles.config.validate import validate
 from miles.rollout.torch_engine import TorchEngine
@@ -44,7 +45,7 @@ def test_engine_on_cuda_matches_the_cpu_engine_and_meets_its_contract(tiny_qwen3
 
 def _gradients(ckpt: Path, device: str) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                          checkpoint_dir=str(ckpt), run=validate({}), device=device)
+                          checkpoint_dir=str(ckpt), config=RankConfig.of(validate({})), device=device)
     try:
         batch = rl_batch(hf_model_from(ckpt))
         return trainer.compute_gradients(batch), trainer.compute_logprobs(batch)
@@ -59,7 +60,8 @@ def test_fsdp_trainer_on_cuda_computes_what_it_computes_on_cpu(tiny_qwen3_dir: P
     for k, g in cpu_grads.items():
         torch.testing.assert_close(gpu_grads[k], g, atol=1e-5, rtol=1e-3, msg=k)
     trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                          checkpoint_dir=str(tiny_qwen3_dir), run=validate({"algo": {"num_minibatches": 2}}),
+                          checkpoint_dir=str(tiny_qwen3_dir),
+                          config=RankConfig.of(validate({"algo": {"num_minibatches": 2}})),
                           device="cuda")
     try:
         model = hf_model_from(tiny_qwen3_dir)
@@ -103,7 +105,8 @@ def test_megatron_tp1_on_cuda_computes_what_fsdp_computes_on_cpu(tiny_qwen3_dir:
     cpu_grads, cpu_logps = _gradients(tiny_qwen3_dir, "cpu")
     run = validate({"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "shared_prompt_forward": False}})
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1, device="cuda")
+                              checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(run), num_threads=1,
+                              device="cuda")
     try:
         model = hf_model_from(tiny_qwen3_dir)
         batch = rl_batch(model)

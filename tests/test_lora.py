@@ -13,6 +13,7 @@ import torch
 from fsdp_ranks import Group, free_port, hf_logprobs, hf_model_from, local_trainer, rl_batch
 
 from miles.adapters import lora
+from miles.config import RankConfig
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.config.validate import ConfigError, validate
 from miles.rollout.torch_engine import TorchEngine
@@ -181,7 +182,8 @@ def test_an_adapters_samples_never_move_another_adapter(tiny_qwen3_dir, hf_model
     run = validate(LORA)
     batch = rl_batch(hf_model)
     trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                          checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1, adapter_names=("a", "b"))
+                          checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(run), num_threads=1,
+                          adapter_names=("a", "b"))
     try:
         start = {n: lora.adapter_state(trainer.model, n) for n in ("a", "b")}
         # a batch of a's samples only: b keeps its weights and gets no optimizer state

@@ -38,6 +38,7 @@ from megatron_ranks import (  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.backends.contract import check_trainer, check_trainer_class  # noqa: E402
+from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
 
@@ -296,7 +297,7 @@ def test_mapping_round_trip_under_every_layout(checkpoints: dict[str, Path], ckp
 
 def _local(ckpt: Path, run: Any) -> MegatronTrainer:
     return MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                           checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                           checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
 
 
 def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):

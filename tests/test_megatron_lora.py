@@ -26,6 +26,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from miles.adapters import lora  # noqa: E402
 from miles.backends.contract import check_trainer_class  # noqa: E402
+from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.fsdp import FSDPTrainer  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
@@ -137,7 +138,8 @@ def fsdp(tiny_qwen3_dir: Path, hf: torch.nn.Module, starts: dict[str, Path]) -> 
     batch = rl_batch(hf)
     seen = _reference(tiny_qwen3_dir, _run(), starts["dense"])
     tenants = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                          checkpoint_dir=str(tiny_qwen3_dir), run=_run(), num_threads=1, adapter_names=TENANTS)
+                          checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(_run()), num_threads=1,
+                          adapter_names=TENANTS)
     try:
         _randomize(tenants, 1)
         tenants.save_state(str(starts["tenants"]))
@@ -231,7 +233,7 @@ def test_one_rank_trains_fsdps_adapters_exports_them_and_writes_fsdps_state(
 
     batch = rl_batch(hf)
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(tiny_qwen3_dir), run=_run(), num_threads=1)
+                              checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(_run()), num_threads=1)
     try:
         held = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
         assert held == {id(p) for p in trainer.lora.params.values()}, "the optimizer must hold the adapters only"
@@ -283,7 +285,8 @@ def test_one_rank_tenants_never_move_each_other(tiny_qwen3_dir: Path, hf: torch.
                                                 starts: dict[str, Path]):
     batch = rl_batch(hf)
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(tiny_qwen3_dir), run=_run(), num_threads=1, adapter_names=TENANTS)
+                              checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(_run()), num_threads=1,
+                              adapter_names=TENANTS)
 
     def state() -> dict[str, dict[str, torch.Tensor]]:
         return _unsync(sent_weights(trainer))
@@ -372,7 +375,7 @@ def test_one_rank_lora_with_qat_bf16_or_replay_trains_what_fsdp_trains(
     with local_trainer(ckpt, run) as t:
         want = _one_step(t, starts[ckpt_name], batch)
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                              checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
     try:
         got = _one_step(trainer, starts[ckpt_name], batch)
     finally:

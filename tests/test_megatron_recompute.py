@@ -22,6 +22,7 @@ pytest.importorskip("megatron.core")
 from fsdp_ranks import free_port, hf_model_from, rl_batch  # noqa: E402
 
 from miles.backends.contract import check_trainer_class  # noqa: E402
+from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import validate  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
 
@@ -56,7 +57,7 @@ def _gradients(ckpt: Path, batch: Any, variant: str, *, recompute: bool,
     run = validate(cfg)
     check_trainer_class(MegatronTrainer, run)  # accepted before Ray starts
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                              checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
     calls = [0]
 
     def count(*_: Any) -> None:

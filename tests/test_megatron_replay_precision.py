@@ -27,6 +27,7 @@ from megatron_ranks import MegatronPair, experts_called, recomputed_routes, redi
 from test_megatron import EXPECTED_SITES  # noqa: E402
 
 from miles.backends.contract import check_trainer_class  # noqa: E402
+from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.batching import pad_batch  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
@@ -299,7 +300,7 @@ def test_one_rank_qat_recipes_compute_what_fsdp_computes(checkpoints: dict[str, 
         with local_trainer(ckpt, fsdp_run if bf16 else run) as t:
             want_logp, want_grads = t.compute_logprobs(batch), t.compute_gradients(batch)
         trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                                  checkpoint_dir=str(ckpt), run=run, num_threads=1)
+                                  checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
         try:
             assert trainer.mismatch["tis_clip"] == (2.0 if bf16 else None)
             logp, grads = trainer.compute_logprobs(batch), trainer.compute_gradients(batch)

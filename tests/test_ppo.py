@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from miles.algos.gae import explained_variance, gae, gae_from_lists, value_loss, whiten
-from miles.config import validate
+from miles.config import RankConfig, validate
 from miles.train.critic import FSDPCritic
 from miles.types import TrainBatch
 
@@ -125,13 +125,14 @@ def _returns(batch: TrainBatch) -> list[list[float]]:
     return [[float(i % 2)] * len(r) for i, r in enumerate(batch.response_ids)]
 
 
-def _critic_run(**critic):
-    return validate({"algo": {"estimator": "gae", "critic": {"lr": 1e-3, **critic}, "num_minibatches": 2}})
+def _critic_config(**critic) -> RankConfig:
+    algo = {"estimator": "gae", "critic": {"lr": 1e-3, **critic}, "num_minibatches": 2}
+    return RankConfig.of(validate({"algo": algo}))
 
 
 def test_critic_in_process_learns_the_returns(tiny_qwen3_dir: Path):
     critic = FSDPCritic(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
-                        checkpoint_dir=str(tiny_qwen3_dir), run=_critic_run(), num_threads=1)
+                        checkpoint_dir=str(tiny_qwen3_dir), config=_critic_config(), num_threads=1)
     try:
         batch, returns = _batch(), _returns(_batch())
         v0 = critic.compute_values(batch)
@@ -161,7 +162,8 @@ def test_critic_in_process_learns_the_returns(tiny_qwen3_dir: Path):
 def test_critic_value_clip_bounds_the_first_update(tiny_qwen3_dir: Path):
     # old values far from the current ones: with a tiny clip the clipped term dominates everywhere
     critic = FSDPCritic(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
-                        checkpoint_dir=str(tiny_qwen3_dir), run=_critic_run(value_clip=1e-3), num_threads=1)
+                        checkpoint_dir=str(tiny_qwen3_dir), config=_critic_config(value_clip=1e-3),
+                        num_threads=1)
     try:
         batch = _batch()
         far = [[-5.0] * len(r) for r in batch.response_ids]
@@ -173,7 +175,7 @@ def test_critic_value_clip_bounds_the_first_update(tiny_qwen3_dir: Path):
 
 @pytest.mark.slow
 def test_critic_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path):
-    run = _critic_run()
+    config = _critic_config()
     batch = _batch()
     returns = _returns(batch)
     groups = []
@@ -182,7 +184,7 @@ def test_critic_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path):
             actor_cls = ray_cluster.remote(num_cpus=0.5)(FSDPCritic)
             port = _free_port()
             groups.append([actor_cls.remote(rank=r, world_size=ws, master_addr="127.0.0.1", master_port=port,
-                                            checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1)
+                                            checkpoint_dir=str(tiny_qwen3_dir), config=config, num_threads=1)
                            for r in range(ws)])
 
         def call(group, method, *args):
@@ -220,7 +222,7 @@ def test_one_ppo_step_with_policy_and_critic_actor_groups(ray_cluster, tiny_qwen
         for name, cls in (("policy", FSDPTrainer), ("critic", FSDPCritic)):
             actors[name] = ray_cluster.remote(num_cpus=0.5)(cls).remote(
                 rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
-                checkpoint_dir=str(tiny_qwen3_dir), run=run, num_threads=1)
+                checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(run), num_threads=1)
         policy, critic = actors["policy"], actors["critic"]
         batch.rollout_logprobs = ray_cluster.get(policy.compute_logprobs.remote(batch), timeout=TIMEOUT_S)
         values = ray_cluster.get(critic.compute_values.remote(batch), timeout=TIMEOUT_S)

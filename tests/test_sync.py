@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from miles.config import validate
+from miles.config import RankConfig, validate
 from miles.config.schema import WeightSyncConfig
 from miles.rollout.torch_engine import TorchEngine
 from miles.train.fsdp import FSDPTrainer
@@ -29,8 +29,8 @@ def _pair(ckpt: str, precision: str, lr: float = 1e-3, trainer_cls: type = FSDPT
     run = validate({"precision": _precision(precision), "trainer": {"lr": lr, "lr_warmup_steps": 0}, "rollout": {"max_new_tokens": 6}})
     engine = ray.remote(TorchEngine).options(**ACTOR).remote(ckpt, run.precision, seed=0, num_threads=1)
     trainer = ray.remote(trainer_cls).options(**ACTOR).remote(
-        rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(), checkpoint_dir=ckpt, run=run,
-        num_threads=1,
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(), checkpoint_dir=ckpt,
+        config=RankConfig.of(run), num_threads=1,
     )
     return run, engine, trainer
 

@@ -28,9 +28,12 @@ ENGINE_INIT_ARGS = ("checkpoint_dir", "precision", "seed", "num_threads", "engin
 """What the driver passes every engine: ``(checkpoint_dir, precision, *, seed, num_threads, engine_id,
 device)``; the first two positionally."""
 
-RANK_INIT_ARGS = ("rank", "world_size", "master_addr", "master_port", "checkpoint_dir", "run", "num_threads",
-                  "device")
-"""Keyword arguments the driver passes every trainer and critic rank."""
+RANK_INIT_ARGS = ("rank", "world_size", "master_addr", "master_port", "checkpoint_dir", "config",
+                  "num_threads", "device")
+"""Keyword arguments the driver passes every trainer and critic rank: its place in the group (``rank``,
+``world_size``, the rendezvous ``master_addr`` / ``master_port``), the HF ``checkpoint_dir`` to start from,
+``config`` (a :class:`miles.config.RankConfig`: the rank's part of the run's config, not the whole run),
+and its plan entry's ``num_threads`` and ``device``."""
 
 
 @runtime_checkable

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("miles.bench gpu: no CUDA device in this process")
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from miles.config import RankConfig
     from miles.config.schema import PrecisionConfig
     from miles.config.validate import validate
     from miles.models.qwen3 import QWEN3_FLAVORS
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run = validate({"precision": {"train_dtype": "bfloat16"}, "trainer": {"lr_warmup_steps": 0}})
         trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_port(), checkpoint_dir=d,
-                              run=run, device="cuda")
+                              config=RankConfig.of(run), device="cuda")
         batch = TrainBatch(prompt_ids=[list(p) for p in prompts],
                            response_ids=[list(r.response_ids) for r in results],
                            rollout_logprobs=[list(r.logprobs) for r in results],

@@ -118,6 +118,7 @@ def _trainer_class(name: str) -> type:
 
 def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool, trainer_name: str = "fsdp") -> dict[str, Any]:
     """``args.steps`` RL steps of one configuration; the row's numbers."""
+    from miles.config import RankConfig
     from miles.machine import free_port
     from miles.rollout.generate import routes_of
     from miles.rollout.torch_engine import TorchEngine
@@ -126,7 +127,8 @@ def _row(ckpt: str, run: Any, args: argparse.Namespace, moe: bool, trainer_name:
     engine = TorchEngine(ckpt, run.precision, capture_routing=moe and not run.precision.true_on_policy,
                          max_batch_size=args.prompts * args.samples, num_threads=args.threads)
     trainer = _trainer_class(trainer_name)(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                                           checkpoint_dir=ckpt, run=run, num_threads=args.threads)
+                                           checkpoint_dir=ckpt, config=RankConfig.of(run),
+                                           num_threads=args.threads)
     sampling = SamplingParams(temperature=run.rollout.temperature, max_new_tokens=args.max_new_tokens)
     diffs: list[torch.Tensor] = []
     gen_s, train_s, agree, replayed, clip, bitwise = [], [], [], [], [], True

@@ -106,12 +106,13 @@ def _plain_step_fn(ckpt: str, batch, run) -> Callable[[], None]:
 
 def _megatron_child(conn: Any, ckpt: str, run: Any, batch: Any, threads: int) -> None:
     """A MegatronTrainer rank in a child process: ``train_step`` on each "step" message, timed here."""
+    from miles.config import RankConfig
     from miles.machine import free_port
     from miles.train.megatron import MegatronTrainer
 
     torch.set_num_threads(threads)
     trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=ckpt, run=run, num_threads=threads)
+                              checkpoint_dir=ckpt, config=RankConfig.of(run), num_threads=threads)
     conn.send("ready")
     try:
         while conn.recv() == "step":
@@ -159,7 +160,7 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
     """Run the benchmark with command-line ``argv``; prints as :func:`main` and returns the JSON dict."""
     from safetensors.torch import load_file
 
-    from miles.config.validate import validate
+    from miles.config import RankConfig, validate
     from miles.machine import free_port
     from miles.train.fsdp import FSDPTrainer
     from miles.types import TrainBatch
@@ -184,7 +185,7 @@ def measure(argv: list[str] | None = None) -> dict[str, object]:
         ckpt = _checkpoint(args.flavor, args.vocab_size, tmp)
         n_params = sum(v.numel() for v in load_file(f"{tmp}/model.safetensors").values())
         trainer = FSDPTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=ckpt, run=run, num_threads=args.threads)
+                              checkpoint_dir=ckpt, config=RankConfig.of(run), num_threads=args.threads)
         plain = _plain_step_fn(ckpt, batch, run)
         sides: dict[str, Callable[[], object]] = {"miles": lambda: trainer.train_step(batch)}
         child = _MegatronSide(ckpt, run, batch, args.threads) if megatron else None

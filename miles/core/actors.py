@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.config import MilesConfig, locate
+from miles.config import MilesConfig, RankConfig, locate
 from miles.core.cluster import bundle_nodes, rendezvous, reserve
 from miles.core.plan import Plan, Slot
 
@@ -78,7 +78,8 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
 
     ``run`` is what the actors are constructed with: engines take ``run.precision`` and their seed
     (``run.seed + 1000 * engine id``) besides the plan's engine arguments; trainer and critic ranks take
-    the whole ``run``. With ``cluster.reuse_actors``, the actors the last job in this driver parked
+    their part of it, ``RankConfig.of(run)`` (:class:`miles.config.rank.RankConfig`). With
+    ``cluster.reuse_actors``, the actors the last job in this driver parked
     (:func:`park_actors`) are taken instead when their plan has the same key: each is constructed anew
     in its process (:mod:`miles.backends.reuse`), which skips the process start and its imports.
     """
@@ -135,12 +136,14 @@ def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str, groups:
                      device=plan.device))
                for s in plan.engines]
 
+    config = RankConfig.of(run)
+
     def ranks(slots: tuple[Slot, ...], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not slots:
             return []
         addr, port = rendezvous(plan, groups[slots[0].pool])  # a group of its own: its own port
         return [dict(extra, rank=s.index, world_size=len(slots), master_addr=addr, master_port=port,
-                     checkpoint_dir=checkpoint_dir, run=run, num_threads=s.threads, device=plan.device)
+                     checkpoint_dir=checkpoint_dir, config=config, num_threads=s.threads, device=plan.device)
                 for s in slots]
 
     return engines, ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {})

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from miles.algos.gae import explained_variance, value_loss
-from miles.config.schema import MilesConfig
+from miles.config.rank import RankConfig
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
 from miles.train.rank import FSDPRank, pad_token_id
 from miles.types import TrainBatch
@@ -51,13 +51,13 @@ class FSDPCritic(FSDPRank):
     """One FSDP2 data-parallel critic rank (a plain class; the driver makes it a Ray actor)."""
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
-                 run: MilesConfig, num_threads: int = 0, device: str = "cpu") -> None:
+                 config: RankConfig, num_threads: int = 0, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        c = run.algo.critic  # ranges were checked by miles.config.validate
+        c = config.algo.critic  # ranges were checked by miles.config.validate
         # the same seed on every rank: the same value-head init
         self._init_rank(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                        run=run, num_threads=num_threads, device=device)
+                        config=config, num_threads=num_threads, device=device)
         lm = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
         layer_classes = set(getattr(lm, "_no_split_modules", None) or [])
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
@@ -99,7 +99,7 @@ class FSDPCritic(FSDPRank):
         ``explained_var`` is NaN when the returns have no spread (the tracker skips non-finite values).
         """
         start = time.perf_counter()
-        num_mb, ws = self.run.algo.num_minibatches, self.world_size
+        num_mb, ws = self.config.algo.num_minibatches, self.world_size
         n = len(batch)
         if n == 0 or n % (num_mb * ws):
             raise ValueError(f"FSDPCritic.train_step: {n} samples do not split evenly into "
@@ -110,7 +110,7 @@ class FSDPCritic(FSDPRank):
                 raise ValueError(f"FSDPCritic.train_step: {name} must hold one float per response token of each "
                                  f"sample; found lengths {[len(x) for x in lists]}, expected {lengths}")
         per_rank = n // (num_mb * ws)
-        c = self.run.algo.critic
+        c = self.config.algo.critic
         max_norm = c.max_grad_norm if c.max_grad_norm > 0 else math.inf
         lr_used = self.optimizer.param_groups[0]["lr"]
         # value loss, clip fraction, value mean: each this rank's share of a global token mean

@@ -70,7 +70,7 @@ from miles.adapters import lora
 from miles.algos.logprobs import token_logprobs
 from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
-from miles.config.schema import MilesConfig
+from miles.config.rank import RankConfig
 from miles.precision.on_policy import sequence_logits
 from miles.precision.recipe import quantize_train_forward
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
@@ -131,33 +131,33 @@ class FSDPTrainer(FSDPRank):
     """Data parallel over the ranks only (:data:`miles.backends.contract.PARALLELISMS`)."""
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
-                 run: MilesConfig, num_threads: int = 0, device: str = "cpu",
+                 config: RankConfig, num_threads: int = 0, device: str = "cpu",
                  adapter_names: tuple[str, ...] = ("default",)) -> None:
         from transformers import AutoModelForCausalLM
 
-        t = run.trainer  # ranges and combinations were checked by miles.config.validate
+        t = config.trainer  # ranges and combinations were checked by miles.config.validate
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
-        self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
-                                    clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
+        self.policy_loss_fn = build(config.algo.policy_loss, allow=config.allow, key="algo.policy_loss",
+                                    clip_low=config.algo.clip_low, clip_high=config.algo.clip_high)
         self._init_rank(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                        run=run, num_threads=num_threads, device=device)
+                        config=config, num_threads=num_threads, device=device)
         # one fp32 rank: sharding is the identity, and FSDP would only add copies and DTensor dispatch
         # (~20% of a tiny model's step on CPU); bf16 keeps FSDP for its mixed-precision policy
-        self.sharded = world_size > 1 or run.precision.train_dtype != "float32"
+        self.sharded = world_size > 1 or config.precision.train_dtype != "float32"
         if not self.sharded and rank == 0:
             log.info("trainer: one fp32 rank, so fully_shard is skipped (sharding over one rank is the identity)")
 
         # adapter=lora: the policy is the frozen checkpoint plus peft LoRA adapters (one per name), and only
         # the adapters train; the reference model is the checkpoint alone, which is what the policy starts as
-        self.adapter_names: tuple[str, ...] = adapter_names if run.adapter.kind == "lora" else ()
+        self.adapter_names: tuple[str, ...] = adapter_names if config.adapter.kind == "lora" else ()
 
         def load_sharded(trainable: bool) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
             model.eval()
-            quantize_train_forward(model, run.precision)  # precision.train_quant: QAT through an STE
+            quantize_train_forward(model, config.precision)  # precision.train_quant: QAT through an STE
             if trainable and self.adapter_names:  # after the QAT wrap: the base layers serve quantized, adapters not
-                torch.manual_seed(run.seed)  # the same adapter init on every rank
-                model = lora.add_adapters(model, run.adapter, self.adapter_names, trainable=True)
+                torch.manual_seed(config.seed)  # the same adapter init on every rank
+                model = lora.add_adapters(model, config.adapter, self.adapter_names, trainable=True)
             checkpointed = checkpoint_activations if trainable and t.activation_checkpointing else None
             return self._shard(model, set(getattr(model, "_no_split_modules", None) or []),
                                sharded=self.sharded, per_layer=checkpointed)
@@ -165,12 +165,12 @@ class FSDPTrainer(FSDPRank):
         self.model = load_sharded(trainable=True)
         self.pad_id = pad_token_id(self.model.config)
         self.ref_model = None
-        if run.algo.kl_coef > 0:
+        if config.algo.kl_coef > 0:
             self.ref_model = load_sharded(trainable=False)
             self.ref_model.requires_grad_(False)
         # MoE: measure route agreement with the rollout's routes when a batch carries them; replay them
         # with algo.routing_replay=rollout (the reference model replays too: same experts, same tokens)
-        replay = run.algo.routing_replay == "rollout"
+        replay = config.algo.routing_replay == "rollout"
         self.replays = {id(m): RouteReplay(m, replay=replay) for m in (self.model, self.ref_model)
                         if m is not None and find_routers(m)}
         hf_model = self.model.get_base_model() if self.adapter_names else self.model  # peft passes kwargs through
@@ -178,7 +178,7 @@ class FSDPTrainer(FSDPRank):
         # the n responses of a prompt attend to one copy of it (recomputed layers would re-append to the cache);
         # replayed routes are per position of the whole sequence, so replay runs unshared passes
         share = (t.shared_prompt_forward and self.keeps_logits and not t.activation_checkpointing
-                 and not replay and not run.precision.true_on_policy)
+                 and not replay and not config.precision.true_on_policy)
         self.cache_kw = cache_keyword(hf_model) if share else None
         # foreach: one multi-tensor kernel per update instead of a DTensor dispatch per parameter (3x
         # faster on a sharded tiny model); plain tensors on CPU keep torch's default
@@ -186,7 +186,7 @@ class FSDPTrainer(FSDPRank):
         self.tenant_params = {n: list(lora.adapter_parameters(self.model, n).values()) for n in self.adapter_names}
         params: Any = ([{"params": ps} for ps in self.tenant_params.values()] if self.adapter_names
                        else self.model.parameters())
-        lr = run.adapter.lr if self.adapter_names and run.adapter.lr is not None else t.lr
+        lr = config.adapter.lr if self.adapter_names and config.adapter.lr is not None else t.lr
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas,
                                            weight_decay=t.weight_decay, foreach=True if self.sharded else None)
         trainable, total = lora.trainable_share(self.model)
@@ -196,7 +196,7 @@ class FSDPTrainer(FSDPRank):
                      trainable, total, 100 * trainable / total)
         # linear warmup over the first optimizer steps: Adam's first updates are ~lr * sign(g) in every
         # coordinate, which on a noisy policy gradient undoes part of what the warm start taught
-        self.scheduler = lr_scheduler(self.optimizer, run)
+        self.scheduler = lr_scheduler(self.optimizer, config)
 
     # --- forward helpers -------------------------------------------------------------------------
 
@@ -214,8 +214,8 @@ class FSDPTrainer(FSDPRank):
         if prompts is not None:
             assert self.cache_kw is not None and prompt_of is not None
             return response_logits_after(model, prompts, p, prompt_of, self.cache_kw)
-        if self.run.precision.true_on_policy:  # each sequence alone at the engine's fixed length
-            width, max_new = p.targets.shape[1], self.run.rollout.max_new_tokens
+        if self.config.precision.true_on_policy:  # each sequence alone at the engine's fixed length
+            width, max_new = p.targets.shape[1], self.config.max_new_tokens
             return torch.stack([
                 sequence_logits(model, p.input_ids[i, : n_p + n_r], n_p, max_new, self.pad_id, width)
                 for i, (n_p, n_r) in enumerate(zip(p.prompt_lengths.tolist(), p.response_lengths, strict=True))])
@@ -228,7 +228,7 @@ class FSDPTrainer(FSDPRank):
     def _logp(self, model: torch.nn.Module, p: PaddedBatch, prompts: PromptPass | None = None,
               prompt_of: torch.Tensor | None = None) -> torch.Tensor:
         return token_logprobs(self._logits(model, p, prompts, prompt_of), p.targets,
-                              temperature=self.run.rollout.temperature)
+                              temperature=self.config.temperature)
 
     def _prompt_pass(self, model: torch.nn.Module, plan: _Plan) -> PromptPass | None:
         if plan.prompts is None:
@@ -251,18 +251,18 @@ class FSDPTrainer(FSDPRank):
         a gradient only when ``algo.entropy_coef != 0``.
         """
         z = logits.float()
-        if self.run.rollout.temperature != 1.0:
-            z = z / self.run.rollout.temperature
+        if self.config.temperature != 1.0:
+            z = z / self.config.temperature
         logp_all = torch.log_softmax(z, dim=-1)
         logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        with torch.set_grad_enabled(self.run.algo.entropy_coef != 0 and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(self.config.algo.entropy_coef != 0 and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
     def _plans(self, shards: list[TrainBatch]) -> list[tuple[list[list[int]], _Plan]]:
         """Each shard's sample indices per micro-batch and its :class:`_Plan`; all ranks get the same
         micro-batch counts and the same sharing decision (the passes are collective). Collective."""
-        budget = self.run.trainer.max_tokens_per_microbatch
+        budget = self.config.trainer.max_tokens_per_microbatch
         # a batch carrying rollout routes runs whole sequences (routes are per position of prompt + response)
         share = self.cache_kw is not None and all(
             s.routing is None and worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
@@ -317,7 +317,7 @@ class FSDPTrainer(FSDPRank):
         ``sums`` times ``weight``. With shared prompts, the micro-batches before the last read the
         prompt pass's leaves; the last backward carries what they collected into the prompt pass.
         """
-        algo = self.run.algo
+        algo = self.config.algo
         loss_sum = torch.zeros((), device=self.device)
         mbs = plan.micro
         prompts = self._prompt_pass(self.model, plan)
@@ -332,8 +332,8 @@ class FSDPTrainer(FSDPRank):
                 logp=logp, old_logp=logp.detach() if old_logps[j] is None else old_logps[j],
                 rollout_logp=p.rollout_logp, advantages=p.advantages,
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
-                **mismatch_settings(self.run), ref_logp=ref_logps[j],
-                global_tokens=counts[0], global_seqs=counts[1], norm_len=self.run.rollout.max_new_tokens,
+                **mismatch_settings(self.config), ref_logp=ref_logps[j],
+                global_tokens=counts[0], global_seqs=counts[1], norm_len=self.config.max_new_tokens,
             )
             # FSDP divides the reduced gradient by W; loss is a share of a sum
             roots, grads = prompts.pending(leaves) if last and prompts is not None else ([], [])
@@ -373,7 +373,7 @@ class FSDPTrainer(FSDPRank):
         Adam state included). Metrics come per adapter as ``tenant/<name>/train/...``.
         """
         start = time.perf_counter()
-        num_mb = self.run.algo.num_minibatches
+        num_mb = self.config.algo.num_minibatches
         policy_replay = self.replays.get(id(self.model))
         if policy_replay is not None:
             policy_replay.take_counts()  # count this step's passes only
@@ -385,7 +385,7 @@ class FSDPTrainer(FSDPRank):
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: list[dict[str, torch.Tensor]] = [{} for _ in tenants]
         skipped, grad_norms = [0] * len(tenants), [[] for _ in tenants]
-        max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
+        max_norm = self.config.trainer.max_grad_norm if self.config.trainer.max_grad_norm > 0 else math.inf
         for m in range(num_mb):
             stepped = False
             for t, (name, _) in enumerate(tenants):
@@ -489,8 +489,8 @@ class FSDPTrainer(FSDPRank):
         for name in self.adapter_names:
             state = lora.adapter_state(self.model, name)  # collective when sharded
             if self.rank == 0:
-                paths.append(str(lora.export_adapter(f"{directory}/{name}", state, self.run.adapter,
-                                                     base_model=self.run.model.path)))
+                paths.append(str(lora.export_adapter(f"{directory}/{name}", state, self.config.adapter,
+                                                     base_model=self.config.model_path)))
         return paths
 
     def save_state(self, directory: str) -> None:

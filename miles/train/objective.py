@@ -26,10 +26,11 @@ import torch
 
 from miles.algos.losses import MismatchLevel, MismatchMode, aggregate, kl_penalty, mismatch_weights
 from miles.algos.protocols import PolicyLossFn
-from miles.config.schema import AlgoConfig, MilesConfig
+from miles.config.rank import RankConfig
+from miles.config.schema import AlgoConfig
 
 
-def mismatch_settings(run: MilesConfig, *, same_forward: bool = True) -> dict[str, object]:
+def mismatch_settings(config: RankConfig, *, same_forward: bool = True) -> dict[str, object]:
     """``tis_clip``, ``mismatch_mode``, ``mismatch_level`` for :func:`policy_objective`.
 
     ``precision.*`` when the precision recipe corrects a mismatch (:func:`~miles.precision.recipe.effective_tis_clip`
@@ -39,10 +40,10 @@ def mismatch_settings(run: MilesConfig, *, same_forward: bool = True) -> dict[st
     """
     from miles.precision.recipe import effective_tis_clip
 
-    p, s = run.precision, run.schedule
+    p = config.precision
     clip = effective_tis_clip(p, same_forward=same_forward)
-    if clip is None and s.name != "sync":
-        return {"tis_clip": s.behaviour_is_clip, "mismatch_mode": "tis", "mismatch_level": "token"}
+    if clip is None and config.behaviour_is_clip is not None:
+        return {"tis_clip": config.behaviour_is_clip, "mismatch_mode": "tis", "mismatch_level": "token"}
     return {"tis_clip": clip, "mismatch_mode": p.mismatch_mode, "mismatch_level": p.mismatch_level}
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.config.rank import RankConfig
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -50,12 +52,12 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: s
 
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, run: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_scheduler(optimizer: torch.optim.Optimizer, config: RankConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """The policy trainers' schedule: :func:`lr_multiplier` over ``trainer.num_steps`` x
     ``algo.num_minibatches`` optimizer steps, with ``trainer.lr_warmup_steps``, ``lr_schedule`` and
     ``min_lr_ratio``."""
-    t = run.trainer
-    total = t.num_steps * run.algo.num_minibatches
+    t = config.trainer
+    total = t.num_steps * config.algo.num_minibatches
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, warmup_steps=t.lr_warmup_steps, total_steps=total, schedule=t.lr_schedule,
         min_lr_ratio=t.min_lr_ratio))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.reuse import Reusable
-from miles.config.schema import MilesConfig
+from miles.config.rank import RankConfig
 from miles.train.optim import load_train_state, save_train_state
 
 log = logging.getLogger(__name__)
@@ -55,21 +55,21 @@ class FSDPRank(Reusable):
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
-    def _init_rank(self, *, rank: int, world_size: int, master_addr: str, master_port: int, run: MilesConfig,
-                   num_threads: int, device: str) -> None:
+    def _init_rank(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                   config: RankConfig, num_threads: int, device: str) -> None:
         """Threads, process group, device and seed (the same parameter init on every rank)."""
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        self.rank, self.world_size, self.run = rank, world_size, run
+        self.rank, self.world_size, self.config = rank, world_size, config
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                             master_port=master_port, device=device)
-        torch.manual_seed(run.seed)
+        torch.manual_seed(config.seed)
 
     def _mp_policy(self) -> Any:
         """Compute in the parameters' dtype (fp32), or bf16 with fp32 gradient reduction."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.run.precision.train_dtype == "bfloat16":
+        if self.config.precision.train_dtype == "bfloat16":
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 

@@ -49,8 +49,9 @@ def export_adapters(trainer: MegatronPolicy, directory: str) -> list[str]:
     adapters = _adapters(trainer)
     if adapters is None:
         return []
-    return [str(peft_lora.export_adapter(f"{directory}/{name}", state, trainer.run.adapter,
-                                         base_model=trainer.run.model.path)) for name, state in adapters.items()]
+    config = trainer.config
+    return [str(peft_lora.export_adapter(f"{directory}/{name}", state, config.adapter,
+                                         base_model=config.model_path)) for name, state in adapters.items()]
 
 
 def full_state_dict(trainer: MegatronPolicy) -> dict[str, torch.Tensor] | None:
@@ -86,7 +87,7 @@ def save_state(trainer: MegatronPolicy, directory: str) -> None:
                                     for k, p in lora.params.items()}) for key in MOMENTS}
     if trainer.rank == 0:
         assert base is not None and adapters is not None
-        targets = trainer.run.adapter.target_modules
+        targets = trainer.config.adapter.target_modules
         model = {peft_base_name(k, targets): v for k, v in base.items()}
         tensors: dict[str, torch.Tensor] = {}
         for name, state in adapters.items():
@@ -117,7 +118,7 @@ def load_state(trainer: MegatronPolicy, directory: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     if trainer.rank == 0:
         model, tensors = read_train_tensors(directory)
-    targets = trainer.run.adapter.target_modules
+    targets = trainer.config.adapter.target_modules
     names = list(io.hf_shapes)
     every = [e for stage in lora.io.stages for e in stage]
     missing = []  # rank 0 reads; every rank must leave before the broadcasts if it lacks a tensor

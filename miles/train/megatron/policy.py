@@ -15,7 +15,8 @@ import torch
 
 from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
-from miles.config.schema import MilesConfig
+from miles.config.rank import RankConfig
+from miles.config.schema import TrainerConfig
 from miles.train.batching import PaddedBatch, pad_batch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
@@ -27,8 +28,7 @@ from miles.types import TrainBatch
 log = logging.getLogger(__name__)
 
 
-def parallel_dims(run: MilesConfig, world_size: int) -> ParallelDims:
-    t = run.trainer
+def parallel_dims(t: TrainerConfig, world_size: int) -> ParallelDims:
     return ParallelDims(world_size=world_size, tp=t.tensor_parallel, pp=t.pipeline_parallel, ep=t.expert_parallel)
 
 
@@ -51,38 +51,39 @@ class MegatronPolicy:
     correction counts as other numerics (:func:`miles.precision.recipe.numerics_differ`; the driver logs it)."""
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
-                 run: MilesConfig, num_threads: int = 0, device: str = "cpu",
+                 config: RankConfig, num_threads: int = 0, device: str = "cpu",
                  adapter_names: tuple[str, ...] = ("default",)) -> None:
         from miles.train.megatron import load
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        t = run.trainer
-        self.rank, self.world_size, self.run = rank, world_size, run
-        self.mismatch = mismatch_settings(run, same_forward=self.same_forward_as_engine)
-        self.policy_loss_fn = build(run.algo.policy_loss, allow=run.plugins.allow, key="algo.policy_loss",
-                                    clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
+        t, p, algo = config.trainer, config.precision, config.algo
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.mismatch = mismatch_settings(config, same_forward=self.same_forward_as_engine)
+        self.policy_loss_fn = build(algo.policy_loss, allow=config.allow, key="algo.policy_loss",
+                                    clip_low=algo.clip_low, clip_high=algo.clip_high)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                             master_port=master_port, device=device)
         engine, compat = _import_megatron()
         if self.device.type == "cpu":
             compat.install()
-        torch.manual_seed(run.seed)
-        config = load.read_config(checkpoint_dir)
-        self.arch = Arch.from_hf(config)
-        self.dims = parallel_dims(run, world_size)
+        torch.manual_seed(config.seed)
+        hf_config = load.read_config(checkpoint_dir)
+        self.arch = Arch.from_hf(hf_config)
+        self.dims = parallel_dims(t, world_size)
         check_dims(self.dims, self.arch)
-        self.pad_id = pad_token_id(config)
-        self.hf_shapes, self.hf_param_names = load.hf_layout(config)
-        self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=run.seed, device=self.device,
-                                    bf16=run.precision.train_dtype == "bfloat16", recompute=t.activation_checkpointing,
-                                    precision=run.precision, routing_replay=run.algo.routing_replay == "rollout")
+        self.pad_id = pad_token_id(hf_config)
+        self.hf_shapes, self.hf_param_names = load.hf_layout(hf_config)
+        self.engine = engine.Engine(self.arch, self.dims, self.hf_shapes, seed=config.seed, device=self.device,
+                                    bf16=p.train_dtype == "bfloat16", recompute=t.activation_checkpointing,
+                                    precision=p, routing_replay=algo.routing_replay == "rollout")
         # adapter=lora: the base frozen, one LoRA adapter per name trains (the reference model is the base alone)
         self.lora = None
-        if run.adapter.kind == "lora":
+        if config.adapter.kind == "lora":
             from miles.train.megatron.lora import MegatronLora
 
-            self.lora = MegatronLora(self.arch, run.adapter, adapter_names, config, seed=run.seed, device=self.device)
+            self.lora = MegatronLora(self.arch, config.adapter, adapter_names, hf_config, seed=config.seed,
+                                     device=self.device)
         with load.SafetensorsReader(checkpoint_dir) as reader:  # this rank's slices only (:mod:`.load`)
             self.model = self.engine.build(load.CheckpointShards.of(reader, self.engine.io), trainable=True,
                                            adapt=self.lora.attach if self.lora else None)
@@ -90,25 +91,24 @@ class MegatronPolicy:
         self.params = {k: p for k, p in self.engine.named_parameters(self.model) if ".lora." not in k}
         """The base model's parameters by local name (what the mapping gathers and shards)."""
         # the reference policy starts as a copy of the policy's base weights (built as the policy: QAT, replay)
-        self.ref_model = self.engine.build(dict(self.params), trainable=False) if run.algo.kl_coef > 0 else None
+        self.ref_model = self.engine.build(dict(self.params), trainable=False) if algo.kl_coef > 0 else None
         base_numel = sum(int(torch.Size(self.hf_shapes[n]).numel()) for n in self.hf_param_names)
         self.trainable_frac = 1.0
         if self.lora is not None:
-            self.optimizer = torch.optim.AdamW(self.lora.param_groups(), lr=run.adapter.lr or t.lr, betas=t.betas,
-                                               weight_decay=t.weight_decay)
+            self.optimizer = torch.optim.AdamW(self.lora.param_groups(), lr=config.adapter.lr or t.lr,
+                                               betas=t.betas, weight_decay=t.weight_decay)
             self.trainable_frac = self.lora.numel() / (self.lora.numel() + base_numel)
         else:
             self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=t.betas,
                                                weight_decay=t.weight_decay)
-        self.scheduler = lr_scheduler(self.optimizer, run)
+        self.scheduler = lr_scheduler(self.optimizer, config)
         self.metric_names = self._metric_names()
         if rank == 0:
-            p = run.precision
             log.info("megatron trainer: %s over %d rank(s), %s; compute %s%s%s%s", self.dims.describe(), world_size,
                      "MoE " + f"{self.arch.num_experts} experts top-{self.arch.moe_top_k}" if self.arch.is_moe
                      else "dense", "bf16 (autocast over fp32 weights)" if p.train_dtype == "bfloat16" else "fp32",
                      f", {p.train_quant} weights (QAT)" if p.train_quant != "none" else "",
-                     ", replaying the rollout's routes" if run.algo.routing_replay == "rollout" else "",
+                     ", replaying the rollout's routes" if algo.routing_replay == "rollout" else "",
                      ", activations recomputed in the backward" if t.activation_checkpointing else "")
             if self.lora is not None:
                 log.info("megatron trainer: LoRA adapters %s train %d of %d parameters (%.2f%%)",
@@ -127,15 +127,15 @@ class MegatronPolicy:
     def _objective(self, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                    advantages: torch.Tensor, loss_mask: torch.Tensor, entropy: torch.Tensor,
                    ref_logp: torch.Tensor | None, counts: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        run = self.run
         return policy_objective(
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
-            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=run.algo, **self.mismatch,
-            ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1], norm_len=run.rollout.max_new_tokens)
+            entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=self.config.algo, **self.mismatch,
+            ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1],
+            norm_len=self.config.max_new_tokens)
 
     def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
         """A replica's share as padded micro-batches; every replica runs the same count. Collective."""
-        budget = self.run.trainer.max_tokens_per_microbatch
+        budget = self.config.trainer.max_tokens_per_microbatch
         lengths = [len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True)]
         need = self.engine.dp_max(count_microbatches(lengths, budget))
         return [pad_batch(shard.select(g), pad_id=self.pad_id).to(self.device)
@@ -161,14 +161,14 @@ class MegatronPolicy:
 
     @property
     def _temperature(self) -> float:
-        return self.run.rollout.temperature
+        return self.config.temperature
 
     def _backward(self, micro: list[PaddedBatch], counts: torch.Tensor, old: list, ref: list,
                   sums: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
         """Forward + backward of one mini-batch, gradients accumulated and reduced; returns this rank's loss
         share (0 off the last stage). Metrics are added to ``sums`` times ``weight`` (last stage)."""
         loss_sum = torch.zeros(())
-        entropy_grad = self.run.algo.entropy_coef != 0
+        entropy_grad = self.config.algo.entropy_coef != 0
 
         def objective(j: int, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
             nonlocal loss_sum

@@ -45,7 +45,7 @@ def train_step(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, float]:
     lora, engine, opt = trainer.lora, trainer.engine, trainer.optimizer
     assert lora is not None
     start = time.perf_counter()
-    num_mb = trainer.run.algo.num_minibatches
+    num_mb = trainer.config.algo.num_minibatches
     engine.route_counts(trainer.model)  # count this step's passes only
     tenants = split_by_adapter(trainer, batch)
     prepared = []
@@ -56,7 +56,7 @@ def train_step(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, float]:
     sums: list[dict[str, torch.Tensor]] = [{} for _ in tenants]
     skipped, ran = [0] * len(tenants), [0] * len(tenants)
     grad_norms: list[list[torch.Tensor]] = [[] for _ in tenants]
-    max_norm = trainer.run.trainer.max_grad_norm if trainer.run.trainer.max_grad_norm > 0 else math.inf
+    max_norm = trainer.config.trainer.max_grad_norm if trainer.config.trainer.max_grad_norm > 0 else math.inf
     for m in range(num_mb):
         stepped = False
         opt.zero_grad(set_to_none=True)

@@ -109,7 +109,7 @@ class MegatronTrainer(MegatronPolicy, Reusable):
             arch = Arch.from_hf(spec.hf_config)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
-        dims = parallel_dims(run, run.placement.trainer_world_size)
+        dims = parallel_dims(t, run.placement.trainer_world_size)
         check_dims(dims, arch)
         check_train_quant(run.precision, arch, dims)
         if run.adapter.kind == "lora":
@@ -133,13 +133,13 @@ class MegatronTrainer(MegatronPolicy, Reusable):
 
             return tenants.train_step(self, batch)
         start = time.perf_counter()
-        num_mb = self.run.algo.num_minibatches
+        num_mb = self.config.algo.num_minibatches
         self.engine.route_counts(self.model)  # count this step's passes only
         plans, counts, old, ref = self._prepare(batch, num_mb)
         lr_used = self.optimizer.param_groups[0]["lr"]  # of this step's first update
         sums: dict[str, torch.Tensor] = {}
         skipped, grad_norms = 0, []
-        max_norm = self.run.trainer.max_grad_norm if self.run.trainer.max_grad_norm > 0 else math.inf
+        max_norm = self.config.trainer.max_grad_norm if self.config.trainer.max_grad_norm > 0 else math.inf
         for m, micro in enumerate(plans):
             self.engine.zero_grad(self.model)
             self.optimizer.zero_grad(set_to_none=True)
@@ -180,8 +180,8 @@ class MegatronTrainer(MegatronPolicy, Reusable):
         """Per-sample response-token log-probs under the current weights, for the whole batch (every replica
         runs all of it). Collective; every rank returns the same lists."""
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-        groups = split_microbatches(lengths, self.run.trainer.max_tokens_per_microbatch,
-                                    count_microbatches(lengths, self.run.trainer.max_tokens_per_microbatch))
+        budget = self.config.trainer.max_tokens_per_microbatch
+        groups = split_microbatches(lengths, budget, count_microbatches(lengths, budget))
         micro = [pad_batch(batch.select(g), pad_id=self.pad_id).to(self.device) for g in groups]
         logps = self.engine.logps(self.model, micro, self._temperature)
         flat = torch.zeros(sum(len(r) for r in batch.response_ids))
