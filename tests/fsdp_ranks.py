@@ -14,6 +14,7 @@ from miles.config import RankConfig
 from miles.config.schema import MilesConfig
 from miles.machine import free_port
 from miles.train.fsdp import FSDPTrainer
+from miles.train.rank import open_group_store
 from miles.types import TrainBatch
 
 TIMEOUT_S = 120
@@ -76,8 +77,9 @@ class Group:
     def __init__(self, ray, world_size: int, ckpt: Path, run: MilesConfig) -> None:
         self.ray = ray
         actor_cls = ray.remote(num_cpus=0.5)(FSDPTrainer)
-        port = free_port()
-        self.actors = [actor_cls.remote(rank=r, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+        self.store = open_group_store()  # the group meets here while it lives
+        self.actors = [actor_cls.remote(rank=r, world_size=world_size, master_addr="127.0.0.1",
+                                        master_port=self.store.port,
                                         checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
                        for r in range(world_size)]
 

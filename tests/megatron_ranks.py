@@ -7,11 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_ranks import TIMEOUT_S, free_port
+from fsdp_ranks import TIMEOUT_S
 from ray import cloudpickle
 
 from miles.config import RankConfig
 from miles.config.schema import MilesConfig
+from miles.train.rank import open_group_store
 
 
 class MegatronGroup:
@@ -22,8 +23,9 @@ class MegatronGroup:
 
         self.ray, self.world_size = ray, world_size
         actor_cls = ray.remote(num_cpus=0.5)(MegatronTrainer)
-        port = free_port()
-        self.actors = [actor_cls.remote(**self._kwargs(r, port, ckpt, run, extra)) for r in range(world_size)]
+        self.store = open_group_store()  # the group meets here while it lives
+        self.actors = [actor_cls.remote(**self._kwargs(r, self.store.port, ckpt, run, extra))
+                       for r in range(world_size)]
 
     def _kwargs(self, rank: int, port: int, ckpt: Path, run: MilesConfig, extra: dict[str, Any]) -> dict[str, Any]:
         """The driver's constructor arguments, and ``extra`` ones (e.g. ``adapter_names``)."""
@@ -39,8 +41,8 @@ class MegatronGroup:
 
     def reinit(self, ckpt: Path, run: MilesConfig, **extra: Any) -> None:
         """Park every rank and construct it anew for ``run`` (a new process group on a new port)."""
-        port = free_port()
-        self.ray.get([a.reinit.remote(**self._kwargs(r, port, ckpt, run, extra))
+        self.store = open_group_store()
+        self.ray.get([a.reinit.remote(**self._kwargs(r, self.store.port, ckpt, run, extra))
                       for r, a in enumerate(self.actors)], timeout=TIMEOUT_S)
 
     def close(self) -> None:

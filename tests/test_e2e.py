@@ -107,21 +107,23 @@ def test_short_seeded_run_improves(ray_cluster, tmp_path: Path) -> None:
     assert lrs[run.trainer.lr_warmup_steps] == pytest.approx(run.trainer.lr) == lrs[80]
 
 
-def test_rendezvous_is_on_the_node_of_rank_0(ray_cluster) -> None:
-    from ray.util.placement_group import placement_group, remove_placement_group
+def test_rendezvous_is_a_store_this_driver_holds_open(ray_cluster) -> None:
+    """The group's store is bound when its port is picked (no other process can take the port before the
+    ranks connect): loopback on a local cluster, this node's address on a joined one."""
+    import socket
 
     from miles.core.cluster import rendezvous
     from miles.core.plan import make_plan
     from miles.machine import Machine
 
-    pg = placement_group([{"CPU": 0.5}])
-    ray_cluster.get(pg.ready(), timeout=30)
-    try:
-        assert rendezvous(make_plan(validate({}), Machine(cpus=4)), pg)[0] == "127.0.0.1"
-        addr, port = rendezvous(make_plan(validate({"cluster": {"address": "auto"}}), Machine(cpus=4)), pg)
-        assert addr == ray_cluster.util.get_node_ip_address() and 0 < port < 65536
-    finally:
-        remove_placement_group(pg)
+    addr, store = rendezvous(make_plan(validate({}), Machine(cpus=4)))
+    assert addr == "127.0.0.1"
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((addr, store.port))  # taken: by the store itself
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    joined, store2 = rendezvous(make_plan(validate({"cluster": {"address": "auto"}}), Machine(cpus=4)))
+    assert joined == ray_cluster.util.get_node_ip_address() and store2.port != store.port
 
 
 ALGO_OWN_METRICS = {"ppo": {"critic/value_loss", "critic/explained_var", "critic/vf_clip_frac"},

@@ -102,7 +102,7 @@ def test_colocate_shares_bundles_and_counts_engines_and_ranks_together() -> None
     assert _threads(make_plan(validate({"task": {"reward_timeout_s": 0.0}}), Machine(cpus=16)))[0] == [7]
     # a joined cluster: each actor gets its half of its bundle
     joined = make_plan(validate({"placement": {"cpus_per_bundle": 6.0}, "cluster": {"address": "auto"}}), TWO_CORES)
-    assert joined.joined and _threads(joined) == ([3], [3], []) and "node of trainer bundle 0" in joined.describe()
+    assert joined.joined and _threads(joined) == ([3], [3], []) and "store the driver opens on the driver's node" in joined.describe()
     # a shared bundle hosts an engine and a rank: it carries both pools' custom resources (a joined cluster has them)
     pinned = _plan(placement={"engine_resources": {"gpu_node": 1}, "trainer_resources": {"gpu_node": 0.5, "fast": 1}},
                    cluster={"address": "auto"})

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_module
 from miles.algos.gae import explained_variance, gae, gae_from_lists, value_loss, whiten
 from miles.config import RankConfig, validate
 from miles.train.critic import FSDPCritic
+from miles.train.rank import open_group_store
 from miles.types import TrainBatch
 
 TIMEOUT_S = 120
@@ -178,12 +179,13 @@ def test_critic_two_ranks_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path):
     config = _critic_config()
     batch = _batch()
     returns = _returns(batch)
-    groups = []
+    groups, stores = [], []
     try:
         for ws in (1, 2):
             actor_cls = ray_cluster.remote(num_cpus=0.5)(FSDPCritic)
-            port = _free_port()
-            groups.append([actor_cls.remote(rank=r, world_size=ws, master_addr="127.0.0.1", master_port=port,
+            stores.append(open_group_store())
+            groups.append([actor_cls.remote(rank=r, world_size=ws, master_addr="127.0.0.1",
+                                            master_port=stores[-1].port,
                                             checkpoint_dir=str(tiny_qwen3_dir), config=config, num_threads=1)
                            for r in range(ws)])
 

@@ -31,7 +31,8 @@ device)``; the first two positionally."""
 RANK_INIT_ARGS = ("rank", "world_size", "master_addr", "master_port", "checkpoint_dir", "config",
                   "num_threads", "device")
 """Keyword arguments the driver passes every trainer and critic rank: its place in the group (``rank``,
-``world_size``, the rendezvous ``master_addr`` / ``master_port``), the HF ``checkpoint_dir`` to start from,
+``world_size``, and ``master_addr`` / ``master_port``: a store the driver holds open for the group, see
+:func:`miles.train.rank.init_device_and_group`), the HF ``checkpoint_dir`` to start from,
 ``config`` (a :class:`miles.config.RankConfig`: the rank's part of the run's config, not the whole run),
 and its plan entry's ``num_threads`` and ``device``."""
 

@@ -49,6 +49,8 @@ class Actors:
     """Critic ranks (``algo.estimator: gae``), their own torch.distributed group."""
     reused: bool = False
     """Whether these are the last job's actors, constructed anew (``cluster.reuse_actors``)."""
+    stores: list[Any] = field(default_factory=list)
+    """The stores the trainer and critic groups meet at, hosted in this driver while the groups live."""
 
     def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
         """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
@@ -71,6 +73,7 @@ class Actors:
             ray.kill(a)
         for pg in self.placement_groups:
             remove_placement_group(pg)
+        self.stores.clear()
 
 
 def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
@@ -101,7 +104,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
                                                                  placement_group_bundle_index=slot.bundle),
             **options)
 
-    engine_args, trainer_args, critic_args = _constructor_args(plan, run, checkpoint_dir, groups)
+    engine_args, trainer_args, critic_args, stores = _constructor_args(plan, run, checkpoint_dir)
     engine_cls, trainer_cls = locate(plan.engine_class), locate(plan.trainer_class)
     if kept is not None:
         engines = kept.engines
@@ -113,7 +116,8 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     trainers = [place(trainer_cls, slot).remote(**kw) for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
     critics = [place(locate(plan.critic_class), slot).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
-    actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics)
+    actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics,
+                    stores=stores)
     try:  # surface construction errors now, with the actor's traceback
         ray.get(pending)
         ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
@@ -125,28 +129,31 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     return _ready(actors, reused=False)
 
 
-_Args = tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]
+_Args = tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]], list[Any]]
 
 
-def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str, groups: list[PlacementGroup]) -> _Args:
+def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> _Args:
     """What each actor is constructed with, for new actors and reused ones alike: every engine's
-    ``(args, kwargs)``, every trainer rank's kwargs, every critic rank's kwargs."""
+    ``(args, kwargs)``, every trainer rank's kwargs, every critic rank's kwargs; and the stores the rank
+    groups meet at (:func:`~miles.core.cluster.rendezvous`), which live as long as the actors."""
     engines = [((checkpoint_dir, run.precision),
                 dict(plan.engine_kwargs, seed=run.seed + 1000 * s.index, num_threads=s.threads, engine_id=s.index,
                      device=plan.device))
                for s in plan.engines]
 
     config = RankConfig.of(run)
+    stores: list[Any] = []
 
     def ranks(slots: tuple[Slot, ...], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not slots:
             return []
-        addr, port = rendezvous(plan, groups[slots[0].pool])  # a group of its own: its own port
-        return [dict(extra, rank=s.index, world_size=len(slots), master_addr=addr, master_port=port,
+        addr, store = rendezvous(plan)  # a group of its own: its own store
+        stores.append(store)
+        return [dict(extra, rank=s.index, world_size=len(slots), master_addr=addr, master_port=store.port,
                      checkpoint_dir=checkpoint_dir, config=config, num_threads=s.threads, device=plan.device)
                 for s in slots]
 
-    return engines, ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {})
+    return engines, ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {}), stores
 
 
 def _ready(actors: Actors, *, reused: bool) -> Actors:
@@ -212,7 +219,7 @@ def _take_parked(plan: Plan, reuse: bool) -> Actors | None:
 
 
 def _reinit(actors: Actors, plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
-    engine_args, trainer_args, critic_args = _constructor_args(plan, run, checkpoint_dir, actors.placement_groups)
+    engine_args, trainer_args, critic_args, actors.stores = _constructor_args(plan, run, checkpoint_dir)
     ray.get([e.reinit.remote(*a, **kw) for e, (a, kw) in zip(actors.engines, engine_args, strict=True)]
             + [t.reinit.remote(**kw) for t, kw in zip(actors.trainers + actors.critics,
                                                      trainer_args + critic_args, strict=True)])

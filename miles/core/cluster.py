@@ -2,7 +2,7 @@
 
 What is placed where is the plan's (:mod:`miles.core.plan`, pure); this module does what needs Ray:
 one placement group per pool (:func:`reserve`, failing within ``placement.ready_timeout_s`` with the
-numbers), the address and port where the trainer ranks meet (:func:`rendezvous`), and the cluster itself
+numbers), the address and store where the trainer ranks meet (:func:`rendezvous`), and the cluster itself
 (:func:`start_ray`, :func:`stop_ray`). :mod:`miles.core.actors` creates the actors on the bundles.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import ray
 from ray.util.placement_group import (
@@ -19,12 +20,10 @@ from ray.util.placement_group import (
     placement_group_table,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.config import ConfigError
 from miles.config.schema import ClusterConfig
 from miles.core.plan import HINT, Plan, describe_request
-from miles.machine import free_port
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +65,18 @@ def stop_ray() -> None:
     _KEPT = None
 
 
-def _node_rendezvous() -> tuple[str, int]:
-    ip = ray.util.get_node_ip_address()
-    return ip, free_port(ip)
+def rendezvous(plan: Plan) -> tuple[str, Any]:
+    """Where a trainer (or critic) group meets: ``(master_addr, store)``, a store this driver hosts
+    (:func:`miles.train.rank.open_group_store`) whose ``port`` is the group's MASTER_PORT.
 
-
-def rendezvous(plan: Plan, pg: PlacementGroup) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT of a trainer (or critic) group: the node that holds its rank 0's bundle.
-
-    A local cluster is this machine (loopback). On a joined cluster a zero-CPU task on bundle 0 reads
-    that node's address and a free port there, so the ranks can meet across nodes.
+    A local cluster meets on loopback; a joined one at this driver's node address, which every node of
+    a Ray cluster reaches. The port is bound when it is picked, so runs that share a machine never
+    race for it. Keep the store while the group lives.
     """
-    if not plan.joined:
-        return "127.0.0.1", free_port()
-    at_bundle_0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-    probe = ray.remote(num_cpus=0)(_node_rendezvous).options(scheduling_strategy=at_bundle_0)
-    return ray.get(probe.remote(), timeout=plan.ready_timeout_s)
+    from miles.train.rank import open_group_store
+
+    addr = "127.0.0.1" if not plan.joined else ray.util.get_node_ip_address()
+    return addr, open_group_store(addr)
 
 
 def reserve(plan: Plan, first: int = 0) -> list[PlacementGroup]:

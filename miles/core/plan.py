@@ -19,8 +19,8 @@ count together under colocate too (the async schedules and a releasing engine co
 critics take turns with their ranks. A disaggregated actor gets at most its bundle's CPUs; on a joined cluster
 (``cluster.address``) each actor gets its share of its bundle. ``placement.torch_threads_per_actor`` > 0 wins.
 
-**Rendezvous.** The trainer ranks (and, apart, the critic ranks) meet on 127.0.0.1, or on a joined cluster on
-the node of their bundle 0; the port is picked when the actors are created (:func:`miles.core.cluster.rendezvous`).
+**Rendezvous.** The trainer ranks (and, apart, the critic ranks) meet at a store the driver opens when it
+creates them, on 127.0.0.1, or on a joined cluster at the driver's node (:func:`miles.core.cluster.rendezvous`).
 """
 
 from __future__ import annotations
@@ -143,9 +143,9 @@ class Plan:
         lines += [f"  {i}: {p.name} pool, {p.describe()}" for i, p in enumerate(self.pools)]
         lines.append(f"engines: {len(self.engines)} x {self.engine_class}, which {self.engine_memory}")
         lines += self._slots(self.engines)
-        meet = "the node of trainer bundle 0" if self.joined else "127.0.0.1"
+        meet = "the driver's node" if self.joined else "127.0.0.1"
         lines.append(f"trainer: {len(self.trainers)} rank(s) x {self.trainer_class}, {self.layout.describe()}; "
-                     f"the group meets on {meet} (port picked at start)")
+                     f"the group meets at a store the driver opens on {meet}")
         lines += self._slots(self.trainers)
         if self.critics:
             lines.append(f"critic: {len(self.critics)} rank(s) x {self.critic_class}, a group of its own")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,21 +25,40 @@ from miles.train.optim import load_train_state, save_train_state
 log = logging.getLogger(__name__)
 
 
+STORE_TIMEOUT = timedelta(seconds=300)
+"""How long a rank waits to reach its group's store, and the group for its other ranks."""
+
+
+def open_group_store(host: str = "127.0.0.1") -> dist.TCPStore:
+    """The store a group of ranks meets at, hosted by whoever forms the group (the driver:
+    :func:`miles.core.cluster.rendezvous`; a test) on a port the kernel gives. The port is bound as it is
+    chosen, so no other process (a parallel sweep's job, another user) can take it before the ranks
+    connect; keep the returned object for as long as the group lives (its ``port`` goes to the ranks)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+
+
 def init_device_and_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
                           device: str = "cpu") -> torch.device:
-    """Join the rank's process group: NCCL on ``device="cuda"`` (the actor's visible GPU), else gloo."""
-    init = f"tcp://{master_addr}:{master_port}"
+    """Join the rank's process group: NCCL on ``device="cuda"`` (the actor's visible GPU), else gloo.
+
+    A group of several ranks meets at the store :func:`open_group_store` hosts at ``master_addr:master_port``.
+    A rank alone hosts its own store on a free port (``master_port`` is not used).
+    """
+    if world_size == 1:
+        store = dist.TCPStore(master_addr, 0, 1, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    else:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=STORE_TIMEOUT)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"rank {rank}: device 'cuda' was asked for, but this process sees no CUDA device "
                                "(did the placement reserve GPUs? placement.device)")
         dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world_size, device_id=dev)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=dev)
         return dev
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda', found {device!r}")
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return torch.device("cpu")
 
 
