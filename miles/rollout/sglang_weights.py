@@ -135,20 +135,24 @@ def _ok(out: Any, what: str) -> None:
         raise RuntimeError(f"SGLang refused {what}: {out}")
 
 
-class TensorLoader:
-    """``weight_load=tensor``: buckets through a shared-memory staging buffer (see the module docstring)."""
+class _BucketLoader:
+    """Buckets packed into one flat byte buffer each (:func:`_layout`), between ``/begin_weight_update``
+    and ``/end_weight_update``; a subclass has the buffer (:meth:`_buffer`) and sends it (:meth:`_send`)."""
+
+    endpoint = ""
 
     def __init__(self, post: Post, timeout_s: float) -> None:
         self.post, self.timeout_s = post, timeout_s
-        self._staging: Tensor | None = None
+        self._flat: Tensor | None = None
 
     def _buffer(self, size: int) -> Tensor:
-        if self._staging is None or self._staging.numel() < size:
-            self._staging = None  # free the old segment first
-            buf = torch.empty(max(size, 1), dtype=torch.uint8)
-            buf.untyped_storage()._share_filename_cpu_()  # a named segment, kept for the engine's life
-            self._staging = buf
-        return self._staging
+        if self._flat is None or self._flat.numel() < size:
+            self._flat = None  # free the old one first
+            self._flat = torch.empty(max(size, 1), dtype=torch.uint8)
+        return self._flat
+
+    def _send(self, flat: Tensor, meta: list[SimpleNamespace], bucket: Named, body: dict[str, Any]) -> Any:
+        raise NotImplementedError
 
     def load(self, buckets: list[Named], version: int) -> dict[str, float]:
         copy_s = 0.0
@@ -158,17 +162,14 @@ class TensorLoader:
             last = i == len(buckets) - 1
             meta, size = _layout(bucket)
             t_copy = time.perf_counter()
-            buf = self._buffer(size)
-            _fill(buf, bucket, meta)
+            flat = self._buffer(size)[:size]
+            _fill(flat, bucket, meta)
             copy_s += time.perf_counter() - t_copy
-            body: dict[str, Any] = {
-                "serialized_named_tensors": [shared_pickle({"flattened_tensor": buf[:size], "metadata": meta})],
-                "load_format": "flattened_bucket", "flush_cache": last,
-            }
+            body: dict[str, Any] = {"load_format": "flattened_bucket", "flush_cache": last}
             if last:
                 body["weight_version"] = str(int(version))
-            _ok(self.post("/update_weights_from_tensor", body, timeout_s=self.timeout_s),
-                f"bucket {i + 1}/{len(buckets)} of version {version} (/update_weights_from_tensor)")
+            _ok(self._send(flat, meta, bucket, body), f"bucket {i + 1}/{len(buckets)} of version {version} "
+                                                      f"({self.endpoint})")
         _ok(self.post("/end_weight_update", {}, timeout_s=self.timeout_s), "/end_weight_update")
         return {"copy_s": copy_s, "load_s": time.perf_counter() - t0 - copy_s}
 
@@ -176,28 +177,42 @@ class TensorLoader:
         """Nothing of this path stays on the server (each load's mapping of the buffer ends with it)."""
 
     def close(self) -> None:
-        self._staging = None
+        self._flat = None
 
 
-class DistributedLoader:
+class TensorLoader(_BucketLoader):
+    """``weight_load=tensor``: buckets through a shared-memory staging buffer (see the module docstring)."""
+
+    endpoint = "/update_weights_from_tensor"
+
+    def _buffer(self, size: int) -> Tensor:
+        if self._flat is None or self._flat.numel() < size:
+            super()._buffer(size).untyped_storage()._share_filename_cpu_()  # a named segment, kept for the engine's life
+        return self._flat
+
+    def _send(self, flat: Tensor, meta: list[SimpleNamespace], bucket: Named, body: dict[str, Any]) -> Any:
+        body["serialized_named_tensors"] = [shared_pickle({"flattened_tensor": flat, "metadata": meta})]
+        return self.post(self.endpoint, body, timeout_s=self.timeout_s)
+
+
+class DistributedLoader(_BucketLoader):
     """``weight_load=distributed``: each bucket broadcast over a gloo group {engine actor, server}."""
 
+    endpoint = "/update_weights_from_distributed"
+
     def __init__(self, post: Post, timeout_s: float, host: str = "127.0.0.1") -> None:
-        self.post, self.timeout_s, self.host = post, timeout_s, host
+        super().__init__(post, timeout_s)
+        self.host = host
         self._group: Any = None
         self._store: Any = None
-        self._flat: Tensor | None = None
 
     def _connect(self) -> None:
         import torch.distributed as dist
 
-        from miles.rollout.sglang_server import PORT_RANGE, free_port
-
-        port = free_port(self.host, ports=PORT_RANGE)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._store = dist.TCPStore(self.host, port, 2, True, timeout=timeout, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=self.timeout_s)  # the store's port is bound as the kernel picks it
+        self._store = dist.TCPStore(self.host, 0, 2, True, timeout=timeout, wait_for_workers=False)
         answer: dict[str, Any] = {}
-        body = {"master_address": self.host, "master_port": port, "rank_offset": 1, "world_size": 2,
+        body = {"master_address": self.host, "master_port": self._store.port, "rank_offset": 1, "world_size": 2,
                 "group_name": GROUP_NAME, "backend": "gloo"}
         joiner = threading.Thread(target=self._call, args=("/init_weights_update_group", body, answer), daemon=True)
         joiner.start()
@@ -219,37 +234,19 @@ class DistributedLoader:
     def load(self, buckets: list[Named], version: int) -> dict[str, float]:
         if self._group is None:
             self._connect()
-        copy_s = 0.0
-        t0 = time.perf_counter()
-        _ok(self.post("/begin_weight_update", {}, timeout_s=self.timeout_s), "/begin_weight_update")
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            meta, size = _layout(bucket)
-            t_copy = time.perf_counter()
-            if self._flat is None or self._flat.numel() < size:
-                self._flat = torch.empty(size, dtype=torch.uint8)
-            flat = self._flat[:size]
-            _fill(flat, bucket, meta)
-            copy_s += time.perf_counter() - t_copy
-            body: dict[str, Any] = {
-                "names": [k for k, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": GROUP_NAME,
-                "load_format": "flattened_bucket", "flush_cache": last,
-            }
-            if last:
-                body["weight_version"] = str(int(version))
-            answer: dict[str, Any] = {}
-            call = threading.Thread(target=self._call, args=("/update_weights_from_distributed", body, answer),
-                                    daemon=True)
-            call.start()
-            self._group.broadcast(flat, 0).wait()
-            call.join(self.timeout_s)
-            if "error" in answer:
-                raise answer["error"]
-            _ok(answer.get("value"), f"bucket {i + 1}/{len(buckets)} of version {version} "
-                                     "(/update_weights_from_distributed)")
-        _ok(self.post("/end_weight_update", {}, timeout_s=self.timeout_s), "/end_weight_update")
-        return {"copy_s": copy_s, "load_s": time.perf_counter() - t0 - copy_s}
+        return super().load(buckets, version)
+
+    def _send(self, flat: Tensor, meta: list[SimpleNamespace], bucket: Named, body: dict[str, Any]) -> Any:
+        body |= {"names": [k for k, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                 "shapes": [list(t.shape) for _, t in bucket], "group_name": GROUP_NAME}
+        answer: dict[str, Any] = {}
+        call = threading.Thread(target=self._call, args=(self.endpoint, body, answer), daemon=True)
+        call.start()
+        self._group.broadcast(flat, 0).wait()
+        call.join(self.timeout_s)
+        if "error" in answer:
+            raise answer["error"]
+        return answer.get("value")
 
     def release(self) -> None:
         """``POST /destroy_weights_update_group``: the server's side of the group goes (another engine's
