@@ -6,7 +6,8 @@
 # sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0 exactly, so it lives apart from the main
 # venv; miles starts the SGLang server with this venv's interpreter and talks to it over HTTP.
 # Steps: a venv; torch 2.14.1 (pip takes the wheel from this machine's disk where there is one);
-# sglang 0.5.23 with torch pinned by scripts/sglang/constraints.txt; a stand-in libcuda.so.1 built
+# sglang 0.5.23 with torch pinned by scripts/sglang/constraints.txt (installed with uv, or pip where
+# uv cannot: scripts/install.sh); a stand-in libcuda.so.1 built
 # from scripts/sglang/libcuda_stub.c into <venv>/lib/miles-libcuda (sgl_kernel's wheel links against
 # libcuda.so.1; the engine puts the stand-in on LD_LIBRARY_PATH only where there is no GPU); then
 # a check that sglang and sgl_kernel import. A second run finds the stamp file and only re-checks.
@@ -43,10 +44,11 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip
+. "$ROOT/scripts/install.sh"
+"${PIP[@]}" install -q --upgrade pip uv
 "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 echo "setup_sglang: torch installed ($((SECONDS - t0)) s)"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "sglang==$SGLANG_VERSION"
+install_into "$VENV" -c "$CONSTRAINTS" "sglang==$SGLANG_VERSION"
 echo "setup_sglang: sglang installed ($((SECONDS - t0)) s)"
 mkdir -p "$STUB_DIR"
 gcc -shared -fPIC -O2 -Wl,-soname,libcuda.so.1 -o "$STUB_DIR/libcuda.so.1" "$STUB_SRC"
