@@ -14,8 +14,8 @@
 #
 # Afterwards `python -m miles rollout=sglang` finds <repo>/.venv-sglang by itself; elsewhere set
 # MILES_SGLANG_PYTHON=/path/to/venv/bin/python or rollout.engine.python=/path/to/venv/bin/python.
-# Needs: python3 with venv (3.10-3.12), gcc, a package index. Measured on 2 shared cores: 4-6.5 min
-# (about 1.2 GB downloaded), 11 GB on disk; a second run takes ~20 s.
+# Needs: python3 with venv (3.10-3.12), gcc, a package index. Measured on 2 shared cores: 99 s with
+# uv, no cache (4-6.5 min with pip alone), 10 GB on disk; a second run takes ~20 s.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-sglang}"
