@@ -123,7 +123,7 @@ def test_disaggregated_jobs_of_another_trainer_side_keep_the_engines(ray_cluster
     a = TINY + ["placement=disaggregated", "trainer.num_steps=1", "trainer.eval_every=0",
                 f"warm_start.cache_dir={cache}"]
     release_parked()
-    _job(a)
+    first = _job(a)
     grpo = parked()
     kept = _job(a + ["algo=ppo"])
     ppo = parked()
@@ -131,6 +131,9 @@ def test_disaggregated_jobs_of_another_trainer_side_keep_the_engines(ray_cluster
     assert not set(_ids(ppo)[1:]) & set(_ids(grpo)[1:])  # new trainer and critic ranks
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(grpo.trainers[0].__ray_ready__.remote(), timeout=30)  # the old trainer rank is gone
+    ray.kill(ppo.engines[0])  # an engine that dies while parked: the next job starts a new one and runs
+    assert _job(a) == first
+    assert _ids(parked())[0] not in _ids(ppo)
     release_parked()
     assert _job(a + ["algo=ppo"]) == kept
 

@@ -394,7 +394,8 @@ class ClusterConfig:
     """Keep a finished job's actors for the next job of the same shape in this driver, while Ray stays up
     (a sweep's jobs, jobs run from Python): each actor is constructed anew in its process, which skips
     the process start and its imports. Disaggregated, a job that differs only on the trainer side keeps
-    the engines alone. False: every job starts and stops its own actors."""
+    the engines alone. Parked actors that cannot be rebuilt (one died) are replaced by new ones, with a
+    warning. False: every job starts and stops its own actors."""
 
 
 @dataclass(**_frozen)

@@ -118,8 +118,13 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics,
                     stores=stores)
-    try:  # surface construction errors now, with the actor's traceback
+    try:
         ray.get(pending)
+    except Exception as e:  # a kept engine that died while parked: new engines, as with nothing kept
+        actors.shutdown()
+        log.warning("the last job's engines could not be kept (%s); starting new ones", _first_line(e))
+        return create_actors(plan, run, checkpoint_dir)
+    try:  # surface construction errors now, with the actor's traceback
         ray.get([e.health.remote() for e in engines] + [t.__ray_ready__.remote() for t in trainers + critics])
     except BaseException:
         actors.shutdown()
