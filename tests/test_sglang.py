@@ -1,14 +1,14 @@
 """The SGLang engine against real SGLang servers (``-m sglang``; skipped without scripts/setup_sglang.sh).
 
-Four engine actors, made as the driver makes them, start together once per module (a server takes
-30-55 s to start alone on 2 cores, two to three minutes for four at once): ``serving`` (weights
-through shared memory, ``weight_load=tensor``) answers every test that leaves its server alive;
-``victim`` (``weight_load=distributed``, in several buckets) and ``hangs`` (``weight_load=disk``)
-first show that their paths load the same weights, then lose their servers in the fault tests at
-the end of the module (killed, then stopped with SIGSTOP); ``spare`` serves the fp8 recipe's
-quantized weights (in fp32, small buckets), then the manager test, then is killed with its actor.
-``serving``, ``victim`` and ``spare`` also serve a next job's engine on their kept servers (parked
-and rebuilt in their actors, as the driver reuses actors between jobs).
+Three engine actors, made as the driver makes them, start together once per module (a server takes
+30-55 s to start alone on 2 cores, about two minutes for three at once): ``serving`` (weights
+through shared memory, ``weight_load=tensor``) answers every test that leaves its server alive, and
+is killed with its actor last; ``victim`` (``weight_load=distributed``, in several buckets) shows
+that its path loads the same weights, then loses its server in the fault tests at the end of the
+module (killed); ``spare`` serves the fp8 recipe's quantized weights (in fp32, small buckets), a
+next job's ``weight_load=disk`` (the same weights as ``serving``), the manager test, then hangs
+(SIGSTOP). All three also serve a next job's engine on their kept servers (parked and rebuilt in
+their actors, as the driver reuses actors between jobs).
 All serve one checkpoint built like a run's (task tokenizer, random tiny Qwen3, fp32): rewards
 decode text, SGLang itself reads ids only. LoRA, MoE routing capture and a quantized MoE are in
 tests/test_sglang_lora_moe.py (one more server).
@@ -53,7 +53,8 @@ ENGINE_KW = dict(health_interval_s=1.0, health_timeout_s=3.0, max_health_failure
 FP8 = PrecisionConfig(name="fp8", rollout_quant="fp8_block")  # the fp8 recipe's weight format, computed in fp32
 SMALL_BUCKETS_MB = 0.02  # 20 KiB: the test model goes in several load calls
 ACTORS = {"serving": {}, "victim": dict(weight_load="distributed", weight_bucket_mb=SMALL_BUCKETS_MB),
-          "hangs": dict(weight_load="disk"), "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB)}
+          "spare": dict(precision=FP8, weight_bucket_mb=SMALL_BUCKETS_MB)}
+NEXT_JOB = {"victim": {}, "spare": dict(precision=PrecisionConfig(), weight_load="disk")}  # the paths' tests
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +267,13 @@ def test_a_weight_update_moves_sglang_as_it_moves_the_torch_engine(serving, torc
     assert _greedy(serving, PROMPTS[0]).logprobs == before.logprobs
 
 
-@pytest.mark.parametrize("name", ["victim", "hangs"])
+@pytest.mark.parametrize("name", ["victim", "spare"])
 def test_every_weight_load_path_serves_the_same_weights(ray_cluster, actors, serving, built, name) -> None:
-    """``distributed`` (a gloo group, several buckets) and ``disk`` load what ``tensor`` loads: greedy
-    tokens and log-probs equal bit for bit, after an update and after the way back."""
-    other = Remote(ray_cluster, actors[name])
+    """``distributed`` (a gloo group, several buckets) and ``disk`` (``spare``'s next job, unquantized)
+    load what ``tensor`` loads: greedy tokens and log-probs equal bit for bit, after an update and after
+    the way back."""
+    other = _next_job(ray_cluster, actors, built, name, **NEXT_JOB[name]) if NEXT_JOB[name] else Remote(
+        ray_cluster, actors[name])
     g = torch.Generator().manual_seed(2)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in built.state_dict.items()}
     for weights in (perturbed, built.state_dict):
@@ -281,6 +284,8 @@ def test_every_weight_load_path_serves_the_same_weights(ray_cluster, actors, ser
         for i, prompt in enumerate(PROMPTS):
             ours, ref = _greedy(other, prompt, rid=f"w{i}"), _greedy(serving, prompt, rid=f"w{i}")
             assert (ours.response_ids, ours.logprobs, ours.weight_version) == (ref.response_ids, ref.logprobs, version)
+    if NEXT_JOB[name]:
+        _next_job(ray_cluster, actors, built, name)  # back to its own job's engine
 
 
 @pytest.mark.parametrize("name", ["serving", "victim"])
@@ -514,15 +519,6 @@ def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     return alive
 
 
-def test_the_server_dies_with_its_actor(ray_cluster, actors) -> None:
-    spare = actors["spare"]
-    pid = ray_cluster.get(spare.health.remote())["pid"]
-    pids = _group_pids(pid)
-    assert len(pids) >= 3, f"launcher, scheduler and detokenizer in the server's process group, found {pids}"
-    ray_cluster.kill(spare)
-    assert _wait_gone(pids) == [], "the SGLang server outlived its engine actor"
-
-
 def test_a_killed_server_is_dead_and_its_requests_go_to_another_engine(ray_cluster, actors, built) -> None:
     victim = Remote(ray_cluster, actors["victim"])
     pid = victim.health()["pid"]
@@ -545,20 +541,29 @@ def test_a_killed_server_is_dead_and_its_requests_go_to_another_engine(ray_clust
 
 
 def test_a_hung_server_times_out_and_a_total_outage_is_one_clear_error(ray_cluster, actors, built) -> None:
-    hangs = Remote(ray_cluster, actors["hangs"])
-    pid = hangs.health()["pid"]
+    hung = Remote(ray_cluster, actors["spare"])
+    pid = hung.health()["pid"]
     pids = _group_pids(pid)
     os.killpg(pid, signal.SIGSTOP)
     t0 = time.perf_counter()
-    assert hangs.health()["ok"] is False  # /health does not answer within health_timeout_s
+    assert hung.health()["ok"] is False  # /health does not answer within health_timeout_s
     with pytest.raises(EngineDeadError, match=r"did not answer /health within 3 s 2 times in a row \(hung or stopped\)"):
-        _greedy(hangs, PROMPTS[0])
+        _greedy(hung, PROMPTS[0])
     waited = time.perf_counter() - t0
     assert waited < 60, f"the hung server was detected after {waited:.0f} s"
     assert _wait_gone(pids) == [], "the hung server was killed"
     with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
                       timeout_s=0) as reward:
-        manager = RolloutManager([actors["victim"], actors["hangs"]], built.tokenizer, reward)
+        manager = RolloutManager([actors["victim"], actors["spare"]], built.tokenizer, reward)
         with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died \(engine 0: .*exited.*; "
                                                       r"engine 1: .*hung or stopped"):
             manager.rollout(built.task.sample(2, random.Random(2)), 2, SamplingParams(max_new_tokens=4), seed=0)
+
+
+def test_the_server_dies_with_its_actor(ray_cluster, actors) -> None:
+    serving = actors["serving"]
+    pid = ray_cluster.get(serving.health.remote())["pid"]
+    pids = _group_pids(pid)
+    assert len(pids) >= 3, f"launcher, scheduler and detokenizer in the server's process group, found {pids}"
+    ray_cluster.kill(serving)
+    assert _wait_gone(pids) == [], "the SGLang server outlived its engine actor"
