@@ -405,6 +405,10 @@ def test_bad_manager_settings_are_config_errors() -> None:
         check_config(RolloutConfig(max_requests_per_call=0))
     with pytest.raises(ConfigError, match="rollout.max_retries: must be 0 or more"):
         check_config(RolloutConfig(max_retries=-1))
+    with pytest.raises(ConfigError, match="rollout.max_engine_restarts: must be 0 or more"):
+        check_config(RolloutConfig(max_engine_restarts=-1))
+    with pytest.raises(ConfigError, match="rollout.max_outage_s: must be a finite number > 0"):
+        check_config(RolloutConfig(max_outage_s=float("inf")))
     with pytest.raises(TypeError, match="RewardRunner"):
         RolloutManager([object()], None, exact_answer_reward)
 
@@ -431,7 +435,9 @@ def test_engine_killed_mid_rollout_then_all_engines_dead(ray_cluster, engines, b
     assert metrics["rollout/retried"] >= 1 and manager.pool.alive == [1]
     assert "ActorDiedError" in manager.pool.deaths[0]
 
-    ray_cluster.kill(spare[1])
+    ray_cluster.kill(spare[1])  # dies outside generation: a call to it takes it out as well
+    assert manager.settle_calls({1: spare[1].weight_version.remote()}) == [] and manager.pool.alive == []
+    assert "ActorDiedError" in manager.pool.deaths[1]
     with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died"):
         manager.rollout(_problems(built, 3), 2, SAMPLING, seed=0)
 

@@ -271,6 +271,15 @@ class RolloutConfig:
     """Samples in flight per engine; more wait in the manager's queue for the first engine with room."""
     max_requests_per_call: int = 32
     """Queued requests sent together in one engine call (1: every request its own call)."""
+    max_engine_restarts: int = 3
+    """Engines that died or hung replaced by new actors over the run, in their placement bundles, at weight
+    pushes (:mod:`miles.core.recovery`); 0: a dead engine leaves the rotation for good."""
+    engine_health_timeout_s: float = 30.0
+    """Health check of the engines in rotation at each weight push: one that does not answer within it is
+    taken out as hung (and replaced, within ``max_engine_restarts``)."""
+    max_outage_s: float = 300.0
+    """With no engine in rotation, how long the run waits for replacements to come up before it ends
+    with an error."""
 
 
 @dataclass(**_frozen)

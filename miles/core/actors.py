@@ -97,24 +97,17 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     kept = warm  # None, or the last job's engines alone (disaggregated, the same engine side)
     groups = reserve(plan) if kept is None else [*kept.placement_groups, *reserve(plan, first=1)]
 
-    def place(cls: Any, slot: Slot, **options: Any) -> Any:
-        return ray.remote(cls).options(
-            num_cpus=slot.cpus, num_gpus=slot.gpus, runtime_env={"env_vars": dict(slot.env)},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(groups[slot.pool],
-                                                                 placement_group_bundle_index=slot.bundle),
-            **options)
-
     engine_args, trainer_args, critic_args, stores = _constructor_args(plan, run, checkpoint_dir)
-    engine_cls, trainer_cls = locate(plan.engine_class), locate(plan.trainer_class)
+    trainer_cls = locate(plan.trainer_class)
     if kept is not None:
         engines = kept.engines
         pending = [e.reinit.remote(*a, **kw) for e, (a, kw) in zip(engines, engine_args, strict=True)]
     else:
-        engines = [place(engine_cls, slot, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*a, **kw)
-                   for slot, (a, kw) in zip(plan.engines, engine_args, strict=True)]
+        engines = [_new_engine(plan, groups, i, run, checkpoint_dir) for i in range(len(plan.engines))]
         pending = []
-    trainers = [place(trainer_cls, slot).remote(**kw) for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
-    critics = [place(locate(plan.critic_class), slot).remote(**kw)
+    trainers = [_place(trainer_cls, slot, groups).remote(**kw)
+                for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
+    critics = [_place(locate(plan.critic_class), slot, groups).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics,
                     stores=stores)
@@ -134,6 +127,38 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     return _ready(actors, reused=False)
 
 
+def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir: str) -> Any:
+    """Kill engine ``index`` (its backend goes with it) and start a new actor in its placement bundle,
+    constructed as at the start of the run (the checkpoint's weights, version 0). Returns the new handle
+    at once; it is up when its ``health`` answers. ``actors.engines`` holds it from now on."""
+    ray.kill(actors.engines[index], no_restart=True)
+    actors.engines[index] = _new_engine(actors.plan, actors.placement_groups, index, run, checkpoint_dir)
+    return actors.engines[index]
+
+
+def _place(cls: Any, slot: Slot, groups: Sequence[Any], **options: Any) -> Any:
+    """``cls`` as a Ray actor class bound to ``slot``'s bundle, CPUs, GPUs and environment."""
+    return ray.remote(cls).options(
+        num_cpus=slot.cpus, num_gpus=slot.gpus, runtime_env={"env_vars": dict(slot.env)},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(groups[slot.pool], placement_group_bundle_index=slot.bundle),
+        **options)
+
+
+def _new_engine(plan: Plan, groups: Sequence[Any], index: int, run: MilesConfig, checkpoint_dir: str) -> Any:
+    args, kwargs = _engine_args(plan, run, checkpoint_dir)[index]
+    return _place(locate(plan.engine_class), plan.engines[index], groups,
+                  max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*args, **kwargs)
+
+
+def _engine_args(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Every engine's ``(args, kwargs)``: the checkpoint and precision, the plan's engine arguments, and
+    a seed, thread count and id of its own."""
+    return [((checkpoint_dir, run.precision),
+             dict(plan.engine_kwargs, seed=run.seed + 1000 * s.index, num_threads=s.threads, engine_id=s.index,
+                  device=plan.device))
+            for s in plan.engines]
+
+
 _Args = tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]], list[Any]]
 
 
@@ -141,11 +166,6 @@ def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> _Arg
     """What each actor is constructed with, for new actors and reused ones alike: every engine's
     ``(args, kwargs)``, every trainer rank's kwargs, every critic rank's kwargs; and the stores the rank
     groups meet at (:func:`~miles.core.cluster.rendezvous`), which live as long as the actors."""
-    engines = [((checkpoint_dir, run.precision),
-                dict(plan.engine_kwargs, seed=run.seed + 1000 * s.index, num_threads=s.threads, engine_id=s.index,
-                     device=plan.device))
-               for s in plan.engines]
-
     config = RankConfig.of(run)
     stores: list[Any] = []
 
@@ -158,7 +178,8 @@ def _constructor_args(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> _Arg
                      checkpoint_dir=checkpoint_dir, config=config, num_threads=s.threads, device=plan.device)
                 for s in slots]
 
-    return engines, ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {}), stores
+    return (_engine_args(plan, run, checkpoint_dir), ranks(plan.trainers, plan.rank_kwargs), ranks(plan.critics, {}),
+            stores)
 
 
 def _ready(actors: Actors, *, reused: bool) -> Actors:

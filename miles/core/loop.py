@@ -42,11 +42,12 @@ from miles.core.step import (
     engine_busy_metrics,
     learn,
     log_batch_sizes,
+    push_weights,
     resume_checkpoint,
     sampling_params,
     save_checkpoint,
 )
-from miles.weights.sync import sync_weights
+from miles.rollout.dispatch import AllEnginesDeadError
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,19 @@ def train_sync(ctx: LoopContext) -> dict[str, float]:
 
         # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
         # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
-        groups, metrics = ctx.rollout.collect(
-            lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
-            seed=run.seed * 1_000_003 + next_group_id, first_group_id=next_group_id,
-        )
+        def collect(first: int = next_group_id):
+            return ctx.rollout.collect(
+                lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
+                seed=run.seed * 1_000_003 + first, first_group_id=first)
+
+        try:
+            groups, metrics = collect()
+        except AllEnginesDeadError:  # every engine died in this rollout: with recovery, new ones and again
+            if ctx.recovery is None:
+                raise
+            log.warning("step %d: every rollout engine died; replacing them and rolling out again", step)
+            ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)  # the weights the rollout was on
+            groups, metrics = collect()
         ctx.ledger.draw(range(next_group_id, next_group_id + int(metrics["rollout/groups"])))
         for group_id, outcome in ctx.rollout.left_out.items():
             ctx.ledger.settle(group_id, outcome)
@@ -102,7 +112,7 @@ def train_sync(ctx: LoopContext) -> dict[str, float]:
         t2 = time.perf_counter()
 
         # 5. sync: the engines still in rotation sample from the new weights from now on
-        metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
+        metrics |= push_weights(ctx, step)
         hooks.after_weight_sync(step, step)
         t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 

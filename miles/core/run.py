@@ -151,6 +151,7 @@ def run_job(
     from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
     from miles.core.plan import Machine, make_plan
+    from miles.core.recovery import EngineRecovery
     from miles.hooks import HookChain
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -202,6 +203,7 @@ def run_job(
             run=run, task=parts["task"], rollout=rollout, trainers=actors.trainers, engines=actors.engines,
             advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
+            recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
         if run.tenants:
             from miles.core.tenants import Tenant, tenant_run, train_tenants

@@ -67,12 +67,12 @@ from miles.core.step import (
     engine_busy_metrics,
     learn,
     log_batch_sizes,
+    push_weights,
     resume_checkpoint,
     sampling_params,
     save_checkpoint,
 )
 from miles.types import Sample, SamplingParams
-from miles.weights.sync import sync_weights
 
 log = logging.getLogger(__name__)
 
@@ -338,27 +338,6 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
         progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
-
-
-def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
-    """The trainers' weights to the engines in rotation as ``version``; when the push fails and an
-    engine it went to has died meanwhile (:meth:`miles.rollout.manager.RolloutManager.drop_dead_engines`),
-    it is retried once on the engines left."""
-    engines = ctx.rollout.live_engines
-    if not engines:
-        raise ctx.rollout.pool.all_dead_error()
-    try:
-        return sync_weights(ctx.trainers, engines, version=version, transport=ctx.transport)
-    except RuntimeError:
-        ctx.rollout.drop_dead_engines()
-        left = ctx.rollout.live_engines
-        if len(left) == len(engines):
-            raise  # every engine lives: the push itself failed
-        if not left:
-            raise ctx.rollout.pool.all_dead_error() from None
-        log.warning("weight push of version %d: %d engine(s) died; retried on the %d left", version,
-                    len(engines) - len(left), len(left))
-        return sync_weights(ctx.trainers, left, version=version, transport=ctx.transport)
 
 
 def _account_for_failure(ctx: LoopContext, stream: GroupStream, taken: list[list[Sample]], step: int,

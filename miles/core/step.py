@@ -24,6 +24,7 @@ from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
+from miles.core.recovery import EngineRecovery
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
 from miles.types import SamplingParams, Status, TrainBatch
@@ -58,6 +59,9 @@ class LoopContext:
     """The ``hooks:`` chain (:mod:`miles.hooks`), called at the points of the loop; empty: none."""
     ledger: Ledger = field(default_factory=Ledger)
     """Outcome of every prompt drawn for training (:mod:`miles.core.ledger`)."""
+    recovery: EngineRecovery | None = None
+    """Replaces engines that died or hung at each weight push (:mod:`miles.core.recovery`); None: a dead
+    engine leaves the rotation for good."""
 
 
 def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]
@@ -92,7 +96,9 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
     # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
     # CPUs, so one after the other)
-    offloading = ctx.start_offload(ctx.rollout.live_engines)  # overlaps the train step
+    live = list(ctx.rollout.pool.alive)
+    offloading = ctx.start_offload([ctx.rollout.pool.engines[e] for e in live])  # during the train step
+    offloading = dict(zip(live, offloading, strict=True)) if offloading else {}
     if metrics["train/trainable_samples"] > 0:
         batch = ray.put(batch)
         metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
@@ -102,9 +108,39 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
     else:  # nothing to learn from (e.g. every group filtered out): keep the weights
         log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
-    ray.get(offloading)
+    ctx.rollout.settle_calls(offloading)  # an engine that died meanwhile leaves the rotation
     hooks.after_train(step, metrics)
     return metrics, samples
+
+
+def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
+    """The trainers' weights to the engines in rotation as ``version``; then, with ``ctx.recovery``, the
+    engines out of rotation are replaced and the new ones get ``version`` before they join it.
+
+    When the push fails and an engine it went to has died meanwhile
+    (:meth:`miles.rollout.manager.RolloutManager.drop_dead_engines`), it is retried once on the engines left.
+    """
+    if ctx.recovery is not None:
+        ctx.rollout.drop_dead_engines()  # an engine that hangs must not hold up the push
+    engines = ctx.rollout.live_engines
+    if not engines and ctx.recovery is None:
+        raise ctx.rollout.pool.all_dead_error()
+    metrics = {}
+    try:
+        metrics = sync_weights(ctx.trainers, engines, version=version, transport=ctx.transport) if engines else {}
+    except RuntimeError:
+        ctx.rollout.drop_dead_engines()
+        left = ctx.rollout.live_engines
+        if len(left) == len(engines):
+            raise  # every engine lives: the push itself failed
+        if not left and ctx.recovery is None:
+            raise ctx.rollout.pool.all_dead_error() from None
+        log.warning("weight push of version %d: %d engine(s) died; retried on the %d left", version,
+                    len(engines) - len(left), len(left))
+        metrics = sync_weights(ctx.trainers, left, version=version, transport=ctx.transport) if left else {}
+    if ctx.recovery is not None:
+        metrics |= ctx.recovery.restore(ctx.trainers, version, ctx.transport)
+    return metrics
 
 
 def _config_dict(run: MilesConfig) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -77,6 +78,7 @@ class EnginePool:
         self.engines, self.cfg = list(engines), cfg
         self.alive = list(range(len(self.engines)))
         self.deaths: dict[int, str] = {}
+        self.died_at: dict[int, float] = {}  # engine -> time.monotonic() when it was taken out
         self.dispatched = [0] * len(self.engines)  # requests sent to each engine, all time
         self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures, affinity_*
         self.homes: OrderedDict[str, int] = OrderedDict()  # session key -> engine that produced it (LRU)
@@ -117,9 +119,18 @@ class EnginePool:
         if e in self.alive:
             self.alive.remove(e)
             self.deaths[e] = first_line(err)
+            self.died_at[e] = time.monotonic()
             self.counts["engines_lost"] += 1
             log.warning("rollout engine %d died (%s); taken out of rotation, %d of %d engine(s) left",
                         e, self.deaths[e], len(self.alive), len(self.engines))
+
+    def revive(self, e: int, engine: Any) -> float:
+        """Put ``engine`` (a replacement that holds the current weights) in rotation as engine ``e``;
+        returns the seconds engine ``e`` was out."""
+        self.engines[e] = engine
+        self.deaths.pop(e, None)
+        self.alive = sorted([*self.alive, e])
+        return time.monotonic() - self.died_at.pop(e, time.monotonic())
 
     def all_dead_error(self) -> AllEnginesDeadError:
         why = "; ".join(f"engine {e}: {r}" for e, r in sorted(self.deaths.items()))

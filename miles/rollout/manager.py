@@ -52,7 +52,10 @@ def check_config(cfg: RolloutConfig) -> None:
     per_1k = cfg.request_timeout_per_1k_tokens_s
     if not (math.isfinite(per_1k) and per_1k >= 0):
         raise ConfigError(f"rollout.request_timeout_per_1k_tokens_s: must be a finite number >= 0, found {per_1k}")
-    for key in ("max_retries", "max_oversample_rounds"):
+    for key in ("engine_health_timeout_s", "max_outage_s"):
+        if not (math.isfinite(getattr(cfg, key)) and getattr(cfg, key) > 0):
+            raise ConfigError(f"rollout.{key}: must be a finite number > 0, found {getattr(cfg, key)}")
+    for key in ("max_retries", "max_oversample_rounds", "max_engine_restarts"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"rollout.{key}: must be 0 or more, found {getattr(cfg, key)}")
     for key in ("max_inflight_samples_per_engine", "max_requests_per_call"):
@@ -143,22 +146,45 @@ class RolloutManager:
         """The engines still in rotation (an engine that died is taken out for the rest of the run)."""
         return [self.pool.engines[i] for i in self.pool.alive]
 
-    def drop_dead_engines(self, timeout_s: float = 30.0) -> int:
-        """Ask every engine in rotation for its health; take out those whose actor died (or whose
-        backend is gone: ``ok`` false). Returns how many were taken out."""
+    def drop_dead_engines(self, timeout_s: float | None = None) -> int:
+        """Ask every engine in rotation for its health; take out those whose actor died, whose backend
+        is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
+        ``rollout.engine_health_timeout_s``). Returns how many were taken out."""
         import ray
 
+        timeout_s = self.cfg.engine_health_timeout_s if timeout_s is None else timeout_s
         before = len(self.pool.alive)
         refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
+        deadline = time.monotonic() + timeout_s  # one deadline for all: a hung engine costs it once
         for e, ref in refs.items():
             try:
-                health = ray.get(ref, timeout=timeout_s)
+                health = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except ray.exceptions.GetTimeoutError:
+                self.pool.mark_dead(e, TimeoutError(f"health check: no answer within {timeout_s:g} s (hung)"))
             except ray.exceptions.RayActorError as err:
                 self.pool.mark_dead(e, err)
             else:
                 if not health.get("ok", True):
                     self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
         return before - len(self.pool.alive)
+
+    def settle_calls(self, refs: dict[int, Any]) -> list[Any]:
+        """The results of calls made to engines (engine index -> object ref), e.g. the memory offload;
+        an engine whose actor died meanwhile, or that does not answer within ``rollout.request_timeout_s``
+        (hung), is taken out of rotation, as in generation, and left out."""
+        import ray
+
+        results = []
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        for e, ref in refs.items():
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
+            except ray.exceptions.GetTimeoutError:
+                self.pool.mark_dead(e, TimeoutError(f"no answer within rollout.request_timeout_s "
+                                                    f"({self.cfg.request_timeout_s:g} s; hung)"))
+            except ray.exceptions.RayActorError as err:
+                self.pool.mark_dead(e, err)
+        return results
 
     # ---- prompts and groups -----------------------------------------------------------------------
 

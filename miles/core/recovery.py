@@ -1,0 +1,108 @@
+"""Rollout engines that die or hang are replaced by new ones, between steps.
+
+The engine pool takes an engine out of rotation when its actor dies or its backend is gone (an SGLang
+server that exited or stopped answering), in generation and in every other call to it
+(:mod:`miles.rollout.dispatch`). At each weight push (:func:`miles.core.step.push_weights`) the driver
+then:
+
+1. asks the engines in rotation for their health: one that does not answer within
+   ``rollout.engine_health_timeout_s`` is taken out as hung;
+2. kills each engine out of rotation and starts a new actor in its placement bundle, constructed as at
+   the start of the run (:func:`miles.core.actors.replace_engine`), and waits until it answers;
+3. pushes the weights of the current version to the new engines alone, and only then puts them in
+   rotation: no request reaches an engine before it holds the version the others hold.
+
+This happens at most ``rollout.max_engine_restarts`` times over the run; after that an engine that
+dies stays out, as it did before. With no engine in rotation (every engine died in one rollout) the
+synchronous loop waits for replacements, up to ``rollout.max_outage_s``, and repeats the rollout; the
+prompts of the failed rollout were never counted as drawn. Under the async schedules a rollout that
+loses every engine still ends the run.
+
+Metrics: ``fault/engine_restarts`` (over the run), ``fault/engine_outage_s`` (seconds the replaced
+engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from miles.config import MilesConfig
+from miles.core.actors import Actors, replace_engine
+from miles.rollout.dispatch import AllEnginesDeadError, first_line
+from miles.rollout.manager import RolloutManager
+from miles.weights.sync import Transport, sync_weights
+
+log = logging.getLogger(__name__)
+
+
+class EngineRecovery:
+    """Replaces the engines of ``rollout`` that are out of rotation (see the module docstring)."""
+
+    def __init__(self, actors: Actors, rollout: RolloutManager, run: MilesConfig, checkpoint_dir: str) -> None:
+        self.actors, self.rollout, self.run, self.checkpoint_dir = actors, rollout, run, checkpoint_dir
+        self.cfg = run.rollout
+        self.restarts, self.outage_s, self.start_s = 0, 0.0, 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"fault/engine_restarts": float(self.restarts), "fault/engine_outage_s": self.outage_s,
+                "fault/engine_start_s": self.start_s}
+
+    def restore(self, trainers: Sequence[Any], version: int, transport: Transport | None) -> dict[str, float]:
+        """Check the engines in rotation, replace those out of it (while restarts are left), give the new
+        ones ``version`` (the trainers' current weights) and put them in rotation.
+
+        Raises :class:`~miles.rollout.dispatch.AllEnginesDeadError` when no engine is in rotation and none
+        could be brought back within ``rollout.max_outage_s``.
+        """
+        pool = self.rollout.pool
+        self.rollout.drop_dead_engines()
+        down = [e for e in range(len(pool.engines)) if e not in pool.alive]
+        deadline = time.monotonic() + self.cfg.max_outage_s
+        while down and self.restarts < self.cfg.max_engine_restarts and time.monotonic() < deadline:
+            fresh = self._start(down[: self.cfg.max_engine_restarts - self.restarts], deadline)
+            if not fresh:
+                continue  # none started: counted, tried again while restarts and time are left
+            try:
+                sync_weights(trainers, list(fresh.values()), version=version, transport=transport)
+            except Exception as err:  # noqa: BLE001 - the new engines failed; the next round replaces them again
+                log.warning("rollout engine(s) %s: the replacements did not take version %d (%s)", sorted(fresh),
+                            version, first_line(err))
+                continue
+            for e, engine in fresh.items():
+                out = pool.revive(e, engine)
+                self.outage_s += out
+                down.remove(e)
+                log.warning("rollout engine %d replaced: a new actor holds version %d and is in rotation again "
+                            "(out for %.1f s, %d of %d restart(s) used)", e, version, out, self.restarts,
+                            self.cfg.max_engine_restarts)
+        if not pool.alive:
+            why = "no restarts left" if self.restarts >= self.cfg.max_engine_restarts else (
+                f"none came up within rollout.max_outage_s ({self.cfg.max_outage_s:g} s)")
+            raise AllEnginesDeadError(f"{pool.all_dead_error()} Replacements: {self.restarts} started of "
+                                      f"rollout.max_engine_restarts={self.cfg.max_engine_restarts}; {why}.")
+        return self.metrics()
+
+    def _start(self, engines: list[int], deadline: float) -> dict[int, Any]:
+        """New actors for ``engines``, started together; those that answer their health check before
+        ``deadline``, by engine index (the others are killed)."""
+        t0 = time.perf_counter()
+        self.restarts += len(engines)
+        fresh = {e: replace_engine(self.actors, e, self.run, self.checkpoint_dir) for e in engines}
+        checks = {e: a.health.remote() for e, a in fresh.items()}
+        up = {}
+        for e, ref in checks.items():
+            try:
+                health = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+                if not health.get("ok", True):
+                    raise RuntimeError(f"health check: {health}")
+                up[e] = fresh[e]
+            except Exception as err:  # noqa: BLE001 - a failed start is counted and logged, then tried again
+                log.warning("rollout engine %d: the replacement did not start (%s)", e, first_line(err))
+                ray.kill(fresh[e], no_restart=True)
+        self.start_s = time.perf_counter() - t0
+        return up
