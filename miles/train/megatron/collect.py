@@ -30,7 +30,6 @@ from miles.train.megatron.mapping import (
     join_experts,
     piece_shapes,
     shard,
-    shard_shape,
     split_experts,
     unshard,
 )
@@ -156,7 +155,3 @@ class ShardedIO:
             dist.recv(buf, src=r)
             pieces.update(zip(names, _unflat(buf.cpu(), shapes), strict=True))
         return join_experts(pieces, self.hf_shapes, self.arch)
-
-    def local_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each local parameter's shape, from the HF shapes (checks the model the mapping expects)."""
-        return {e.local: shard_shape(e, self.piece_shapes, self.arch, self.coords.tp) for e in self.entries}
