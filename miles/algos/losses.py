@@ -138,10 +138,15 @@ def ppo_clip_loss(
     (ratio > 1 + clip_high and A > 0): the tokens where the clip is active and the gradient is zero.
     """
     advantages = _per_token_shape("ppo_clip_loss", advantages, logp)
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
+    return _clipped_objective(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`` and where each side of the clip is active
+    (``clip_frac_low``, ``clip_frac_high``: float 0/1), for ratios and advantages of one shape."""
+    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages)
     with torch.no_grad():
         indicators = {
             "clip_frac_low": ((ratio < 1.0 - clip_low) & (advantages < 0)).float(),
@@ -236,18 +241,8 @@ def gspo_loss(
         )
     m = loss_mask.to(logp.dtype)
     log_ratio = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-    ratio = torch.exp(log_ratio)  # [B]
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).float()
-        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).float()
-    shape = logp.shape
-    return loss.unsqueeze(-1).expand(shape), {
-        "clip_frac_low": low.unsqueeze(-1).expand(shape),
-        "clip_frac_high": high.unsqueeze(-1).expand(shape),
-    }
+    loss, indicators = _clipped_objective(torch.exp(log_ratio), advantages, clip_low, clip_high)  # [B]
+    return loss.unsqueeze(-1).expand(logp.shape), {k: v.unsqueeze(-1).expand(logp.shape) for k, v in indicators.items()}
 
 
 def cispo_loss(

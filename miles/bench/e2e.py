@@ -71,6 +71,8 @@ from typing import Any
 
 import torch
 
+from miles.bench import names_from
+
 log = logging.getLogger("miles.bench.e2e")
 
 WORKLOADS: dict[str, list[str]] = {
@@ -414,7 +416,7 @@ def sign_flip_ci(diffs: list[float], level: float = 0.95,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.bench e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="short,long", help="comma-separated: short, long")
+    p.add_argument("--workloads", type=names_from(WORKLOADS), default="short,long", help="comma-separated: short, long")
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps per side (the median skips step 1); default: short 100, long 6")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process on each side")
@@ -434,10 +436,6 @@ def main(argv: list[str] | None = None) -> int:
             _print_summary(name, w)
         print(json.dumps(result))
         return 0
-    names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown:
-        p.error(f"unknown workload(s) {unknown}; valid: {', '.join(WORKLOADS)}")
     if args.steps is not None and args.steps < 2:
         p.error("--steps must be >= 2 (the median skips step 1)")
     seeds = None
@@ -456,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="miles-bench-e2e-") as tmp:
-        for name in names:
+        for name in args.workloads:
             steps = args.steps or DEFAULT_STEPS[name]
             result[name] = bench_workload(name, steps, args.threads, args.override, Path(tmp), seeds)
             _print_summary(name, result[name])

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.bench import names_from
 from miles.bench.state_dicts import SIZES, qwen_like_state_dict
 
 
@@ -153,35 +154,22 @@ def main(argv: list[str] | None = None) -> int:
     from miles.weights.sync import CPU_TRANSPORTS, TRANSPORTS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--engine" in argv or any(a.startswith("--engine=") for a in argv):
-        engine = argv[argv.index("--engine") + 1] if "--engine" in argv else next(
-            a.split("=", 1)[1] for a in argv if a.startswith("--engine="))
-        if engine == "sglang":
-            from miles.bench.sync_sglang import main as sglang_main
+    prog = "python -m miles.bench sync"
+    engine = argparse.ArgumentParser(prog=prog, add_help=False)
+    engine.add_argument("--engine", choices=["buffer", "sglang"], default="buffer",
+                        help="buffer: a receiver like the torch engine's; sglang: miles.bench.sync_sglang")
+    if engine.parse_known_args(argv)[0].engine == "sglang":
+        from miles.bench.sync_sglang import main as sglang_main
 
-            return sglang_main(argv)
-        if engine != "buffer":
-            print(f"--engine: {engine!r}; valid: buffer (the default: a receiver like the torch engine's), sglang",
-                  file=sys.stderr)
-            return 2
-        argv = [a for i, a in enumerate(argv) if a != "--engine" and not a.startswith("--engine=")
-                and not (i and argv[i - 1] == "--engine")]
-
-    ap = argparse.ArgumentParser(prog="python -m miles.bench sync", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="20M,100M", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--transports", default=",".join(CPU_TRANSPORTS))
+        return sglang_main(argv)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], parents=[engine])
+    ap.add_argument("--sizes", type=names_from(SIZES), default="20M,100M", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--transports", type=names_from(TRANSPORTS), default=",".join(CPU_TRANSPORTS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=float, default=128.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the sender and receiver actors")
     args = ap.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    transports = [t for t in args.transports.split(",") if t]
-    for s in sizes:
-        if s not in SIZES:
-            ap.error(f"--sizes: unknown size {s!r}; valid: {', '.join(SIZES)}")
-    for t in transports:
-        if t not in TRANSPORTS:
-            ap.error(f"--transports: unknown transport {t!r}; valid: {', '.join(TRANSPORTS)}")
+    sizes, transports = args.sizes, args.transports
     if args.repeats < 1:
         ap.error("--repeats: must be at least 1")
 

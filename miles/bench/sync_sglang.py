@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from miles.bench import names_from
 from miles.bench.state_dicts import SIZES, qwen_like_state_dict
 
 PATHS = ("tensor", "distributed", "disk")
@@ -105,19 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m miles.bench sync --engine sglang",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=["sglang"], default="sglang")
-    ap.add_argument("--sizes", default="tiny,100M", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--paths", default=",".join(PATHS), help="weight_load paths; disk is the reference")
+    ap.add_argument("--sizes", type=names_from(SIZES), default="tiny,100M", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--paths", type=names_from(PATHS), default=",".join(PATHS),
+                    help="weight_load paths; disk is the reference")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=float, default=512.0, help="rollout.engine.weight_bucket_mb")
     args = ap.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    paths = [p for p in args.paths.split(",") if p]
-    for s in sizes:
-        if s not in SIZES:
-            ap.error(f"--sizes: unknown size {s!r}; valid: {', '.join(SIZES)}")
-    for p in paths:
-        if p not in PATHS:
-            ap.error(f"--paths: unknown path {p!r}; valid: {', '.join(PATHS)}")
+    sizes, paths = args.sizes, args.paths
     if "disk" not in paths:
         ap.error("--paths: include disk, the reference the others are compared with")
     if args.repeats < 1:

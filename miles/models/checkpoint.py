@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -96,13 +97,19 @@ def ensure_checkpoint(run: MilesConfig, spec: ModelSpec, task) -> Path:
     if spec.gguf is not None:
         return _from_gguf(spec, root)
     final = root / f"{spec.name}-{spec.flavor}-{checkpoint_key(run, spec)[:16]}"
+    return _cached(final, lambda tmp: _build(run, spec, task, tmp))
+
+
+def _cached(final: Path, build: Callable[[Path], None]) -> Path:
+    """``final`` if it holds a whole checkpoint; else ``build(tmp)`` into a temporary sibling renamed to
+    ``final``, so a crashed build leaves nothing a later run would trust."""
     if all((final / f).is_file() for f in _REQUIRED_FILES):
-        log.info("reusing built checkpoint %s", final)
+        log.info("reusing checkpoint %s", final)
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _build(run, spec, task, tmp)
+        build(tmp)
         try:
             os.replace(tmp, final)
         except OSError:
@@ -152,19 +159,13 @@ def _from_gguf(spec: ModelSpec, root: Path) -> Path:
 
     assert spec.gguf is not None
     directory, name = spec.gguf
-    digest = hashlib.sha256()
     with (Path(directory) / name).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
+        digest = hashlib.file_digest(f, "sha256")
     final = root / f"{spec.name}-{spec.flavor}-gguf-{digest.hexdigest()[:16]}"
-    if all((final / f).is_file() for f in _REQUIRED_FILES):
-        log.info("reusing converted checkpoint %s", final)
-        return final
-    t0 = time.perf_counter()
-    log.info("converting %s to an HF checkpoint in %s (once)", name, final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
+
+    def convert(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        log.info("converting %s to an HF checkpoint in %s (once)", name, final)
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
         # the dequantized weights in a plain model: transformers refuses to save a model marked as GGUF-quantized
@@ -176,13 +177,7 @@ def _from_gguf(spec: ModelSpec, root: Path) -> Path:
         model.generation_config = loaded.generation_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not all((final / f).is_file() for f in _REQUIRED_FILES):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s in %.1fs (%d params)", name, time.perf_counter() - t0,
-             sum(p.numel() for p in model.parameters()))
-    return final
+        log.info("converted %s in %.1fs (%d params)", name, time.perf_counter() - t0,
+                 sum(p.numel() for p in model.parameters()))
+
+    return _cached(final, convert)

@@ -135,7 +135,7 @@ class RewardRunner:
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = [_Worker(self._ctx, self._spec, startup_timeout_s)
                                         for _ in range(self.num_workers)]
-        self.num_timeouts = self.num_crashes = self.num_restarts = 0
+        self.num_crashes = self.num_restarts = 0
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
 
     # -- public API ------------------------------------------------------------------------------
@@ -285,8 +285,6 @@ class RewardRunner:
             w.stop()
             raise RuntimeError(f"reward worker for '{self.fn.target}' did not start within "
                                f"{self.startup_timeout_s:g}s (importing the reward function)")
-        if w.job is not None and len(w.job) - w.position == 1:
-            self.num_timeouts += 1
         w.kill()
         self._fail_current(w, results, sizes, queue, f"timeout after {self.timeout_s:g}s")
 

@@ -138,13 +138,6 @@ class MlflowTracker:
         """Metrics not yet sent."""
         return self._outbox.buffered
 
-    def wait_for_run(self, timeout_s: float = 30.0) -> str | None:
-        """Block until the run exists on the server (or ``timeout_s`` passed); returns its id."""
-        deadline = time.monotonic() + timeout_s
-        while self._outbox.run_id is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self._outbox.run_id
-
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue one step's metrics (non-finite values are skipped); returns at once."""
         now = int(time.time() * 1000)

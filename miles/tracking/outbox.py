@@ -62,7 +62,6 @@ class Outbox:
         self.spec = spec
         self.retry_max_s = retry_max_s
         self.run_id: str | None = None
-        self.sent_metrics = 0
         self.down_since: float | None = None
         self.warnings = 0
         self._metrics: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
@@ -226,7 +225,6 @@ class Outbox:
             self._guard("metrics", client.log_batch, self.run_id, metrics=[Metric(*m) for m in batch])
             with self._cond:
                 del self._metrics[:len(batch)]
-            self.sent_metrics += len(batch)
         if closing and closing != "ABANDONED":
             client.set_terminated(self.run_id, status=closing)
             self._terminated = True

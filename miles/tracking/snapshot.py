@@ -194,15 +194,8 @@ def _cpu_model() -> str:
 
 def _memory_gib() -> float | None:
     try:
-        import psutil
-
-        return round(psutil.virtual_memory().total / 2**30, 2)
-    except ImportError:
-        pass
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:", 1)[1].split()[0])
-        return round(kb / 2**20, 2)
-    except (OSError, IndexError, ValueError):
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 2)
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
         return None
 
 

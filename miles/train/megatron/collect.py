@@ -16,7 +16,8 @@ and AdamW's moments (checkpoints).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,27 +31,21 @@ from miles.train.megatron.mapping import (
     join_experts,
     piece_shapes,
     shard,
-    shard_shape,
     split_experts,
     unshard,
 )
 
 
-def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One fp32 buffer on ``device`` of ``tensors`` flattened one after the other (what a collective sends)."""
     if not tensors:
         return torch.zeros(0, device=device)
     return torch.cat([t.detach().to(device, torch.float32).reshape(-1) for t in tensors])
 
 
-def _unflat(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for s in shapes:
-        n = 1
-        for x in s:
-            n *= x
-        out.append(buf[at : at + n].view(s))
-        at += n
-    return out
+def unflat(buf: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``buf`` with ``shapes``, in order: the inverse of :func:`flat`."""
+    return [p.view(s) for p, s in zip(buf.split([math.prod(s) for s in shapes]), shapes, strict=True)]
 
 
 class ShardedIO:
@@ -102,12 +97,12 @@ class ShardedIO:
         shapes = [self.hf_shapes[n] for n in names]
         if self.rank == 0:
             assert hf is not None
-            buf = _flat([hf[n] for n in names], self.device)
+            buf = flat([hf[n] for n in names], self.device)
         else:
             buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes), device=self.device)
         if self.world_size > 1:
             dist.broadcast(buf, src=0)
-        return dict(zip(names, _unflat(buf.cpu(), shapes), strict=True))
+        return dict(zip(names, unflat(buf.cpu(), shapes), strict=True))
 
     # --- shards -> HF on rank 0 --------------------------------------------------------------------
 
@@ -125,10 +120,10 @@ class ShardedIO:
         if size == 1 or not ents:
             return {e.local: [local[e.local]] for e in ents}
         shapes = [tuple(local[e.local].shape) for e in ents]
-        mine = _flat([local[e.local] for e in ents], self.device)
+        mine = flat([local[e.local] for e in ents], self.device)
         parts = [torch.zeros_like(mine) for _ in range(size)]
         dist.all_gather(parts, mine, group=group)
-        per_rank = [_unflat(p.cpu(), shapes) for p in parts]
+        per_rank = [unflat(p.cpu(), shapes) for p in parts]
         return {e.local: [r[i] for r in per_rank] for i, e in enumerate(ents)}
 
     def gather(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -143,7 +138,7 @@ class ShardedIO:
             mine.update({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in cut.items()})
         if self.rank != 0:
             if mine:
-                dist.send(_flat(list(mine.values()), self.device), dst=0)
+                dist.send(flat(list(mine.values()), self.device), dst=0)
             return None
         pieces = dict(mine)
         for r in range(1, self.world_size):
@@ -154,9 +149,5 @@ class ShardedIO:
             shapes = [self.piece_shapes[n] for n in names]
             buf = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes), device=self.device)
             dist.recv(buf, src=r)
-            pieces.update(zip(names, _unflat(buf.cpu(), shapes), strict=True))
+            pieces.update(zip(names, unflat(buf.cpu(), shapes), strict=True))
         return join_experts(pieces, self.hf_shapes, self.arch)
-
-    def local_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each local parameter's shape, from the HF shapes (checks the model the mapping expects)."""
-        return {e.local: shard_shape(e, self.piece_shapes, self.arch, self.coords.tp) for e in self.entries}

@@ -32,11 +32,6 @@ class ParallelDims:
         """Data-parallel replicas of the dense layers."""
         return self.world_size // (self.tp * self.pp)
 
-    @property
-    def edp(self) -> int:
-        """Data-parallel replicas of each expert (expert tensor parallel = TP)."""
-        return self.world_size // (self.tp * self.ep * self.pp)
-
     def describe(self) -> str:
         return f"TP={self.tp} PP={self.pp} DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
 

@@ -46,6 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from miles.config.schema import AdapterConfig
 from miles.train.megatron.arch import Arch
+from miles.train.megatron.collect import flat, unflat
 from miles.train.megatron.grads import clip_, global_grad_norm
 from miles.train.megatron.lora_layout import (
     ROW_PARALLEL,
@@ -58,21 +59,6 @@ from miles.train.megatron.lora_layout import (
 
 Adapters = dict[str, dict[str, torch.Tensor]]
 """``{adapter name: {PEFT key: full fp32 CPU tensor}}``."""
-
-
-def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0, device=device)
-    return torch.cat([t.detach().to(device, torch.float32).reshape(-1) for t in tensors])
-
-
-def _unflat(buf: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for s in shapes:
-        n = int(torch.Size(s).numel())
-        out.append(buf[at : at + n].view(s))
-        at += n
-    return out
 
 
 class LoraIO:
@@ -106,11 +92,11 @@ class LoraIO:
         split = [e for e in self.entries if e.tp_split]
         parts: dict[str, list[torch.Tensor]] = {e.local: [local[e.local]] for e in self.entries}
         if self.tp > 1 and split:
-            mine = _flat([local[e.local] for e in split], self.device)
+            mine = flat([local[e.local] for e in split], self.device)
             got = [torch.zeros_like(mine) for _ in range(self.tp)]
             dist.all_gather(got, mine, group=ps.get_tensor_model_parallel_group())
             shapes = [tuple(local[e.local].shape) for e in split]
-            per_rank = [_unflat(g.cpu(), shapes) for g in got]
+            per_rank = [unflat(g.cpu(), shapes) for g in got]
             parts.update({e.local: [r[i] for r in per_rank] for i, e in enumerate(split)})
         full: list[torch.Tensor] = []
         if self.owner:
@@ -118,7 +104,7 @@ class LoraIO:
                     for e in self.entries]
         if self.rank != 0:
             if self.owner and full:
-                dist.send(_flat(full, self.device), dst=0)
+                dist.send(flat(full, self.device), dst=0)
             return None
         pairs = list(zip(self.entries, full, strict=True))
         for pp_rank, r in self._owners:
@@ -127,7 +113,7 @@ class LoraIO:
                 continue
             buf = torch.zeros(full_numel(ents), device=self.device)
             dist.recv(buf, src=r)
-            pairs += zip(ents, _unflat(buf.cpu(), [e.shape for e in ents]), strict=True)
+            pairs += zip(ents, unflat(buf.cpu(), [e.shape for e in ents]), strict=True)
         out: Adapters = {n: {} for n in self.names}
         for e, t in sorted(pairs, key=lambda p: self.names.index(p[0].adapter)):  # stable: stages stay in order
             out[e.adapter][e.peft_key] = t
@@ -139,13 +125,13 @@ class LoraIO:
         shapes = [e.shape for e in every]
         if self.rank == 0:
             assert full is not None
-            buf = _flat([full[e.adapter][e.peft_key] for e in every], self.device)
+            buf = flat([full[e.adapter][e.peft_key] for e in every], self.device)
         else:
             buf = torch.zeros(full_numel(every), device=self.device)
         if self.world_size > 1:
             dist.broadcast(buf, src=0)
         out: Adapters = {n: {} for n in self.names}
-        for e, t in zip(every, _unflat(buf.cpu(), shapes), strict=True):
+        for e, t in zip(every, unflat(buf.cpu(), shapes), strict=True):
             out[e.adapter][e.peft_key] = t
         return out
 

@@ -149,17 +149,6 @@ def unshard_lora(e: LoraEntry, parts: Sequence[torch.Tensor], arch: Arch) -> tor
     return full[: arch.vocab_size] if e.kind == "vocab" else full
 
 
-def local_shape(e: LoraEntry, arch: Arch, tp: int) -> tuple[int, int]:
-    rows, cols = e.shape
-    if e.kind == "rows":
-        return rows // tp, cols
-    if e.kind == "cols":
-        return rows, cols // tp
-    if e.kind == "vocab":
-        return padded_vocab(arch, tp) // tp, cols
-    return rows, cols
-
-
 # ---- names of the base weights in peft's model --------------------------------------------------
 
 def peft_base_name(hf_name: str, targets: Sequence[str]) -> str:

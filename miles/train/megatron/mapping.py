@@ -226,19 +226,6 @@ def unshard(entry: Entry, shards: list[torch.Tensor], arch: Arch) -> dict[str, t
     raise AssertionError(f"unknown kind {entry.kind!r}")
 
 
-def shard_shape(entry: Entry, piece_shapes: Mapping[str, tuple[int, ...]], arch: Arch, tp: int) -> tuple[int, ...]:
-    """The shape of ``entry`` on one TP rank, from the shapes of its pieces."""
-    first = piece_shapes[entry.hf[0]]
-    if entry.kind == "copy":
-        return tuple(first)
-    if entry.kind == "vocab":
-        return (padded_vocab(arch, tp) // tp, first[1])
-    if entry.kind == "row":
-        return (first[0], first[1] // tp)
-    rows = sum(piece_shapes[n][0] for n in entry.hf)
-    return (rows // tp, first[1])
-
-
 # ---- fused HF experts <-> per-expert pieces ------------------------------------------------------
 
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
