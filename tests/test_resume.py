@@ -8,18 +8,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.config import ConfigError, checkpoints, validate
+from miles.config import ConfigError, checkpoints, manifest, validate
 from miles.core import resume
 
 
-def _fake_checkpoint(root: Path, step: int, *, trainer: bool = True) -> Path:
-    """The files :func:`checkpoints.load` reads, with a loop state of ``step`` (for the config checks)."""
+def _fake_checkpoint(root: Path, step: int, *, trainer: bool = True, complete: bool = True) -> Path:
+    """The files :func:`checkpoints.load` reads, with a loop state of ``step`` (for the config checks);
+    ``complete``: with the manifest a finished save writes last."""
     d = checkpoints.step_dir(root, step)
     (d / "trainer").mkdir(parents=True)
     if trainer:
         (d / "trainer" / "trainer_state.json").write_text("{}")
     (d / "loop_state.json").write_text(json.dumps(
         {"format": checkpoints.FORMAT, "step": step, "next_group_id": 4 * step, "rng_state": [3, [1, 2, 3], None]}))
+    if complete:
+        manifest.write(d)
     return d
 
 
@@ -28,7 +31,9 @@ def test_newest_complete_checkpoint_is_found(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, 10)
     (tmp_path / "step_000012.tmp").mkdir()  # an interrupted write is never read
     (tmp_path / "step_000011").mkdir()  # nor a directory without its loop state
+    _fake_checkpoint(tmp_path, 13, complete=False)  # nor one without its manifest (written last)
     assert [s for s, _ in checkpoints.checkpoints(tmp_path)] == [2, 10]
+    assert checkpoints.incomplete(tmp_path) == [tmp_path / "step_000011", tmp_path / "step_000013"]
     assert checkpoints.find_checkpoint(tmp_path) == checkpoints.step_dir(tmp_path, 10)
     assert checkpoints.find_checkpoint(checkpoints.step_dir(tmp_path, 2)) == checkpoints.step_dir(tmp_path, 2)
     state = checkpoints.load(tmp_path)
@@ -45,7 +50,36 @@ def test_incomplete_or_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
         checkpoints.load(tmp_path / "a")
     d = _fake_checkpoint(tmp_path / "b", 3)
     (d / "loop_state.json").write_text(json.dumps({"format": 99}))
+    manifest.write(d)
     with pytest.raises(ValueError, match="format 99"):
+        checkpoints.load(d)
+    with pytest.raises(ValueError, match="no manifest.json, so the checkpoint is incomplete"):
+        checkpoints.load(_fake_checkpoint(tmp_path / "c", 3, complete=False))
+    with pytest.raises(ValueError, match="no complete checkpoint, only step_000003 without manifest.json"):
+        checkpoints.load(tmp_path / "c")
+
+
+def test_a_file_that_does_not_match_the_manifest_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    d = _fake_checkpoint(tmp_path, 4)
+    (d / "trainer" / "model.safetensors").write_bytes(b"\x08" + bytes(range(200)))
+    manifest.write(d)
+    listed = json.loads((d / "manifest.json").read_text())["files"]
+    assert sorted(listed) == ["loop_state.json", "trainer/model.safetensors", "trainer/trainer_state.json"]
+    checkpoints.verify(checkpoints.load(d))
+    data = bytearray((d / "trainer" / "model.safetensors").read_bytes())
+    data[100] ^= 1  # one flipped bit, same size
+    (d / "trainer" / "model.safetensors").write_bytes(bytes(data))
+    state = checkpoints.load(d)  # the loop state still matches: the trainer's files are checked before they are read
+    with pytest.raises(ValueError, match=r"trainer/model.safetensors: SHA-256 .* the manifest says"):
+        checkpoints.verify(state)
+    (d / "loop_state.json").write_text((d / "loop_state.json").read_text().replace("\"step\": 4", "\"step\": 5"))
+    with pytest.raises(ConfigError, match=r"loop_state.json: SHA-256 .*refused before reading it"):
+        validate({"trainer": {"resume_from": str(d), "num_steps": 9}})
+    (d / "loop_state.json").write_text("{}")  # another size: refused without hashing
+    with pytest.raises(ValueError, match=r"loop_state.json: 2 bytes, the manifest says"):
+        checkpoints.load(d)
+    (d / "trainer" / "extra.pt").write_bytes(b"x")  # a file the save did not write
+    with pytest.raises(ValueError, match=r"not listed \['trainer/extra.pt'\]"):
         checkpoints.load(d)
 
 
@@ -54,6 +88,8 @@ def test_config_checks_before_anything_starts(tmp_path: Path) -> None:
         validate({"trainer": {"save_every": -1}})
     with pytest.raises(ConfigError, match="trainer.keep_checkpoints: must be at least 1"):
         validate({"trainer": {"keep_checkpoints": 0}})
+    with pytest.raises(ConfigError, match="trainer.max_nonfinite_steps: must be 0"):
+        validate({"trainer": {"max_nonfinite_steps": -1}})
     assert validate({"algo": {"estimator": "gae"}, "trainer": {"save_every": 5}}).trainer.save_every == 5
     with pytest.raises(ConfigError, match="trainer.resume_from: .*no such directory"):
         validate({"trainer": {"resume_from": str(tmp_path / "missing")}})
@@ -67,6 +103,7 @@ def test_config_checks_before_anything_starts(tmp_path: Path) -> None:
         validate(gae)
     (checkpoints.step_dir(tmp_path, 6) / "critic").mkdir()
     (checkpoints.step_dir(tmp_path, 6) / "critic" / "trainer_state.json").write_text("{}")
+    manifest.write(checkpoints.step_dir(tmp_path, 6))
     assert validate(gae).algo.estimator == "gae"
 
 
@@ -90,6 +127,28 @@ def test_checkpoint_config_keeps_no_secret(ray_cluster, tmp_path: Path) -> None:
     assert "sk-live-123" not in text and "n: 2" in text
     # the redacted value still compares equal to the live config's
     assert resume.config_differences(yaml.safe_load(text), {"task": {"api_key": "other", "n": 2}}) == []
+
+
+def test_a_save_with_nonfinite_weights_is_refused_and_the_previous_checkpoint_stays(
+        ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """FSDP, two ranks: a NaN on rank 1's shard only; both ranks refuse (none waits on the other), nothing of
+    step 2 becomes a checkpoint, and step 1 stays complete and loadable (auto takes it)."""
+    from fsdp_ranks import Group, poison_weight
+
+    group = Group(ray_cluster, 2, tiny_qwen3_dir, validate({}))
+    try:
+        resume.save(group.actors, tmp_path, 1, (3, (1,), None), 4, {"seed": 0}, keep=2)
+        assert ray_cluster.get([a.__ray_call__.remote(poison_weight, 1) for a in group.actors])[1]
+        with pytest.raises(Exception, match=r"refusing to write .*step_000002.tmp/trainer: 1 parameter tensor\(s\) "
+                                            r"hold NaN or inf \(model.embed_tokens.weight\); the previous"):
+            resume.save(group.actors, tmp_path, 2, (3, (1,), None), 8, {"seed": 0}, keep=2)
+    finally:
+        group.close()
+    assert checkpoints.checkpoints(tmp_path) == [(1, checkpoints.step_dir(tmp_path, 1))]
+    assert not (tmp_path / "step_000002.tmp" / "trainer").exists()
+    checkpoints.verify(checkpoints.load(tmp_path))
+    auto = {"trainer": {"resume_from": "auto", "save_dir": str(tmp_path), "num_steps": 3}}
+    assert resume.resolve_auto(validate(auto)).trainer.resume_from == str(checkpoints.step_dir(tmp_path, 1))
 
 
 @pytest.mark.slow
@@ -118,3 +177,74 @@ def test_resumed_run_continues_with_the_same_numbers(ray_cluster, tmp_path: Path
     for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/lr", "rollout/response_len_mean",
                 "critic/value_loss", "critic/value_mean", "critic/grad_norm", "critic/lr", "eval/accuracy"):
         assert resumed[2][key] == full[2][key], key
+
+
+def test_resume_from_auto_takes_the_newest_complete_checkpoint_or_starts_afresh(tmp_path: Path, caplog) -> None:
+    ck = tmp_path / "ck"
+    with pytest.raises(ConfigError, match="trainer.resume_from=auto: set trainer.save_dir too"):
+        validate({"trainer": {"resume_from": "auto"}})
+    auto = {"trainer": {"resume_from": "auto", "save_dir": str(ck), "save_every": 1, "num_steps": 6}}
+    with caplog.at_level("INFO", logger="miles.core.resume"):
+        assert resume.resolve_auto(validate(auto)).trainer.resume_from is None  # no directory yet
+    assert f"no complete checkpoint in {ck}; starting afresh at step 1" in caplog.text
+    _fake_checkpoint(ck, 2)
+    _fake_checkpoint(ck, 3)
+    (ck / "step_000004.tmp").mkdir()  # killed while writing step 4 ...
+    _fake_checkpoint(ck, 5, complete=False)  # ... or before the manifest of step 5
+    caplog.clear()
+    with caplog.at_level("INFO", logger="miles.core.resume"):
+        run = resume.resolve_auto(validate(auto))
+    assert run.trainer.resume_from == str(checkpoints.step_dir(ck, 3))
+    assert "step_000005 in" in caplog.text and "did not finish saving" in caplog.text
+    assert resume.resolve_auto(validate({"trainer": {"resume_from": str(ck)}})).trainer.resume_from == str(ck)
+    with pytest.raises(ConfigError, match="at step 3, and trainer.num_steps is 3: nothing left"):
+        validate(auto | {"trainer": auto["trainer"] | {"num_steps": 3}})
+    # an explicit path stays an error when it is missing or incomplete, never a fresh start
+    with pytest.raises(ConfigError, match="no such directory"):
+        validate({"trainer": {"resume_from": str(tmp_path / "missing"), "num_steps": 6}})
+    with pytest.raises(ConfigError, match="no manifest.json, so the checkpoint is incomplete"):
+        validate({"trainer": {"resume_from": str(checkpoints.step_dir(ck, 5)), "num_steps": 6}})
+
+
+def test_another_model_shape_or_tokenizer_is_refused(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path,
+                                                     tmp_path: Path) -> None:
+    from miles.models.tokenizer import train_tokenizer
+
+    words = ["the largest number is", "7 12 99 3", "answer"]
+    tok, other_tok = train_tokenizer(words, 270), train_tokenizer(words + ["zebra quartz"], 270)
+    mine = resume.fingerprint(tiny_qwen3_dir, tok)
+    assert mine["model.hidden_size"] == 64 and mine["tokenizer.size"] == len(tok)
+    assert resume.fingerprint(tiny_qwen3_dir, tok) == mine  # the same model and tokenizer: the same fingerprint
+    state = checkpoints.LoopState(step=1, rng_state=(3, (1,), None), next_group_id=0, config={}, path=tmp_path,
+                                  fingerprint=mine)
+    resume.check_compatible(state, mine)
+    with pytest.raises(ConfigError, match=r"written for another model \(model.architectures: this run has "
+                                          r"\['Qwen3MoeForCausalLM'\].*model.num_local_experts: this run has 4"):
+        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_moe_dir, tok))
+    from conftest import _save_tiny
+
+    wider = _save_tiny(tmp_path / "wider", moe=False, hidden_size=96)
+    with pytest.raises(ConfigError, match=r"another model \(model.hidden_size: this run has 96, the checkpoint 64\)"):
+        resume.check_compatible(state, resume.fingerprint(wider, tok))
+    with pytest.raises(ConfigError, match=r"written for another tokenizer \(tokenizer.vocab_sha256"):
+        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_dir, other_tok))
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run() -> None:
+    from miles.core.step import count_nonfinite
+
+    steps: list[int] = []
+    count_nonfinite(steps, 1, {"train/nonfinite_skipped": 1.0}, limit=3)
+    count_nonfinite(steps, 2, {"train/nonfinite_skipped": 0.0}, limit=3)  # a finite step ends the run of them
+    assert steps == []
+    count_nonfinite(steps, 3, {"train/nonfinite_skipped": 0.0, "critic/nonfinite_skipped": 2.0}, limit=3)
+    count_nonfinite(steps, 4, {"train/nonfinite_skipped": 1.0}, limit=3)
+    count_nonfinite(steps, 5, {"rollout/groups": 4.0}, limit=3)  # no update tried: neither counts nor resets
+    assert steps == [3, 4]
+    with pytest.raises(RuntimeError, match=r"steps 3, 4, 6: 3 steps in a row with a loss or gradient norm that is "
+                                           r"not finite \(trainer.max_nonfinite_steps=3\)"):
+        count_nonfinite(steps, 6, {"train/nonfinite_skipped": 2.0}, limit=3)
+    never: list[int] = []
+    for step in range(1, 20):
+        count_nonfinite(never, step, {"train/nonfinite_skipped": 1.0}, limit=0)
+    assert len(never) == 19
