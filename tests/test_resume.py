@@ -139,9 +139,13 @@ def test_a_save_with_nonfinite_weights_is_refused_and_the_previous_checkpoint_st
     try:
         resume.save(group.actors, tmp_path, 1, (3, (1,), None), 4, {"seed": 0}, keep=2)
         assert ray_cluster.get([a.__ray_call__.remote(poison_weight, 1) for a in group.actors])[1]
-        with pytest.raises(Exception, match=r"refusing to write .*step_000002.tmp/trainer: 1 parameter tensor\(s\) "
-                                            r"hold NaN or inf \(model.embed_tokens.weight\); the previous"):
+        refused = r"refusing to write .*step_000002.tmp/trainer: 1 parameter tensor\(s\) hold NaN or inf " \
+                  r"\(model.embed_tokens.weight\); the previous"
+        with pytest.raises(Exception, match=refused):
             resume.save(group.actors, tmp_path, 2, (3, (1,), None), 8, {"seed": 0}, keep=2)
+        for ref in [a.save_state.remote(str(tmp_path / "direct")) for a in group.actors]:  # every rank refuses
+            with pytest.raises(ray_cluster.exceptions.RayTaskError, match="1 parameter tensor"):
+                ray_cluster.get(ref, timeout=60)
     finally:
         group.close()
     assert checkpoints.checkpoints(tmp_path) == [(1, checkpoints.step_dir(tmp_path, 1))]
