@@ -157,98 +157,37 @@ def test_a_save_with_nonfinite_weights_is_refused_and_the_previous_checkpoint_st
 
 @pytest.mark.slow
 def test_resumed_run_continues_with_the_same_numbers(ray_cluster, tmp_path: Path) -> None:
-    """A 2-step PPO run (policy and critic) checkpoints every step; a run resumed from step 1's
-    checkpoint computes step 2 exactly as the uninterrupted run did, and does not evaluate step 0 again."""
+    """A 2-step PPO run (policy and critic) with ``trainer.resume_from=auto`` starts afresh and checkpoints every
+    step; its save of step 2 is then left as a killed one leaves it (``step_2.tmp``). The same command again
+    continues from step 1's checkpoint, computes step 2 exactly as the first run did, and does not evaluate
+    step 0 again."""
+    import os
+
     from miles.bench.e2e import compose
     from miles.core.run import run_job
 
-    base = ["algo=ppo", "seed=1", "tracking=none", "task.num_eval_prompts=8", "algo.num_prompts_per_step=4",
-            "warm_start.steps=20", f"warm_start.cache_dir={tmp_path / 'cache'}", "trainer.num_steps=2",
-            "trainer.eval_every=0"]
+    ck = tmp_path / "ck"
+    command = ["algo=ppo", "seed=1", "tracking=none", "task.num_eval_prompts=8", "algo.num_prompts_per_step=4",
+               "warm_start.steps=20", f"warm_start.cache_dir={tmp_path / 'cache'}", "trainer.num_steps=2",
+               "trainer.eval_every=0", "trainer.save_every=1", f"trainer.save_dir={ck}", "trainer.resume_from=auto"]
 
-    def job(trainer: list[str]) -> dict[int, dict]:
-        run, resolved = compose(base + trainer)
+    def job() -> dict[int, dict]:
+        run, resolved = compose(command)
         seen: dict[int, dict] = {}
         run_job(run, resolved_yaml=resolved, overrides=[],
                 on_metrics=lambda m, s: seen.setdefault(s, {}).update(m))
         return seen
 
-    full = job(["trainer.save_every=1", f"trainer.save_dir={tmp_path / 'ck'}"])
-    assert [s for s, _ in checkpoints.checkpoints(tmp_path / "ck")] == [1, 2]
-    assert (checkpoints.step_dir(tmp_path / "ck", 1) / "critic" / "model.safetensors").is_file()
-    resumed = job([f"trainer.resume_from={checkpoints.step_dir(tmp_path / 'ck', 1)}"])
+    full = job()
+    assert sorted(full) == [0, 1, 2]
+    assert [s for s, _ in checkpoints.checkpoints(ck)] == [1, 2]
+    assert (checkpoints.step_dir(ck, 1) / "critic" / "model.safetensors").is_file()
+    fingerprint = checkpoints.load(ck).fingerprint
+    assert fingerprint is not None and fingerprint["model.num_hidden_layers"] == 2
+    os.replace(checkpoints.step_dir(ck, 2), ck / "step_000002.tmp")  # killed before step 2's rename
+    resumed = job()
     assert sorted(resumed) == [2]
+    assert [s for s, _ in checkpoints.checkpoints(ck)] == [1, 2] and not (ck / "step_000002.tmp").exists()
     for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/lr", "rollout/response_len_mean",
                 "critic/value_loss", "critic/value_mean", "critic/grad_norm", "critic/lr", "eval/accuracy"):
         assert resumed[2][key] == full[2][key], key
-
-
-def test_resume_from_auto_takes_the_newest_complete_checkpoint_or_starts_afresh(tmp_path: Path, caplog) -> None:
-    ck = tmp_path / "ck"
-    with pytest.raises(ConfigError, match="trainer.resume_from=auto: set trainer.save_dir too"):
-        validate({"trainer": {"resume_from": "auto"}})
-    auto = {"trainer": {"resume_from": "auto", "save_dir": str(ck), "save_every": 1, "num_steps": 6}}
-    with caplog.at_level("INFO", logger="miles.core.resume"):
-        assert resume.resolve_auto(validate(auto)).trainer.resume_from is None  # no directory yet
-    assert f"no complete checkpoint in {ck}; starting afresh at step 1" in caplog.text
-    _fake_checkpoint(ck, 2)
-    _fake_checkpoint(ck, 3)
-    (ck / "step_000004.tmp").mkdir()  # killed while writing step 4 ...
-    _fake_checkpoint(ck, 5, complete=False)  # ... or before the manifest of step 5
-    caplog.clear()
-    with caplog.at_level("INFO", logger="miles.core.resume"):
-        run = resume.resolve_auto(validate(auto))
-    assert run.trainer.resume_from == str(checkpoints.step_dir(ck, 3))
-    assert "step_000005 in" in caplog.text and "did not finish saving" in caplog.text
-    assert resume.resolve_auto(validate({"trainer": {"resume_from": str(ck)}})).trainer.resume_from == str(ck)
-    with pytest.raises(ConfigError, match="at step 3, and trainer.num_steps is 3: nothing left"):
-        validate(auto | {"trainer": auto["trainer"] | {"num_steps": 3}})
-    # an explicit path stays an error when it is missing or incomplete, never a fresh start
-    with pytest.raises(ConfigError, match="no such directory"):
-        validate({"trainer": {"resume_from": str(tmp_path / "missing"), "num_steps": 6}})
-    with pytest.raises(ConfigError, match="no manifest.json, so the checkpoint is incomplete"):
-        validate({"trainer": {"resume_from": str(checkpoints.step_dir(ck, 5)), "num_steps": 6}})
-
-
-def test_another_model_shape_or_tokenizer_is_refused(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path,
-                                                     tmp_path: Path) -> None:
-    from miles.models.tokenizer import train_tokenizer
-
-    words = ["the largest number is", "7 12 99 3", "answer"]
-    tok, other_tok = train_tokenizer(words, 270), train_tokenizer(words + ["zebra quartz"], 270)
-    mine = resume.fingerprint(tiny_qwen3_dir, tok)
-    assert mine["model.hidden_size"] == 64 and mine["tokenizer.size"] == len(tok)
-    assert resume.fingerprint(tiny_qwen3_dir, tok) == mine  # the same model and tokenizer: the same fingerprint
-    state = checkpoints.LoopState(step=1, rng_state=(3, (1,), None), next_group_id=0, config={}, path=tmp_path,
-                                  fingerprint=mine)
-    resume.check_compatible(state, mine)
-    with pytest.raises(ConfigError, match=r"written for another model \(model.architectures: this run has "
-                                          r"\['Qwen3MoeForCausalLM'\].*model.num_local_experts: this run has 4"):
-        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_moe_dir, tok))
-    from conftest import _save_tiny
-
-    wider = _save_tiny(tmp_path / "wider", moe=False, hidden_size=96)
-    with pytest.raises(ConfigError, match=r"another model \(model.hidden_size: this run has 96, the checkpoint 64\)"):
-        resume.check_compatible(state, resume.fingerprint(wider, tok))
-    with pytest.raises(ConfigError, match=r"written for another tokenizer \(tokenizer.vocab_sha256"):
-        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_dir, other_tok))
-
-
-def test_nonfinite_steps_in_a_row_stop_the_run() -> None:
-    from miles.core.step import count_nonfinite
-
-    steps: list[int] = []
-    count_nonfinite(steps, 1, {"train/nonfinite_skipped": 1.0}, limit=3)
-    count_nonfinite(steps, 2, {"train/nonfinite_skipped": 0.0}, limit=3)  # a finite step ends the run of them
-    assert steps == []
-    count_nonfinite(steps, 3, {"train/nonfinite_skipped": 0.0, "critic/nonfinite_skipped": 2.0}, limit=3)
-    count_nonfinite(steps, 4, {"train/nonfinite_skipped": 1.0}, limit=3)
-    count_nonfinite(steps, 5, {"rollout/groups": 4.0}, limit=3)  # no update tried: neither counts nor resets
-    assert steps == [3, 4]
-    with pytest.raises(RuntimeError, match=r"steps 3, 4, 6: 3 steps in a row with a loss or gradient norm that is "
-                                           r"not finite \(trainer.max_nonfinite_steps=3\)"):
-        count_nonfinite(steps, 6, {"train/nonfinite_skipped": 2.0}, limit=3)
-    never: list[int] = []
-    for step in range(1, 20):
-        count_nonfinite(never, step, {"train/nonfinite_skipped": 1.0}, limit=0)
-    assert len(never) == 19
