@@ -191,3 +191,44 @@ def test_resumed_run_continues_with_the_same_numbers(ray_cluster, tmp_path: Path
     for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/lr", "rollout/response_len_mean",
                 "critic/value_loss", "critic/value_mean", "critic/grad_norm", "critic/lr", "eval/accuracy"):
         assert resumed[2][key] == full[2][key], key
+
+
+@pytest.mark.slow
+def test_the_same_command_continues_a_run_whose_driver_was_killed(tmp_path: Path) -> None:
+    """``python -m miles ... trainer.resume_from=auto``, its driver (and the Ray cluster it started) SIGKILLed
+    once step 1's checkpoint is there, wherever step 2 then stands; the same command again runs step 2 from it."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ck = tmp_path / "ck"
+    command = [sys.executable, "-m", "miles", "tracking=none", "task.num_eval_prompts=8",
+               "algo.num_prompts_per_step=4", "warm_start.steps=20", f"warm_start.cache_dir={tmp_path / 'cache'}",
+               "trainer.num_steps=2", "trainer.eval_every=0", "trainer.save_every=1", f"trainer.save_dir={ck}",
+               "trainer.resume_from=auto", f"hydra.run.dir={tmp_path / 'out'}", "cluster.num_cpus=2"]
+    env = os.environ | {"RAY_ADDRESS": ""}  # a cluster of its own, never the test session's
+    first = subprocess.Popen(command, start_new_session=True, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoints.step_dir(ck, 1).is_dir() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert first.poll() is None, "the first run ended before it was killed"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # its session: the driver and every process it started
+        first.wait()
+    try:
+        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    finally:  # Ray's workers of the killed run leave once their raylet is gone; any left are ours to end
+        for pid in subprocess.run(["ps", "-o", "pid=", "-s", str(first.pid)], capture_output=True,
+                                  text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    log = second.stdout + second.stderr
+    assert second.returncode == 0, log[-3000:]
+    assert f"trainer.resume_from=auto: resuming from {checkpoints.step_dir(ck, 1)}" in log
+    assert "continuing at step 2" in log and "step 0: eval/accuracy" not in log
+    assert [s for s, _ in checkpoints.checkpoints(ck)] == [1, 2]
