@@ -118,7 +118,7 @@ def test_only_the_newest_checkpoints_stay(ray_cluster, tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):  # no trainer ranks: the loop state and config alone
         resume.save([], tmp_path, step, (3, (1,), None), step, {"seed": 0}, keep=2)
     assert [s for s, _ in checkpoints.checkpoints(tmp_path)] == [3, 4]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.deleting"))
 
 
 def test_checkpoint_config_keeps_no_secret(ray_cluster, tmp_path: Path) -> None:
@@ -153,6 +153,77 @@ def test_a_save_with_nonfinite_weights_is_refused_and_the_previous_checkpoint_st
     checkpoints.verify(checkpoints.load(tmp_path))
     auto = {"trainer": {"resume_from": "auto", "save_dir": str(tmp_path), "num_steps": 3}}
     assert resume.resolve_auto(validate(auto)).trainer.resume_from == str(checkpoints.step_dir(tmp_path, 1))
+
+
+def test_resume_from_auto_takes_the_newest_complete_checkpoint_or_starts_afresh(tmp_path: Path, caplog) -> None:
+    ck = tmp_path / "ck"
+    with pytest.raises(ConfigError, match="trainer.resume_from=auto: set trainer.save_dir too"):
+        validate({"trainer": {"resume_from": "auto"}})
+    auto = {"trainer": {"resume_from": "auto", "save_dir": str(ck), "save_every": 1, "num_steps": 6}}
+    with caplog.at_level("INFO", logger="miles.core.resume"):
+        assert resume.resolve_auto(validate(auto)).trainer.resume_from is None  # no directory yet
+    assert f"no complete checkpoint in {ck}; starting afresh at step 1" in caplog.text
+    _fake_checkpoint(ck, 2)
+    _fake_checkpoint(ck, 3)
+    (ck / "step_000004.tmp").mkdir()  # killed while writing step 4 ...
+    _fake_checkpoint(ck, 5, complete=False)  # ... or before the manifest of step 5
+    caplog.clear()
+    with caplog.at_level("INFO", logger="miles.core.resume"):
+        run = resume.resolve_auto(validate(auto))
+    assert run.trainer.resume_from == str(checkpoints.step_dir(ck, 3))
+    assert "step_000005 in" in caplog.text and "did not finish saving" in caplog.text
+    assert resume.resolve_auto(validate({"trainer": {"resume_from": str(ck)}})).trainer.resume_from == str(ck)
+    with pytest.raises(ConfigError, match="at step 3, and trainer.num_steps is 3: nothing left"):
+        validate(auto | {"trainer": auto["trainer"] | {"num_steps": 3}})
+    # an explicit path stays an error when it is missing or incomplete, never a fresh start
+    with pytest.raises(ConfigError, match="no such directory"):
+        validate({"trainer": {"resume_from": str(tmp_path / "missing"), "num_steps": 6}})
+    with pytest.raises(ConfigError, match="no manifest.json, so the checkpoint is incomplete"):
+        validate({"trainer": {"resume_from": str(checkpoints.step_dir(ck, 5)), "num_steps": 6}})
+
+
+def test_another_model_shape_or_tokenizer_is_refused(tiny_qwen3_dir: Path, tiny_qwen3_moe_dir: Path,
+                                                     tmp_path: Path) -> None:
+    from miles.models.tokenizer import train_tokenizer
+
+    words = ["the largest number is", "7 12 99 3", "answer"]
+    tok, other_tok = train_tokenizer(words, 270), train_tokenizer(words + ["zebra quartz"], 270)
+    mine = resume.fingerprint(tiny_qwen3_dir, tok)
+    assert mine["model.hidden_size"] == 64 and mine["tokenizer.size"] == len(tok)
+    assert resume.fingerprint(tiny_qwen3_dir, tok) == mine  # the same model and tokenizer: the same fingerprint
+    state = checkpoints.LoopState(step=1, rng_state=(3, (1,), None), next_group_id=0, config={}, path=tmp_path,
+                                  fingerprint=mine)
+    resume.check_compatible(state, mine)
+    with pytest.raises(ConfigError, match=r"written for another model \(model.architectures: this run has "
+                                          r"\['Qwen3MoeForCausalLM'\].*model.num_local_experts: this run has 4"):
+        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_moe_dir, tok))
+    from conftest import _save_tiny
+
+    wider = _save_tiny(tmp_path / "wider", moe=False, hidden_size=96)
+    with pytest.raises(ConfigError, match=r"another model \(model.hidden_size: this run has 96, the checkpoint 64\)"):
+        resume.check_compatible(state, resume.fingerprint(wider, tok))
+    with pytest.raises(ConfigError, match=r"written for another tokenizer \(tokenizer.vocab_sha256"):
+        resume.check_compatible(state, resume.fingerprint(tiny_qwen3_dir, other_tok))
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run() -> None:
+    from miles.core.step import count_nonfinite
+
+    steps: list[int] = []
+    count_nonfinite(steps, 1, {"train/nonfinite_skipped": 1.0}, limit=3)
+    count_nonfinite(steps, 2, {"train/nonfinite_skipped": 0.0}, limit=3)  # a finite step ends the run of them
+    assert steps == []
+    count_nonfinite(steps, 3, {"train/nonfinite_skipped": 0.0, "critic/nonfinite_skipped": 2.0}, limit=3)
+    count_nonfinite(steps, 4, {"train/nonfinite_skipped": 1.0}, limit=3)
+    count_nonfinite(steps, 5, {"rollout/groups": 4.0}, limit=3)  # no update tried: neither counts nor resets
+    assert steps == [3, 4]
+    with pytest.raises(RuntimeError, match=r"steps 3, 4, 6: 3 steps in a row with a loss or gradient norm that is "
+                                           r"not finite \(trainer.max_nonfinite_steps=3\)"):
+        count_nonfinite(steps, 6, {"train/nonfinite_skipped": 2.0}, limit=3)
+    never: list[int] = []
+    for step in range(1, 20):
+        count_nonfinite(never, step, {"train/nonfinite_skipped": 1.0}, limit=0)
+    assert len(never) == 19
 
 
 @pytest.mark.slow
