@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from ray import cloudpickle
 
 from miles.algos.advantages import group_normalized
 from miles.algos.logprobs import token_logprobs
@@ -103,3 +106,19 @@ def local_trainer(ckpt: Path, run: MilesConfig) -> Iterator[FSDPTrainer]:
         yield trainer
     finally:
         trainer.shutdown()
+
+
+def poison_weight(trainer: Any, rank: int) -> str | None:
+    """Inside a rank (``ray.get(actor.__ray_call__.remote(poison_weight, r))``), FSDP or megatron: on rank
+    ``rank`` only, this rank's part of its first weight becomes NaN (as a diverged update leaves it); its name."""
+    if trainer.rank != rank:
+        return None
+    named = trainer.params.items() if isinstance(getattr(trainer, "params", None), dict) \
+        else trainer.model.named_parameters()
+    name, p = next(iter(named))
+    with torch.no_grad():
+        (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+    return name
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import tests/

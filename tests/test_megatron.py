@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from conftest import _save_tiny  # noqa: E402
-from fsdp_ranks import free_port, hf_model_from, local_trainer, rl_batch  # noqa: E402
+from fsdp_ranks import free_port, hf_model_from, local_trainer, poison_weight, rl_batch  # noqa: E402
 from megatron_ranks import (  # noqa: E402
     MegatronPair,
     checkpoint_reads,
@@ -516,3 +516,19 @@ def test_ppo_with_kl_and_two_minibatches_runs_end_to_end_on_megatron(ray_cluster
         assert m["train/nonfinite_skipped"] == 0
     assert seen[2]["train/kl"] > 0  # the policy moved away from its reference
     assert "eval/accuracy" in seen[2]
+
+
+def test_a_state_with_nonfinite_weights_is_never_written(megatron_pair: MegatronPair, checkpoints: dict[str, Path],
+                                                         tmp_path: Path):
+    """TP=2, a NaN in rank 1's half of a weight only: both ranks refuse the save (neither waits on the other)
+    and nothing is written."""
+    import ray
+
+    group = megatron_pair.load(checkpoints["dense"], _run(tensor_parallel=2))
+    assert group.probe(poison_weight, 1)[1] is not None
+    refs = [a.save_state.remote(str(tmp_path / "state")) for a in group.actors]
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"refusing to write .*/state: 1 parameter tensor\(s\) "
+                                                              r"hold NaN or inf \(model.embed_tokens.weight\)"):
+            ray.get(ref, timeout=60)
+    assert not (tmp_path / "state").exists() and not (tmp_path / "state.tmp").exists()

@@ -2,6 +2,8 @@
 
 The layout, and how a checkpoint is written and resumed from: :mod:`miles.core.resume`. The config check
 of ``trainer.resume_from`` (:mod:`miles.config.validate`) reads a checkpoint with :func:`load`, before Ray starts.
+A checkpoint is complete when its SHA-256 manifest (:mod:`miles.config.manifest`, written last) is there;
+:func:`load` checks the files it reads against it first, :func:`verify` every file.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from miles.config import manifest
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -29,6 +33,9 @@ class LoopState:
     config: dict[str, Any]
     """The resolved config that wrote the checkpoint (for the comparison at resume)."""
     path: Path
+    fingerprint: dict[str, Any] | None = None
+    """The model's shape and the tokenizer the checkpoint was written with (:func:`miles.core.resume.fingerprint`;
+    None: written before miles recorded them)."""
     ledger: dict[str, list[int]] | None = None
     """:meth:`miles.core.ledger.Ledger.state` at the checkpoint (None: written before the ledger was kept)."""
     stream: dict[str, Any] | None = None
@@ -41,31 +48,49 @@ def step_dir(save_dir: str | Path, step: int) -> Path:
 
 
 def checkpoints(save_dir: str | Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``save_dir`` as ``(step, path)``, oldest first."""
+    """The complete checkpoints (with their manifest) in ``save_dir`` as ``(step, path)``, oldest first."""
     root = Path(save_dir).expanduser()
     if not root.is_dir():
         return []
     found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(x for x in found if (x[1] / "loop_state.json").is_file())
+    return sorted(x for x in found if manifest.has_manifest(x[1]) and (x[1] / "loop_state.json").is_file())
+
+
+def incomplete(save_dir: str | Path) -> list[Path]:
+    """``step_<k>`` directories in ``save_dir`` without a manifest (saves that did not finish), oldest first."""
+    root = Path(save_dir).expanduser()
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if not manifest.has_manifest(p)]
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """``path`` if it is a checkpoint, else the newest checkpoint inside it; ValueError if neither."""
+    """``path`` if it is a checkpoint, else the newest complete checkpoint inside it; ValueError if neither."""
     p = Path(path).expanduser()
-    if (p / "loop_state.json").is_file():
+    if (p / "loop_state.json").is_file() or manifest.has_manifest(p):
         return p
     found = checkpoints(p)
     if found:
         return found[-1][1]
     if not p.exists():
         raise ValueError(f"{path}: no such directory")
+    partial = incomplete(p)
+    if partial:
+        raise ValueError(f"{path}: no complete checkpoint, only {', '.join(q.name for q in partial)} without "
+                         f"{manifest.NAME} (saves that did not finish)")
     raise ValueError(f"{path}: neither a run checkpoint (no loop_state.json) nor a directory holding "
                      "step_<k> checkpoints; point it at one written with trainer.save_every")
 
 
+_READ = ("loop_state.json", "config.yaml", "trainer/trainer_state.json", "critic/trainer_state.json")
+
+
 def load(path: str | Path) -> LoopState:
-    """Read the loop state of the checkpoint at (or newest under) ``path``."""
+    """Read the loop state of the checkpoint at (or newest under) ``path``, after checking the files read
+    here against the manifest (and every file's size; :func:`verify` checks every digest)."""
     ckpt = find_checkpoint(path)
+    manifest.verify(ckpt, only=_READ)
     meta = json.loads((ckpt / "loop_state.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{ckpt}: loop state format {meta.get('format')!r}; this miles reads {FORMAT}")
@@ -77,7 +102,12 @@ def load(path: str | Path) -> LoopState:
         stream = stream | {"rng_state": rng_from_json(stream["rng_state"])}
     return LoopState(step=int(meta["step"]), rng_state=rng_from_json(meta["rng_state"]),
                      next_group_id=int(meta["next_group_id"]), config=config, path=ckpt, ledger=meta.get("ledger"),
-                     stream=stream)
+                     stream=stream, fingerprint=meta.get("fingerprint"))
+
+
+def verify(state: LoopState) -> None:
+    """Every file of the checkpoint against its manifest's SHA-256 (before the trainers read any)."""
+    manifest.verify(state.path)
 
 
 def rng_to_json(state: tuple) -> list[Any]:

@@ -311,6 +311,9 @@ class TrainerConfig:
     """Final learning rate of a decaying ``lr_schedule``, as a fraction of ``lr`` (0 to 1)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip (0 disables)."""
+    max_nonfinite_steps: int = 5
+    """Stop the run when this many steps in a row skipped an update because the loss or gradient norm was
+    not finite (each such update is skipped and counted in ``train/nonfinite_skipped``); 0: never stop."""
     max_tokens_per_microbatch: int = 8192
     """Padded tokens (rows x longest row) per forward/backward, rows sorted by length so each pass pads
     only to its own longest (the responses alone when the prompts are shared); gradients accumulate over
@@ -324,17 +327,21 @@ class TrainerConfig:
     eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
     save_every: int = 0
-    """Write a run checkpoint (trainer state, loop state, config: :mod:`miles.core.resume`) after every
-    this many steps and after the last one; 0: never."""
+    """Write a run checkpoint (trainer state, loop state, config, and last a SHA-256 manifest:
+    :mod:`miles.core.resume`) after every this many steps and after the last one; 0: never. A save is
+    refused when a parameter is not finite."""
     save_dir: str | None = None
     """Where run checkpoints go, one ``step_<k>`` directory each; null: ``checkpoints`` in the job's
     output directory under ``python -m miles`` (required when the run is started otherwise)."""
     keep_checkpoints: int = 2
     """How many of the newest run checkpoints to keep in ``save_dir`` (older ones are deleted)."""
     resume_from: str | None = None
-    """Continue a run from a checkpoint: a ``step_<k>`` directory, or a ``save_dir`` (its newest). Steps
-    ``k + 1`` to ``num_steps`` then run as they would have without the stop (same prompts, sampling
-    noise and updates); the step-0 evaluation is not repeated."""
+    """Continue a run from a checkpoint: a ``step_<k>`` directory, a ``save_dir`` (its newest complete one),
+    or ``auto``: the newest complete checkpoint in ``save_dir`` (required then), or a fresh start, logged,
+    when there is none, so that re-running a killed run's command continues it. Steps ``k + 1`` to
+    ``num_steps`` then run as they would have without the stop (same prompts, sampling noise and updates);
+    the step-0 evaluation is not repeated. A path that is missing, incomplete (no manifest), damaged
+    (a file that does not match its manifest) or written for another model shape or tokenizer is an error."""
 
 
 @dataclass(**_frozen)

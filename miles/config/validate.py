@@ -264,18 +264,31 @@ def _check_precision(run: MilesConfig) -> None:
 
 
 def _check_checkpointing(run: MilesConfig) -> None:
-    """Run checkpoints: ranges, and a ``resume_from`` that names a checkpoint with steps left to run."""
+    """Run checkpoints: ranges, and a ``resume_from`` that names a checkpoint with steps left to run (``auto``:
+    a ``save_dir``, whose newest complete checkpoint, if any, must have steps left)."""
     from miles.config import checkpoints
 
     t = run.trainer
     if t.save_every < 0:
         raise ConfigError(f"trainer.save_every: must be 0 (never) or more, found {t.save_every}")
+    if t.max_nonfinite_steps < 0:
+        raise ConfigError(f"trainer.max_nonfinite_steps: must be 0 (never stop) or more, found {t.max_nonfinite_steps}")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints: must be at least 1, found {t.keep_checkpoints}")
     if t.resume_from is None:
         return
+    path = t.resume_from
+    if path == "auto":  # the newest complete checkpoint in save_dir; none: a fresh start (miles.core.resume)
+        if t.save_dir is None:
+            raise ConfigError("trainer.resume_from=auto: set trainer.save_dir too, the same directory in every "
+                              "re-run (the default, checkpoints/ in the job's output directory, is a new directory "
+                              "for every run)")
+        found = checkpoints.checkpoints(t.save_dir)
+        if not found:
+            return
+        path = str(found[-1][1])
     try:
-        state = checkpoints.load(t.resume_from)
+        state = checkpoints.load(path)
         if run.algo.estimator == "gae":
             checkpoints.critic_state(state)
     except (ValueError, OSError, KeyError) as e:

@@ -12,12 +12,20 @@ last one::
                         async schedule, the prompts still open (``stream``: their ids and the
                         sampler's state when the oldest was drawn; :mod:`miles.core.schedules`)
     config.yaml         the resolved config of the run that wrote it (secrets redacted)
+    manifest.json       written last: every file above with its size and SHA-256 (:mod:`miles.config.manifest`)
 
-A checkpoint is written into ``step_<k>.tmp`` and renamed into place once complete, so a crash
-leaves the previous checkpoints and at worst a ``.tmp`` that is never read. Only the newest
-``trainer.keep_checkpoints`` stay.
+Before writing anything the trainer ranks check that every parameter is finite, and refuse the
+save otherwise (the previous checkpoints stay). A checkpoint is written into ``step_<k>.tmp``; its
+files are flushed to disk, the manifest is written (atomically), and the directory is renamed into
+place. A save killed at any point leaves the previous checkpoints as they were and at worst a
+``.tmp`` (or a ``step_<k>`` without manifest) that is never read: only a directory with its manifest
+counts as a checkpoint. Only the newest ``trainer.keep_checkpoints`` stay; an old one is renamed
+out of the ``step_<k>`` names before it is deleted, so a half-deleted one is never taken for one.
+Resuming checks every file against the manifest before anything is read.
 
-``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
+``trainer.resume_from=auto`` takes the newest complete checkpoint in ``trainer.save_dir``, or starts
+afresh (and says so) when there is none: re-running the command of a run that was killed continues
+it. ``trainer.resume_from=PATH`` (a ``step_<k>`` directory, or a save directory: its newest step) loads
 the trainer state (and the critic's), sends the policy weights to the engines as version ``k`` and
 runs steps ``k + 1`` to ``trainer.num_steps``. Prompts, sampling noise and updates then follow the
 uninterrupted run's: on CPU with a fixed seed its per-step metrics equal that run's. Under an async
@@ -25,12 +33,18 @@ schedule the prompts open at the checkpoint (generating, or waiting for the trai
 again from the checkpoint's weights before new ones are drawn: every prompt is trained once (or
 accounted for) across both parts, though the batches need not be the uninterrupted run's, which
 depend on when each group finished. The trainer and the driver must see the same ``save_dir``
-(one machine, or shared storage). Finding and reading checkpoints: :mod:`miles.config.checkpoints`.
+(one machine, or shared storage). A checkpoint records the model's shape and the tokenizer's
+vocabulary (:func:`fingerprint`); a resume with another model shape or tokenizer is refused before
+Ray starts (:func:`check_compatible`). The trainer state holds full (unsharded) tensors, so any
+world size and layout loads it. Finding and reading checkpoints: :mod:`miles.config.checkpoints`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -39,8 +53,12 @@ from typing import Any
 
 import yaml
 
-from miles.config.checkpoints import FORMAT, checkpoints, rng_to_json, step_dir
+from miles.config import ConfigError, manifest
+from miles.config.checkpoints import FORMAT, LoopState, checkpoints, incomplete, rng_to_json, step_dir
+from miles.config.schema import MilesConfig
 from miles.tracking.snapshot import redact_tree
+
+log = logging.getLogger(__name__)
 
 # keys a resumed run may change without changing what it computes
 _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every", "trainer.save_dir",
@@ -49,9 +67,9 @@ _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every",
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
          config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
-         stream: dict[str, Any] | None = None) -> Path:
+         stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
-    its directory. ``ledger`` and ``stream``: see :class:`LoopState`."""
+    its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`."""
     import ray
 
     final = step_dir(save_dir, step)
@@ -67,13 +85,25 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
         meta["ledger"] = ledger
     if stream is not None:
         meta["stream"] = stream | {"rng_state": rng_to_json(stream["rng_state"])}
+    if fingerprint is not None:
+        meta["fingerprint"] = fingerprint
     (tmp / "loop_state.json").write_text(json.dumps(meta))
+    manifest.write(tmp)  # last: from here on the directory is a complete checkpoint
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced whole
-        shutil.rmtree(final)
+        _remove(final)
     os.replace(tmp, final)
     for _, old in checkpoints(save_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the ``step_<k>`` names first, so that a crash while
+    deleting never leaves a partial directory under a checkpoint's name."""
+    gone = path.with_name(path.name + ".deleting")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -85,3 +115,58 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     keys = sorted(set(a) | set(b))
     return [k for k in keys if a.get(k, "<unset>") != b.get(k, "<unset>")
             and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in _MAY_DIFFER)]
+
+
+_SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts",
+               "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def fingerprint(model_dir: str | Path, tokenizer: Any) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the HF ``config.json`` keys that set
+    parameter shapes (``model.<key>``), and the tokenizer's size and a SHA-256 of its vocabulary."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return ({f"model.{k}": cfg[k] for k in _SHAPE_KEYS if k in cfg}
+            | {"tokenizer.size": len(tokenizer), "tokenizer.vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest()})
+
+
+def check_compatible(state: LoopState, current: dict[str, Any]) -> None:
+    """ConfigError naming every key of :func:`fingerprint` in which ``state``'s checkpoint differs from
+    this run's model or tokenizer (a checkpoint without a fingerprint is not checked)."""
+    if state.fingerprint is None:
+        log.warning("%s records no model shape or tokenizer (written by an older miles): not checked", state.path)
+        return
+    saved = state.fingerprint
+    differ = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<unset>") != current.get(k, "<unset>")]
+    if differ:
+        found = "; ".join(f"{k}: this run has {current.get(k, '<unset>')!r}, the checkpoint {saved.get(k, '<unset>')!r}"
+                          for k in differ)
+        raise ConfigError(
+            f"trainer.resume_from: {state.path} was written for another "
+            f"{'tokenizer' if all(k.startswith('tokenizer.') for k in differ) else 'model'} ({found}); resume it "
+            "with the model.* and tokenizer of the run that wrote it (its config.yaml), or start afresh without "
+            "trainer.resume_from")
+
+
+def resolve_auto(run: MilesConfig) -> MilesConfig:
+    """``run`` with ``trainer.resume_from=auto`` replaced by the newest complete checkpoint in
+    ``trainer.save_dir``, or by None (a fresh start, logged) when there is none; other values unchanged."""
+    t = run.trainer
+    if t.resume_from != "auto":
+        return run
+    if t.save_dir is None:
+        raise ConfigError("trainer.resume_from=auto: set trainer.save_dir too (the same directory in every re-run)")
+    found = checkpoints(t.save_dir)
+    skipped = [p.name for p in incomplete(t.save_dir) if not found or p.name > found[-1][1].name]
+    if skipped:
+        log.warning("trainer.resume_from=auto: %s in %s did not finish saving (no %s); not used", ", ".join(skipped),
+                    t.save_dir, manifest.NAME)
+    if not found:
+        log.warning("trainer.resume_from=auto: no complete checkpoint in %s; starting afresh at step 1", t.save_dir)
+        path = None
+    else:
+        path = str(found[-1][1])
+        log.info("trainer.resume_from=auto: resuming from %s, the newest complete checkpoint in %s", path, t.save_dir)
+    return dataclasses.replace(run, trainer=dataclasses.replace(t, resume_from=path))
+

@@ -163,6 +163,10 @@ def run_job(
     if run.trainer.save_every and save_dir is None:
         raise ConfigError("trainer.save_every: set trainer.save_dir too (where the run checkpoints go); only "
                           "`python -m miles` has an output directory to put them in by default")
+    from miles.config import checkpoints
+    from miles.core import resume
+
+    run = resume.resolve_auto(run)  # resume_from=auto: the newest complete checkpoint in save_dir, or a fresh start
     t_start = time.perf_counter()
     random.seed(run.seed)
     torch.manual_seed(run.seed)
@@ -176,6 +180,9 @@ def run_job(
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    fingerprint = resume.fingerprint(checkpoint, tokenizer)
+    if run.trainer.resume_from is not None:  # another model shape or tokenizer: refused before Ray starts
+        resume.check_compatible(checkpoints.load(run.trainer.resume_from), fingerprint)
     tracker = hooks = actors = rollout = reward = eval_reward = transport = None
     tenant_parts: list[Any] = []  # (manager, reward runners) of each tenant, closed at the end
     started_ray = False
@@ -202,6 +209,7 @@ def run_job(
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=rollout, trainers=actors.trainers, engines=actors.engines,
             advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,
+            fingerprint=fingerprint,
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))

@@ -62,6 +62,10 @@ class LoopContext:
     recovery: EngineRecovery | None = None
     """Replaces engines that died or hung at each weight push (:mod:`miles.core.recovery`); None: a dead
     engine leaves the rotation for good."""
+    fingerprint: dict[str, Any] | None = None
+    """The model's shape and tokenizer, recorded in run checkpoints (:func:`miles.core.resume.fingerprint`)."""
+    nonfinite_steps: list[int] = field(default_factory=list)
+    """The steps, in a row up to the last one, whose train step skipped an update as not finite (:func:`count_nonfinite`)."""
 
 
 def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]
@@ -109,6 +113,7 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     else:  # nothing to learn from (e.g. every group filtered out): keep the weights
         log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
     ctx.rollout.settle_calls(offloading)  # an engine that died meanwhile leaves the rotation
+    count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples
 
@@ -143,6 +148,30 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
     return metrics
 
 
+_SKIPPED = ("train/nonfinite_skipped", "critic/nonfinite_skipped")
+
+
+def count_nonfinite(steps: list[int], step: int, metrics: dict[str, float], limit: int) -> None:
+    """Count ``step`` in ``steps`` (the non-finite steps in a row) when its train step skipped an update
+    because the loss or gradient norm was not finite (``train/`` or ``critic/nonfinite_skipped`` > 0),
+    clear ``steps`` when it skipped none; RuntimeError when ``limit`` (> 0) steps in a row were so."""
+    if not any(k in metrics for k in _SKIPPED):  # no update was tried (nothing to learn from)
+        return
+    skipped = sum(metrics.get(k, 0.0) for k in _SKIPPED)
+    if skipped == 0:
+        steps.clear()
+        return
+    steps.append(step)
+    log.warning("step %d: %d update(s) skipped, the loss or gradient norm was not finite (%d step(s) in a row; "
+                "trainer.max_nonfinite_steps=%d)", step, int(skipped), len(steps), limit)
+    if limit and len(steps) >= limit:
+        raise RuntimeError(
+            f"steps {', '.join(map(str, steps))}: {len(steps)} steps in a row with a loss or gradient norm that is "
+            f"not finite (trainer.max_nonfinite_steps={limit}); the run stops. Resume from the last checkpoint "
+            "with a lower trainer.lr or trainer.max_grad_norm, check the rewards and advantages for extreme "
+            "values, or raise trainer.max_nonfinite_steps (0: never stop)")
+
+
 def _config_dict(run: MilesConfig) -> dict[str, Any]:
     from miles.config.schema import to_yaml_dict
 
@@ -156,7 +185,8 @@ def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
-                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream)
+                       keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream,
+                       fingerprint=ctx.fingerprint)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
 
@@ -165,6 +195,7 @@ def resume_checkpoint(ctx: LoopContext) -> checkpoints.LoopState:
     """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
     state = checkpoints.load(ctx.run.trainer.resume_from)
     critic = checkpoints.critic_state(state) if ctx.critics else None
+    checkpoints.verify(state)  # every file against the manifest, before a trainer reads one
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
     if changed:
         log.warning("resuming %s with a config that differs from the one that wrote it in %s: the run will "

@@ -94,12 +94,31 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dic
 STATE_FORMAT = 1
 
 
+def refuse_nonfinite(model_state: dict[str, torch.Tensor] | None, directory: str | Path, *, rank: int,
+                     world_size: int, device: torch.device | str) -> None:
+    """Collective. ValueError on every rank when a tensor of ``model_state`` (the full state dict, on rank 0;
+    the other ranks pass None) is not finite: a checkpoint is never written with NaN or inf parameters."""
+    bad = [k for k, v in (model_state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    count = torch.tensor([len(bad)], dtype=torch.int64, device=device)
+    if world_size > 1:
+        dist.broadcast(count, src=0)
+    if int(count):
+        names = [bad[:5]]
+        if world_size > 1:  # every rank's error names them
+            dist.broadcast_object_list(names, src=0, device=torch.device(device))
+        shown = ", ".join(names[0]) + (f" and {int(count) - 5} more" if int(count) > 5 else "")
+        raise ValueError(f"save_state: refusing to write {directory}: {int(count)} parameter tensor(s) hold NaN or "
+                         f"inf ({shown}); the previous checkpoints stay as they were. The weights diverged: resume "
+                         "from an earlier checkpoint with a lower trainer.lr or trainer.max_grad_norm")
+
+
 def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
     """Collective over the ranks of ``model``. Write model, optimizer and scheduler state to ``directory``.
 
     Full (unsharded) state dicts gathered to CPU; rank 0 writes everything into ``<directory>.tmp``
-    and renames it into place, so a crash leaves either the previous state or the new one.
+    and renames it into place, so a crash leaves either the previous state or the new one. Nothing is
+    written when a parameter is not finite (:func:`refuse_nonfinite`, on every rank).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -109,6 +128,8 @@ def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=opts)
+    refuse_nonfinite(model_sd if rank == 0 else None, directory, rank=rank, world_size=world_size,
+                     device=next(model.parameters()).device)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
     if rank == 0:
         tensors, groups = flatten_optimizer_state(optim_sd)

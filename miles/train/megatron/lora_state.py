@@ -28,7 +28,7 @@ from miles.adapters import lora as peft_lora
 from miles.train.megatron.lora import Adapters, sync_names
 from miles.train.megatron.lora_layout import LoraEntry, peft_base_name
 from miles.train.megatron.policy import MegatronPolicy
-from miles.train.optim import read_train_meta, read_train_tensors, write_train_state
+from miles.train.optim import read_train_meta, read_train_tensors, refuse_nonfinite, write_train_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -82,6 +82,9 @@ def save_state(trainer: MegatronPolicy, directory: str) -> None:
     assert lora is not None
     base = trainer.engine.io.gather({k: p.detach() for k, p in trainer.params.items()})
     adapters = _adapters(trainer)
+    flat = None if adapters is None else (base or {}) | {f"{n}.{k}": v for n, a in adapters.items()
+                                                          for k, v in a.items()}
+    refuse_nonfinite(flat, directory, rank=trainer.rank, world_size=trainer.world_size, device=trainer.device)
     stepped = [n for n in lora.names if lora.of(n)[0] in opt.state]  # an adapter's parameters step together
     moments = {key: lora.io.gather({k: opt.state[p][key] if p in opt.state else torch.zeros_like(p)
                                     for k, p in lora.params.items()}) for key in MOMENTS}

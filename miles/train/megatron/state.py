@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from miles.train.megatron.policy import MegatronPolicy
-from miles.train.optim import read_train_meta, read_train_tensors, write_train_state
+from miles.train.optim import read_train_meta, read_train_tensors, refuse_nonfinite, write_train_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -31,9 +31,11 @@ def _groups(trainer: MegatronPolicy) -> list[dict[str, Any]]:
 
 
 def save_state(trainer: MegatronPolicy, directory: str) -> None:
-    """Collective. Gather weights and AdamW moments in HF names; rank 0 writes them."""
+    """Collective. Gather weights and AdamW moments in HF names; rank 0 writes them (none if a weight is not
+    finite: :func:`~miles.train.optim.refuse_nonfinite`)."""
     io, opt = trainer.engine.io, trainer.optimizer
     model_sd = io.gather({k: p.detach() for k, p in trainer.params.items()})
+    refuse_nonfinite(model_sd, directory, rank=trainer.rank, world_size=trainer.world_size, device=trainer.device)
     stepped = len(opt.state) > 0  # every parameter steps together (p.grad is set for all)
     moments = {key: io.gather({k: opt.state[p][key] for k, p in trainer.params.items()}) for key in MOMENTS
                } if stepped else {}
