@@ -63,11 +63,11 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_hung_and_killed_engines_are_replaced_and_the_run_goes_on(ray_cluster, cache: Path) -> None:
-    """Step 1: one engine stopped (SIGSTOP) after the rollout; the push's health check finds it hung
-    within rollout.engine_health_timeout_s and a new engine takes its place. Step 2: both engines
+    """Step 1: one engine stopped (SIGSTOP) after the rollout; the train step's memory offload finds it
+    hung within rollout.engine_timeout_s and the push puts a new engine in its place. Step 2: both engines
     SIGKILLed after the rollout; the push's health check takes them out and replaces them. Each new
     engine gets the step's version before any request, and every step rolls out its whole batch."""
-    seen = _run(["rollout.engine_health_timeout_s=2"], "faults: [[1, after_rollout, 19, 1], [2, after_rollout, 9, 2]]",
+    seen = _run(["rollout.engine_timeout_s=2"], "faults: [[1, after_rollout, 19, 1], [2, after_rollout, 9, 2]]",
                 cache)
     assert [m.get("hooks/fault/signalled") for m in seen[1:]] == [1.0, 2.0, None]
     assert [m["fault/engine_restarts"] for m in seen[1:]] == [1, 3, 3] and seen[2]["fault/engine_outage_s"] > 0

@@ -274,9 +274,10 @@ class RolloutConfig:
     max_engine_restarts: int = 3
     """Engines that died or hung replaced by new actors over the run, in their placement bundles, at weight
     pushes (:mod:`miles.core.recovery`); 0: a dead engine leaves the rotation for good."""
-    engine_health_timeout_s: float = 30.0
-    """Health check of the engines in rotation at each weight push: one that does not answer within it is
-    taken out as hung (and replaced, within ``max_engine_restarts``)."""
+    engine_timeout_s: float = 30.0
+    """Calls to an engine other than generation (the health check at each weight push, the memory offload
+    of ``placement.offload_engines``): an engine that does not answer within it is taken out as hung (and
+    replaced, within ``max_engine_restarts``)."""
     max_outage_s: float = 300.0
     """With no engine in rotation, how long the run waits for replacements to come up before it ends
     with an error."""

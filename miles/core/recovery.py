@@ -6,7 +6,8 @@ server that exited or stopped answering), in generation and in every other call 
 then:
 
 1. asks the engines in rotation for their health: one that does not answer within
-   ``rollout.engine_health_timeout_s`` is taken out as hung;
+   ``rollout.engine_timeout_s`` is taken out as hung (as is one that does not finish the memory offload
+   of the train step within it);
 2. kills each engine out of rotation and starts a new actor in its placement bundle, constructed as at
    the start of the run (:func:`miles.core.actors.replace_engine`), and waits until it answers;
 3. pushes the weights of the current version to the new engines alone, and only then puts them in

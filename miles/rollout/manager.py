@@ -52,7 +52,7 @@ def check_config(cfg: RolloutConfig) -> None:
     per_1k = cfg.request_timeout_per_1k_tokens_s
     if not (math.isfinite(per_1k) and per_1k >= 0):
         raise ConfigError(f"rollout.request_timeout_per_1k_tokens_s: must be a finite number >= 0, found {per_1k}")
-    for key in ("engine_health_timeout_s", "max_outage_s"):
+    for key in ("engine_timeout_s", "max_outage_s"):
         if not (math.isfinite(getattr(cfg, key)) and getattr(cfg, key) > 0):
             raise ConfigError(f"rollout.{key}: must be a finite number > 0, found {getattr(cfg, key)}")
     for key in ("max_retries", "max_oversample_rounds", "max_engine_restarts"):
@@ -149,10 +149,10 @@ class RolloutManager:
     def drop_dead_engines(self, timeout_s: float | None = None) -> int:
         """Ask every engine in rotation for its health; take out those whose actor died, whose backend
         is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
-        ``rollout.engine_health_timeout_s``). Returns how many were taken out."""
+        ``rollout.engine_timeout_s``). Returns how many were taken out."""
         import ray
 
-        timeout_s = self.cfg.engine_health_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.cfg.engine_timeout_s if timeout_s is None else timeout_s
         before = len(self.pool.alive)
         refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
         deadline = time.monotonic() + timeout_s  # one deadline for all: a hung engine costs it once
@@ -170,18 +170,18 @@ class RolloutManager:
 
     def settle_calls(self, refs: dict[int, Any]) -> list[Any]:
         """The results of calls made to engines (engine index -> object ref), e.g. the memory offload;
-        an engine whose actor died meanwhile, or that does not answer within ``rollout.request_timeout_s``
+        an engine whose actor died meanwhile, or that does not answer within ``rollout.engine_timeout_s``
         (hung), is taken out of rotation, as in generation, and left out."""
         import ray
 
         results = []
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        deadline = time.monotonic() + self.cfg.engine_timeout_s
         for e, ref in refs.items():
             try:
                 results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
             except ray.exceptions.GetTimeoutError:
-                self.pool.mark_dead(e, TimeoutError(f"no answer within rollout.request_timeout_s "
-                                                    f"({self.cfg.request_timeout_s:g} s; hung)"))
+                self.pool.mark_dead(e, TimeoutError(f"no answer within rollout.engine_timeout_s "
+                                                    f"({self.cfg.engine_timeout_s:g} s; hung)"))
             except ray.exceptions.RayActorError as err:
                 self.pool.mark_dead(e, err)
         return results
