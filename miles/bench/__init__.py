@@ -8,7 +8,8 @@ prints a JSON line last. The dispatcher imports the module only when it is asked
 import argparse
 from collections.abc import Callable, Collection
 
-BENCHMARKS = ("rollout", "train", "sync", "e2e", "rewards", "gpu", "precision", "async", "lora", "agent")
+BENCHMARKS = ("rollout", "train", "sync", "e2e", "rewards", "gpu", "precision", "async", "lora", "agent",
+              "faults")
 """Names ``python -m miles.bench`` accepts."""
 
 

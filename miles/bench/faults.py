@@ -1,0 +1,130 @@
+"""``python -m miles.bench faults``: the default task with rollout-engine faults injected in one run,
+against the same run (same seed, same checkpoint) without them.
+
+The faults, each at its own step (``--steps`` split in equal parts), sent after that step's rollout by a
+hook in the driver (:class:`FaultInjector`):
+
+- ``engine_kill``: SIGKILL of one engine actor process;
+- ``engine_hang``: SIGSTOP of one engine actor process (found by ``rollout.engine_timeout_s``);
+- ``server_kill`` (with ``--engine sglang``): SIGKILL of one SGLang server's process group.
+
+Per fault: ``recovery_s``, from the signal to the end of that step's weight push (the engine replaced,
+synced and back in rotation); ``out_of_rotation_s``, the part of it the engine was taken out
+(``fault/engine_outage_s``); ``detect_s``, the rest (from the signal until the engine was taken out,
+plus the push to the other engines); ``restarts``; ``steps_lost``, steps whose batch was not trained
+whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
+(trained more than once: ``ledger/trained`` over the number of training steps' prompts).
+Then ``eval/accuracy`` of both runs. Not injected yet: a trainer rank's death and a non-finite step
+(:doc:`docs/faults.md` says what a run survives). JSON last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from miles.bench.e2e import compose
+
+log = logging.getLogger("miles.bench.faults")
+
+FAULTS = ("engine_kill", "engine_hang", "server_kill")
+
+
+class FaultInjector:
+    """Hook: ``faults`` lists ``[step, fault]``; sends each after that step's rollout and records when."""
+
+    sent: dict[int, tuple[str, float]] = {}  # step -> (fault, time.monotonic()), read by the benchmark
+
+    def __init__(self, faults: list[list], engine_class: str) -> None:
+        self.faults, self.engine_class = {int(step): str(name) for step, name in faults}, engine_class
+        FaultInjector.sent = {}
+
+    def after_rollout(self, ctx: Any, groups: Any) -> None:
+        fault = self.faults.get(ctx.step)
+        if fault is None:
+            return
+        import psutil
+
+        if fault == "server_kill":
+            leaders = [p.pid for p in psutil.process_iter(["cmdline"])
+                       if "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and os.getpgid(p.pid) == p.pid]
+            os.killpg(min(leaders), signal.SIGKILL)
+        else:
+            engines = [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                       if (p.info["cmdline"] or [""])[0].startswith(f"ray::{self.engine_class}")
+                       and p.info["status"] != "zombie"]
+            os.kill(min(engines), signal.SIGKILL if fault == "engine_kill" else signal.SIGSTOP)
+        FaultInjector.sent[ctx.step] = (fault, time.monotonic())
+
+
+def _run(overrides: list[str]) -> tuple[list[tuple[int, dict[str, float], float]], dict[str, float]]:
+    from miles.core.run import run_job
+
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float], float]] = []
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides,
+                    on_metrics=lambda m, s: seen.append((s, dict(m), time.monotonic())))
+    return seen, final
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.bench faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("torch", "sglang"), default="torch")
+    p.add_argument("--steps", type=int, default=12, help="training steps of each run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = list(FAULTS if args.engine == "sglang" else FAULTS[:2])
+    every = args.steps // (len(names) + 1)
+    if every < 1:
+        p.error(f"--steps {args.steps}: at least {len(names) + 1} steps for {len(names)} faults")
+    faults = {every * (i + 1): name for i, name in enumerate(names)}
+    engine_class = "SGLangEngine" if args.engine == "sglang" else "TorchEngine"
+    common = [f"seed={args.seed}", f"trainer.num_steps={args.steps}", "trainer.eval_every=0", "tracking=none",
+              "placement.num_engines=2", "cluster.reuse_actors=false", "rollout.engine_timeout_s=10",
+              *([f"rollout={args.engine}"] if args.engine == "sglang" else []), *args.overrides]
+    hook = ("hooks=[{_target_: miles.bench.faults.FaultInjector, engine_class: " + engine_class + ", faults: ["
+            + ", ".join(f"[{k}, {v}]" for k, v in faults.items()) + "]}]")
+    log.info("uninterrupted run, then the run with %s", ", ".join(f"{v} at step {k}" for k, v in faults.items()))
+    _, clean = _run(common)
+    seen, faulted = _run(common + [hook])
+    by_step = {s: (m, t) for s, m, t in seen}
+    algo = compose(common)[0].algo
+    full = algo.num_prompts_per_step * algo.num_samples_per_prompt
+    report: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "faults": {}}
+    outage_before = 0.0
+    for step in sorted(by_step):
+        m, t = by_step[step]
+        outage = m.get("fault/engine_outage_s", outage_before)
+        if step in FaultInjector.sent:
+            name, sent_at = FaultInjector.sent[step]
+            recovery = t - sent_at
+            report["faults"][name] = {
+                "step": step, "recovery_s": round(recovery, 2), "out_of_rotation_s": round(outage - outage_before, 2),
+                "detect_s": round(recovery - (outage - outage_before), 2), "restarts": m.get("fault/engine_restarts")}
+        outage_before = outage
+    ledger = {k: v for k, v in faulted.items() if k.startswith("ledger/")}
+    trained_steps = [m for s, (m, _) in by_step.items() if s > 0]
+    report |= {
+        "steps_lost": sum(1 for m in trained_steps if m.get("rollout/samples", 0) < full),
+        "prompts_lost": ledger.get("ledger/open", 0.0),
+        "prompts_duplicated": max(ledger.get("ledger/trained", 0.0) - len(trained_steps) * algo.num_prompts_per_step,
+                                  0.0),
+        "restarts": faulted.get("fault/engine_restarts"),
+        "eval_accuracy_faulted": faulted.get("eval/accuracy"), "eval_accuracy_uninterrupted": clean.get("eval/accuracy"),
+        "ledger": ledger,
+    }
+    for name, f in report["faults"].items():
+        print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.1f} s, "
+              f"out of rotation {f['out_of_rotation_s']:5.1f} s), restarts {f['restarts']:.0f}")
+    print(f"steps lost {report['steps_lost']}, prompts lost {report['prompts_lost']:.0f}, duplicated "
+          f"{report['prompts_duplicated']:.0f}; eval/accuracy {report['eval_accuracy_faulted']:.3f} with the faults, "
+          f"{report['eval_accuracy_uninterrupted']:.3f} without")
+    print(json.dumps(report))
+    return 0 if report["prompts_lost"] == 0 and report["steps_lost"] == 0 else 1
