@@ -51,13 +51,18 @@ class FaultInjector:
         import psutil
 
         if fault == "server_kill":
+            # a server's process group: its supervisor (the leader), sglang.launch_server and its children
             leaders = [p.pid for p in psutil.process_iter(["cmdline"])
-                       if "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and os.getpgid(p.pid) == p.pid]
+                       if "sglang_supervisor" in " ".join(p.info["cmdline"] or []) and os.getpgid(p.pid) == p.pid]
+            if not leaders:
+                raise RuntimeError("server_kill: no SGLang server process found (rollout=sglang?)")
             os.killpg(min(leaders), signal.SIGKILL)
         else:
             engines = [p.pid for p in psutil.process_iter(["cmdline", "status"])
                        if (p.info["cmdline"] or [""])[0].startswith(f"ray::{self.engine_class}")
                        and p.info["status"] != "zombie"]
+            if not engines:
+                raise RuntimeError(f"{fault}: no {self.engine_class} actor process found on this node")
             os.kill(min(engines), signal.SIGKILL if fault == "engine_kill" else signal.SIGSTOP)
         FaultInjector.sent[ctx.step] = (fault, time.monotonic())
 
