@@ -80,3 +80,11 @@ def test_no_restart_left_is_one_clear_error(ray_cluster, cache: Path) -> None:
     with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died .*rollout.max_engine_restarts=0; "
                                                   "no restarts left"):
         _run(["rollout.max_engine_restarts=0"], "faults: [[1, before_train, 9, 2]]", cache)
+
+
+def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
+    from miles.bench.faults import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--steps", "2"])
+    assert exit_.value.code == 2 and "--steps 2: at least 3 steps for 2 faults" in capsys.readouterr().err
