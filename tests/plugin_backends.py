@@ -30,17 +30,25 @@ class LoggingEngine(TorchEngine):
 class DiesAtVersion(TorchEngine):
     """The torch engine, whose process exits (as an out-of-memory kill would end it) at the first
     ``generate`` call once it holds weights of version ``die_at_version``, if its id is in ``die_engines``:
-    the calls it is serving die with it."""
+    the calls it is serving die with it. With ``once_marker`` (a file path) only the first engine to get
+    there dies, creating the file first: the engine that replaces it lives."""
 
     def __init__(self, checkpoint_dir: str, precision: Any, *, die_at_version: int, die_engines: list[int],
-                 **kwargs: Any) -> None:
+                 once_marker: str | None = None, **kwargs: Any) -> None:
         super().__init__(checkpoint_dir, precision, **kwargs)
-        self.die_at_version, self.die_engines = die_at_version, list(die_engines)
+        self.die_at_version, self.die_engines, self.once_marker = die_at_version, list(die_engines), once_marker
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
                  ) -> list[GenerateResult]:
         if self.engine_id in self.die_engines and self.weight_version() >= self.die_at_version:
-            os._exit(1)
+            if self.once_marker is None:
+                os._exit(1)
+            try:
+                Path(self.once_marker).touch(exist_ok=False)
+            except FileExistsError:
+                pass  # a replacement: the engine it replaces died already
+            else:
+                os._exit(1)
         return super().generate(requests, sampling)
 
 

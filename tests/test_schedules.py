@@ -287,19 +287,24 @@ def _dies(engines: list[int], num_engines: int) -> dict:
 
 
 @pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
-def test_engine_dying_mid_rollout_loses_no_prompt(ray_cluster, probe, plugin_engines, schedule: str) -> None:
+def test_engine_dying_mid_rollout_loses_no_prompt(ray_cluster, probe, plugin_engines, schedule: str,
+                                                   tmp_path: Path) -> None:
     """Engine 0 of 2 dies (its process exits inside a generate call) once it has the weights of step 2:
-    its requests go to engine 1, the run finishes, and the ledger accounts for every prompt drawn."""
+    its requests go to engine 1, a weight push replaces it while the stream goes on, the run finishes,
+    and the ledger accounts for every prompt drawn."""
     from miles.core.run import run_job
 
     probe.TRAINED.clear()
-    run = validate(_async_job(schedule, _dies([0], num_engines=2)))
+    dies = _dies([0], num_engines=2)
+    dies["rollout"]["engine"]["once_marker"] = str(tmp_path / "died")
+    run = validate(_async_job(schedule, dies))
     seen: dict[int, dict] = {}
     final = run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
 
     trained = [gid for batch in probe.TRAINED for gid, _ in batch]
     assert len(probe.TRAINED) == run.trainer.num_steps and len(set(trained)) == len(trained) == 4 * 8
-    assert seen[1]["rollout/engines_alive"] == 2 and seen[run.trainer.num_steps]["rollout/engines_alive"] == 1
+    assert (tmp_path / "died").exists() and seen[1]["rollout/engines_alive"] == 2
+    assert final["fault/engine_restarts"] == 1
     counts = {k.removeprefix("ledger/"): int(v) for k, v in final.items() if k.startswith("ledger/")}
     settled = sum(counts[o] for o in ("trained", "failed", "filtered", "surplus", "stale", "unused"))
     assert counts["open"] == 0 and settled == counts["drawn"] and counts["trained"] + counts["failed"] >= 32
