@@ -436,7 +436,7 @@ def test_engine_killed_mid_rollout_then_all_engines_dead(ray_cluster, engines, b
     assert "ActorDiedError" in manager.pool.deaths[0]
 
     ray_cluster.kill(spare[1])  # dies outside generation: a call to it takes it out as well
-    assert manager.settle_calls({1: spare[1].weight_version.remote()}) == [] and manager.pool.alive == []
+    assert manager.settle_calls({1: spare[1].weight_version.remote()}) == {} and manager.pool.alive == []
     assert "ActorDiedError" in manager.pool.deaths[1]
     with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died"):
         manager.rollout(_problems(built, 3), 2, SAMPLING, seed=0)

@@ -17,15 +17,11 @@ from pathlib import Path
 
 NAME = "manifest.json"
 FORMAT = 1
-_CHUNK = 1 << 20
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(root: Path) -> list[Path]:

@@ -54,14 +54,14 @@ class EngineRecovery:
                 "fault/engine_start_s": self.start_s}
 
     def restore(self, trainers: Sequence[Any], version: int, transport: Transport | None) -> dict[str, float]:
-        """Check the engines in rotation, replace those out of it (while restarts are left), give the new
-        ones ``version`` (the trainers' current weights) and put them in rotation.
+        """Replace the engines out of rotation (while restarts are left), give the new ones ``version``
+        (the trainers' current weights) and put them in rotation. The caller checked the engines in
+        rotation (:func:`miles.core.step.push_weights`).
 
         Raises :class:`~miles.rollout.dispatch.AllEnginesDeadError` when no engine is in rotation and none
         could be brought back within ``rollout.max_outage_s``.
         """
         pool = self.rollout.pool
-        self.rollout.drop_dead_engines()
         down = [e for e in range(len(pool.engines)) if e not in pool.alive]
         deadline = time.monotonic() + self.cfg.max_outage_s
         while down and self.restarts < self.cfg.max_engine_restarts and time.monotonic() < deadline:

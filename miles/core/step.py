@@ -112,7 +112,7 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
     else:  # nothing to learn from (e.g. every group filtered out): keep the weights
         log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
-    ctx.rollout.settle_calls(offloading)  # an engine that died meanwhile leaves the rotation
+    ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
     count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples

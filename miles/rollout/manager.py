@@ -150,38 +150,28 @@ class RolloutManager:
         """Ask every engine in rotation for its health; take out those whose actor died, whose backend
         is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
         ``rollout.engine_timeout_s``). Returns how many were taken out."""
+        before = len(self.pool.alive)
+        refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
+        for e, health in self.settle_calls(refs, timeout_s, what="health check").items():
+            if not health.get("ok", True):
+                self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
+        return before - len(self.pool.alive)
+
+    def settle_calls(self, refs: dict[int, Any], timeout_s: float | None = None, what: str = "call") -> dict[int, Any]:
+        """The results of calls made to engines (engine index -> object ref), e.g. the memory offload, by
+        engine; an engine whose actor died meanwhile, or that does not answer within ``timeout_s`` (hung;
+        default ``rollout.engine_timeout_s``, one deadline for all), is taken out of rotation, as in
+        generation, and left out."""
         import ray
 
         timeout_s = self.cfg.engine_timeout_s if timeout_s is None else timeout_s
-        before = len(self.pool.alive)
-        refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
-        deadline = time.monotonic() + timeout_s  # one deadline for all: a hung engine costs it once
+        results = {}
+        deadline = time.monotonic() + timeout_s
         for e, ref in refs.items():
             try:
-                health = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+                results[e] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
             except ray.exceptions.GetTimeoutError:
-                self.pool.mark_dead(e, TimeoutError(f"health check: no answer within {timeout_s:g} s (hung)"))
-            except ray.exceptions.RayActorError as err:
-                self.pool.mark_dead(e, err)
-            else:
-                if not health.get("ok", True):
-                    self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
-        return before - len(self.pool.alive)
-
-    def settle_calls(self, refs: dict[int, Any]) -> list[Any]:
-        """The results of calls made to engines (engine index -> object ref), e.g. the memory offload;
-        an engine whose actor died meanwhile, or that does not answer within ``rollout.engine_timeout_s``
-        (hung), is taken out of rotation, as in generation, and left out."""
-        import ray
-
-        results = []
-        deadline = time.monotonic() + self.cfg.engine_timeout_s
-        for e, ref in refs.items():
-            try:
-                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
-            except ray.exceptions.GetTimeoutError:
-                self.pool.mark_dead(e, TimeoutError(f"no answer within rollout.engine_timeout_s "
-                                                    f"({self.cfg.engine_timeout_s:g} s; hung)"))
+                self.pool.mark_dead(e, TimeoutError(f"{what}: no answer within {timeout_s:g} s (hung)"))
             except ray.exceptions.RayActorError as err:
                 self.pool.mark_dead(e, err)
         return results
