@@ -103,7 +103,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
         engines = kept.engines
         pending = [e.reinit.remote(*a, **kw) for e, (a, kw) in zip(engines, engine_args, strict=True)]
     else:
-        engines = [_new_engine(plan, groups, i, run, checkpoint_dir) for i in range(len(plan.engines))]
+        engines = [_new_engine(plan, groups, i, args) for i, args in enumerate(engine_args)]
         pending = []
     trainers = [_place(trainer_cls, slot, groups).remote(**kw)
                 for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
@@ -132,7 +132,8 @@ def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir:
     constructed as at the start of the run (the checkpoint's weights, version 0). Returns the new handle
     at once; it is up when its ``health`` answers. ``actors.engines`` holds it from now on."""
     ray.kill(actors.engines[index], no_restart=True)
-    actors.engines[index] = _new_engine(actors.plan, actors.placement_groups, index, run, checkpoint_dir)
+    actors.engines[index] = _new_engine(actors.plan, actors.placement_groups, index,
+                                        _engine_args(actors.plan, run, checkpoint_dir)[index])
     return actors.engines[index]
 
 
@@ -144,8 +145,9 @@ def _place(cls: Any, slot: Slot, groups: Sequence[Any], **options: Any) -> Any:
         **options)
 
 
-def _new_engine(plan: Plan, groups: Sequence[Any], index: int, run: MilesConfig, checkpoint_dir: str) -> Any:
-    args, kwargs = _engine_args(plan, run, checkpoint_dir)[index]
+def _new_engine(plan: Plan, groups: Sequence[Any], index: int, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+    """Engine ``index`` of ``plan`` on its bundle, constructed with ``args`` (one of :func:`_engine_args`)."""
+    args, kwargs = args
     return _place(locate(plan.engine_class), plan.engines[index], groups,
                   max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*args, **kwargs)
 

@@ -147,6 +147,8 @@ def run_job(
     import ray
     from transformers import AutoTokenizer
 
+    from miles.config import checkpoints
+    from miles.core import resume
     from miles.core.actors import create_actors, park_actors
     from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
@@ -163,9 +165,6 @@ def run_job(
     if run.trainer.save_every and save_dir is None:
         raise ConfigError("trainer.save_every: set trainer.save_dir too (where the run checkpoints go); only "
                           "`python -m miles` has an output directory to put them in by default")
-    from miles.config import checkpoints
-    from miles.core import resume
-
     run = resume.resolve_auto(run)  # resume_from=auto: the newest complete checkpoint in save_dir, or a fresh start
     t_start = time.perf_counter()
     random.seed(run.seed)
