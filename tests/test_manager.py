@@ -413,6 +413,19 @@ def test_bad_manager_settings_are_config_errors() -> None:
         RolloutManager([object()], None, exact_answer_reward)
 
 
+def _until_dead(ray, actor, timeout_s: float = 30.0) -> None:
+    """Wait until calls to ``actor`` fail with RayActorError (a call made right after ``ray.kill`` can still
+    be answered)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.weight_version.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the actor still answers {timeout_s:g} s after ray.kill")
+
+
 def test_engine_killed_mid_rollout_then_all_engines_dead(ray_cluster, engines, built, exact_reward) -> None:
     """Runs last: it kills the module's engines."""
     spare = engines
@@ -436,6 +449,7 @@ def test_engine_killed_mid_rollout_then_all_engines_dead(ray_cluster, engines, b
     assert "ActorDiedError" in manager.pool.deaths[0]
 
     ray_cluster.kill(spare[1])  # dies outside generation: a call to it takes it out as well
+    _until_dead(ray_cluster, spare[1])  # ray.kill returns before the actor is gone
     assert manager.settle_calls({1: spare[1].weight_version.remote()}) == {} and manager.pool.alive == []
     assert "ActorDiedError" in manager.pool.deaths[1]
     with pytest.raises(AllEnginesDeadError, match=r"all 2 rollout engine\(s\) died"):
