@@ -9,7 +9,9 @@
 #    torch comes from pip (which finds a wheel on this machine's disk), the rest from uv, which
 #    installs several times faster, or from pip where uv fails (scripts/install.sh);
 # 2. with --sglang, SGLang's own venv in .venv-sglang/ for rollout=sglang (scripts/setup_sglang.sh:
-#    sglang pins its own torch and transformers, so it cannot share .venv).
+#    sglang pins its own torch and transformers, so it cannot share .venv);
+# 3. the Debian packages the tests use: bubblewrap (the sandbox's isolation layer) and prometheus
+#    (with promtool): installed with apt-get when run as root, otherwise the command is printed.
 # A second run reuses what is there and only installs what is missing. On a GPU machine install your
 # CUDA build of torch into .venv first; this script then leaves it alone (TORCH=skip).
 set -euo pipefail
@@ -20,12 +22,24 @@ SGLANG=0
 for arg in "$@"; do
   case "$arg" in
     --sglang) SGLANG=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (valid: --sglang)" >&2; exit 2 ;;
   esac
 done
 t0=$SECONDS
 cd "$ROOT"
+missing=()
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+command -v promtool >/dev/null || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # the package's own service is not wanted: tests start their own Prometheus on a free port
+    if command -v systemctl >/dev/null; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  else
+    echo "setup: missing Debian packages; install them with: sudo apt-get install ${missing[*]}" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 . scripts/install.sh
