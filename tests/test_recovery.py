@@ -1,10 +1,12 @@
 """Rollout engines that die or hang in a run are replaced, get the current weights, and the run goes on
 (:mod:`miles.core.recovery`): SIGSTOP of one engine, SIGKILL of every engine, and the clear error once
-no restart is left."""
+no restart is left. A trainer rank SIGKILLed mid-run (FSDP and Megatron) is restarted with its group and
+restored from the last checkpoint; without a checkpoint, or under the async schedules, the run ends."""
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import psutil
@@ -88,3 +90,84 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--steps", "2"])
     assert exit_.value.code == 2 and "--steps 2: at least 3 steps for 2 faults" in capsys.readouterr().err
+
+
+class KillTrainerRank:
+    """Hook: at ``step`` (before its train step, the first time only) SIGKILL one trainer rank of this
+    driver's job, found in Ray's actor table by its class name (its process id)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def before_train(self, ctx, batch) -> None:
+        if ctx.step != self.step or self.done:
+            return
+        import ray
+
+        job = ray.get_runtime_context().get_job_id()
+        ranks = [a["Pid"] for a in ray._private.state.actors().values()
+                 if a["ActorClassName"] in ("FSDPTrainer", "MegatronTrainer") and a["State"] == "ALIVE"
+                 and a["JobID"] == job]
+        assert len(ranks) == 2, f"trainer rank processes {ranks}"
+        os.kill(max(ranks), signal.SIGKILL)
+        self.done = True
+        ctx.add_metrics({"killed": 1.0})
+
+
+@pytest.mark.parametrize("trainer", ["fsdp", "megatron"])
+def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster, cache: Path, tmp_path: Path,
+                                                                    trainer: str) -> None:
+    """Step 2: one of two trainer ranks SIGKILLed before the train step. The step is abandoned, both ranks are
+    restarted and restored from step 1's checkpoint, and step 2 runs again with the same prompts (group
+    ids): the run finishes, each step logged once, and the ledger counts every prompt trained once."""
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=3",
+                 "trainer.save_every=1", f"trainer.save_dir={tmp_path}", f"warm_start.cache_dir={cache}",
+                 "hooks=[{_target_: test_recovery.KillTrainerRank, step: 2}]"]
+    if trainer == "megatron":
+        overrides.append("trainer=megatron")
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float]]] = []
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append((s, dict(m))))
+    steps = [s for s, _ in seen if s > 0]
+    assert steps == [1, 2, 3]
+    by = dict(seen)
+    assert by[2]["hooks/kill_trainer_rank/killed"] == 1.0
+    assert [by[s]["fault/trainer_restarts"] for s in steps] == [0, 1, 1]
+    assert by[2]["fault/trainer_restore_s"] > 0
+    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (12, 12, 0)
+
+
+def test_no_checkpoint_to_restore_is_one_clear_error() -> None:
+    """A dead rank with no run checkpoint yet: the run stops, naming the ranks and trainer.save_every."""
+    from miles.core.recovery import TrainerRankDiedError
+    from miles.core.step import LoopContext, restore_point
+
+    run, _ = compose(TINY)
+    ctx = LoopContext(run=run, task=None, rollout=None, trainers=[], engines=[], advantage_fn=None,
+                      log_metrics=None)
+    died = TrainerRankDiedError(1, {"trainer": [1], "critic": []}, RuntimeError("ActorDiedError: gone"))
+    with pytest.raises(TrainerRankDiedError, match=r"step 1: trainer rank\(s\) 1 died \(RuntimeError: ActorDiedError: "
+                                                   r"gone\); the step was abandoned. There is no run checkpoint .* set "
+                                                   r"trainer.save_every"):
+        restore_point(ctx, died)
+    ctx.last_checkpoint = "/ckpt/step_1"
+    assert restore_point(ctx, died) == "/ckpt/step_1"
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["schedule=one_step_off", "placement=disaggregated"], "schedule=one_step_off does not recover trainer ranks"),
+    (["trainer.max_failures=0"], None),
+    ([], None),
+])
+def test_trainer_recovery_only_under_the_sync_schedule(overrides: list[str], why: str | None) -> None:
+    """The async schedules do not recover trainer ranks: the run says so at start, and a dead rank ends it."""
+    from miles.config import ConfigError
+    from miles.core.recovery import trainer_recovery_off
+
+    run, _ = compose(overrides)
+    off = trainer_recovery_off(run)
+    assert off == why if why is None else why in off
+    with pytest.raises(ConfigError, match="trainer.max_failures: must be 0"):
+        compose(["trainer.max_failures=-1"])

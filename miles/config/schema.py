@@ -315,6 +315,11 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5
     """Stop the run when this many steps in a row skipped an update because the loss or gradient norm was
     not finite (each such update is skipped and counted in ``train/nonfinite_skipped``); 0: never stop."""
+    max_failures: int = 3
+    """How many times over the run a trainer (or critic) rank that dies is recovered under ``schedule=sync``:
+    the rank group is restarted in its placement bundles, restored from the run's last checkpoint (which
+    ``save_every`` must have written) and the step retried (:mod:`miles.core.recovery`); 0: a dead rank
+    ends the run. The async schedules and runs with ``tenants`` do not recover: a dead rank ends them."""
     max_tokens_per_microbatch: int = 8192
     """Padded tokens (rows x longest row) per forward/backward, rows sorted by length so each pass pads
     only to its own longest (the responses alone when the prompts are shared); gradients accumulate over

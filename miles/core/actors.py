@@ -137,6 +137,25 @@ def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir:
     return actors.engines[index]
 
 
+def restart_trainers(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> None:
+    """Kill every trainer and critic rank and start new ones in the same placement bundles, constructed
+    as at the start of the run (the model of ``checkpoint_dir``), each group meeting at a new store on a
+    fresh port: a torch.distributed group cannot take a new member in place of a dead one, so the whole
+    group restarts. ``actors.trainers`` and ``actors.critics`` hold the new handles (the same lists);
+    returns once every new rank is constructed."""
+    for a in actors.trainers + actors.critics:
+        ray.kill(a, no_restart=True)
+    plan = actors.plan
+    _, trainer_args, critic_args, stores = _constructor_args(plan, run, checkpoint_dir)
+    trainer_cls = locate(plan.trainer_class)
+    actors.trainers[:] = [_place(trainer_cls, slot, actors.placement_groups).remote(**kw)
+                          for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
+    actors.critics[:] = [_place(locate(plan.critic_class), slot, actors.placement_groups).remote(**kw)
+                         for slot, kw in zip(plan.critics, critic_args, strict=True)]
+    actors.stores[:] = stores  # the old stores close with their last reference
+    ray.get([t.__ray_ready__.remote() for t in actors.trainers + actors.critics])
+
+
 def _place(cls: Any, slot: Slot, groups: Sequence[Any], **options: Any) -> Any:
     """``cls`` as a Ray actor class bound to ``slot``'s bundle, CPUs, GPUs and environment."""
     return ray.remote(cls).options(

@@ -43,11 +43,13 @@ from miles.core.step import (
     learn,
     log_batch_sizes,
     push_weights,
+    recover_trainers,
     resume_checkpoint,
     sampling_params,
     save_checkpoint,
 )
 from miles.rollout.dispatch import AllEnginesDeadError
+from miles.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def train(ctx: LoopContext) -> dict[str, float]:
 
 def train_sync(ctx: LoopContext) -> dict[str, float]:
     """``schedule=sync``: rollout, train and weight sync in turn, one step after the other."""
-    run, algo = ctx.run, ctx.run.algo
+    run = ctx.run
     rng = random.Random(run.seed)
     eval_set = ctx.task.eval_problems(run.task.num_eval_prompts)
     sampling = sampling_params(run)
@@ -79,64 +81,83 @@ def train_sync(ctx: LoopContext) -> dict[str, float]:
         ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
         log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
     progress = Progress(run.trainer.num_steps, first=first)
-    for step in range(first, run.trainer.num_steps + 1):
+    step = first
+    while step <= run.trainer.num_steps:
         if hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
             break
-        t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
-
-        # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
-        # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
-        def collect(first: int = next_group_id):
-            return ctx.rollout.collect(
-                lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
-                seed=run.seed * 1_000_003 + first, first_group_id=first)
-
         try:
-            groups, metrics = collect()
-        except AllEnginesDeadError:  # every engine died in this rollout: with recovery, new ones and again
-            if ctx.recovery is None:
-                raise
-            log.warning("step %d: every rollout engine died; replacing them and rolling out again", step)
-            ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)  # the weights the rollout was on
-            groups, metrics = collect()
-        ctx.ledger.draw(range(next_group_id, next_group_id + int(metrics["rollout/groups"])))
-        for group_id, outcome in ctx.rollout.left_out.items():
-            ctx.ledger.settle(group_id, outcome)
-        next_group_id += int(metrics["rollout/groups"])
-        hooks.after_rollout(step, groups)
-        t1 = time.perf_counter()
-
-        # 3-4. advantages and the train step
-        metrics, samples = learn(ctx, step, groups, metrics)
-        ctx.ledger.settle_batch(groups)
-        t2 = time.perf_counter()
-
-        # 5. sync: the engines still in rotation sample from the new weights from now on
-        metrics |= push_weights(ctx, step)
-        hooks.after_weight_sync(step, step)
-        t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
-
-        # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
-        last = step == run.trainer.num_steps or hooks.stop_reason is not None
-        if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
-            evaluated = evaluate(ctx, eval_set)
-            hooks.after_eval(step, evaluated)
-            metrics |= evaluated
-        metrics |= {
-            "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
-            "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-        } | engine_busy_metrics(busy0, busy3) | hooks.pop_metrics()
-        ctx.log_metrics(metrics, step)
-        if ctx.log_distributions is not None:
-            ctx.log_distributions({"train/reward": [s.reward for s in samples],
-                                   "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
+            metrics, next_group_id = _step(ctx, step, rng, next_group_id, eval_set, sampling)
+        except Exception as err:  # a dead trainer rank: restart and restore (miles.core.step.recover_trainers)
+            state = recover_trainers(ctx, step, err)  # raises err unless a rank died and can be recovered
+            step, next_group_id = state.step + 1, state.next_group_id
+            rng.setstate(state.rng_state)
+            continue
         progress.update(step, metrics)
-        every = run.trainer.save_every
-        if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
-            save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
+        step += 1
     progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
+
+
+def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, eval_set: list,
+          sampling: SamplingParams) -> tuple[dict[str, float], int]:
+    """One synchronous step (1-6 of the module docstring, and the run checkpoint); returns its metrics and
+    the next group id."""
+    run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
+    t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+
+    # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
+    # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
+    def collect(first: int = next_group_id):
+        return ctx.rollout.collect(
+            lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
+            seed=run.seed * 1_000_003 + first, first_group_id=first)
+
+    try:
+        groups, metrics = collect()
+    except AllEnginesDeadError:  # every engine died in this rollout: with recovery, new ones and again
+        if ctx.recovery is None:
+            raise
+        log.warning("step %d: every rollout engine died; replacing them and rolling out again", step)
+        ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)  # the weights the rollout was on
+        groups, metrics = collect()
+    ctx.ledger.draw(range(next_group_id, next_group_id + int(metrics["rollout/groups"])))
+    for group_id, outcome in ctx.rollout.left_out.items():
+        ctx.ledger.settle(group_id, outcome)
+    next_group_id += int(metrics["rollout/groups"])
+    hooks.after_rollout(step, groups)
+    t1 = time.perf_counter()
+
+    # 3-4. advantages and the train step
+    metrics, samples = learn(ctx, step, groups, metrics)
+    ctx.ledger.settle_batch(groups)
+    t2 = time.perf_counter()
+
+    # 5. sync: the engines still in rotation sample from the new weights from now on
+    metrics |= push_weights(ctx, step)
+    hooks.after_weight_sync(step, step)
+    t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+
+    # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
+    last = step == run.trainer.num_steps or hooks.stop_reason is not None
+    if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
+        evaluated = evaluate(ctx, eval_set)
+        hooks.after_eval(step, evaluated)
+        metrics |= evaluated
+    metrics |= {
+        "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
+        "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
+    } | engine_busy_metrics(busy0, busy3) | hooks.pop_metrics()
+    if ctx.trainer_recovery is not None:
+        metrics |= ctx.trainer_recovery.metrics()
+    ctx.log_metrics(metrics, step)
+    if ctx.log_distributions is not None:
+        ctx.log_distributions({"train/reward": [s.reward for s in samples],
+                               "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
+    every = run.trainer.save_every
+    if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
+        save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
+    return metrics, next_group_id
 
 
 SCHEDULES: dict[str, Callable[[LoopContext], dict[str, float]]] = {

@@ -21,6 +21,17 @@ loses every engine still ends the run.
 
 Metrics: ``fault/engine_restarts`` (over the run), ``fault/engine_outage_s`` (seconds the replaced
 engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start).
+
+Trainer ranks (:class:`TrainerRecovery`, ``schedule=sync``): when a step fails, the driver asks every
+trainer and critic rank whether it is alive (:meth:`TrainerRecovery.find_dead`; a rank busy in a
+collective that will not end does not answer in time and counts as alive, a dead actor answers with its
+death at once). With a dead rank the step is abandoned (:class:`TrainerRankDiedError`); then, at most
+``trainer.max_failures`` times over the run, :func:`miles.core.step.recover_trainers` restarts both
+groups in their bundles (:func:`miles.core.actors.restart_trainers`), restores them from the run's last
+checkpoint with its ledger and loop state, gives the engines its weights, and the loop runs again from
+the step after it. Metrics: ``fault/trainer_restarts`` (over the run), ``fault/trainer_detect_s`` (the
+last failure: from the failed call to the dead ranks named), ``fault/trainer_restore_s`` (the last
+restore: restart, checkpoint load and weight push).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from typing import Any
 import ray
 
 from miles.config import MilesConfig
-from miles.core.actors import Actors, replace_engine
+from miles.core.actors import Actors, replace_engine, restart_trainers
 from miles.rollout.dispatch import AllEnginesDeadError, first_line
 from miles.rollout.manager import RolloutManager
 from miles.weights.sync import Transport, sync_weights
@@ -107,3 +118,70 @@ class EngineRecovery:
                 ray.kill(fresh[e], no_restart=True)
         self.start_s = time.perf_counter() - t0
         return up
+
+
+class TrainerRankDiedError(RuntimeError):
+    """A step failed and these trainer (or critic) ranks are dead; the step was abandoned."""
+
+    def __init__(self, step: int, dead: dict[str, list[int]], cause: BaseException, hint: str = "") -> None:
+        self.step, self.dead, self.cause = step, dead, cause
+        names = "; ".join(f"{kind} rank(s) {', '.join(map(str, ranks))}" for kind, ranks in dead.items() if ranks)
+        super().__init__(f"step {step}: {names} died ({first_line(cause)}); the step was abandoned"
+                         + (f". {hint}" if hint else ""))
+
+    def stop(self, hint: str) -> TrainerRankDiedError:
+        """The same error, saying why the run stops (``hint``)."""
+        return TrainerRankDiedError(self.step, self.dead, self.cause, hint)
+
+
+class TrainerRecovery:
+    """Finds the dead trainer and critic ranks of a failed step and restarts both groups (see the module
+    docstring); the restore from the checkpoint is :func:`miles.core.step.recover_trainers`."""
+
+    def __init__(self, actors: Actors, run: MilesConfig, checkpoint_dir: str, ping_timeout_s: float = 5.0) -> None:
+        self.actors, self.run, self.checkpoint_dir, self.ping_timeout_s = actors, run, checkpoint_dir, ping_timeout_s
+        self.max_failures = run.trainer.max_failures
+        self.restarts, self.detect_s, self.restore_s = 0, 0.0, 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"fault/trainer_restarts": float(self.restarts), "fault/trainer_detect_s": self.detect_s,
+                "fault/trainer_restore_s": self.restore_s}
+
+    def find_dead(self, step: int, cause: BaseException) -> TrainerRankDiedError | None:
+        """The ranks that are dead after ``cause`` failed ``step``, as an error to raise; None when every
+        rank is alive (``cause`` was no rank's death). Each rank gets ``ping_timeout_s`` to answer."""
+        t0 = time.perf_counter()
+        groups = {"trainer": self.actors.trainers, "critic": self.actors.critics}
+        pings = {kind: [a.__ray_ready__.remote() for a in ranks] for kind, ranks in groups.items()}
+        deadline = time.monotonic() + self.ping_timeout_s
+        dead: dict[str, list[int]] = {kind: [] for kind in groups}
+        for kind, refs in pings.items():
+            for rank, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+                except ray.exceptions.GetTimeoutError:
+                    pass  # alive, busy (e.g. in a collective with a dead peer); restarted with the group
+                except ray.exceptions.RayActorError:
+                    dead[kind].append(rank)
+        self.detect_s = time.perf_counter() - t0
+        if not any(dead.values()):
+            return None
+        return TrainerRankDiedError(step, dead, cause)
+
+    def restart(self) -> None:
+        """Count a restart and start both rank groups anew (:func:`miles.core.actors.restart_trainers`)."""
+        self.restarts += 1
+        restart_trainers(self.actors, self.run, self.checkpoint_dir)
+
+
+def trainer_recovery_off(run: MilesConfig) -> str | None:
+    """Why a dead trainer rank ends this run although ``trainer.max_failures`` > 0 (logged at start), or
+    None when it is recovered (or ``max_failures`` is 0)."""
+    if run.trainer.max_failures == 0:
+        return None
+    if run.tenants:
+        return "runs with tenants do not recover trainer ranks: a dead trainer rank ends this run"
+    if run.schedule.name != "sync":
+        return (f"schedule={run.schedule.name} does not recover trainer ranks (only schedule=sync does): a dead "
+                "trainer rank ends this run; resume it with trainer.resume_from=auto")
+    return None

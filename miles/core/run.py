@@ -153,7 +153,7 @@ def run_job(
     from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
     from miles.core.plan import Machine, make_plan
-    from miles.core.recovery import EngineRecovery
+    from miles.core.recovery import EngineRecovery, TrainerRecovery, trainer_recovery_off
     from miles.hooks import HookChain
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -212,6 +212,10 @@ def run_job(
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
+        if (off := trainer_recovery_off(run)) is not None:
+            log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)
+        elif run.trainer.max_failures:
+            ctx.trainer_recovery = TrainerRecovery(actors, run, str(checkpoint))
         if run.tenants:
             from miles.core.tenants import Tenant, tenant_run, train_tenants
 

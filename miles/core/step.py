@@ -24,7 +24,7 @@ from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
-from miles.core.recovery import EngineRecovery
+from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
 from miles.types import SamplingParams, Status, TrainBatch
@@ -66,6 +66,11 @@ class LoopContext:
     """The model's shape and tokenizer, recorded in run checkpoints (:func:`miles.core.resume.fingerprint`)."""
     nonfinite_steps: list[int] = field(default_factory=list)
     """The steps, in a row up to the last one, whose train step skipped an update as not finite (:func:`count_nonfinite`)."""
+    trainer_recovery: TrainerRecovery | None = None
+    """Restarts the trainer (and critic) ranks when one dies and restores them from :attr:`last_checkpoint`
+    (:func:`recover_trainers`); None: a dead rank ends the run."""
+    last_checkpoint: str | None = None
+    """The run checkpoint written last in this run, or the one it resumed from; None: none yet."""
 
 
 def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]
@@ -187,13 +192,15 @@ def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
                        keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream,
                        fingerprint=ctx.fingerprint)
+    ctx.last_checkpoint = str(path)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
 
 
-def resume_checkpoint(ctx: LoopContext) -> checkpoints.LoopState:
-    """Trainer (and critic) state, ledger and loop state of ``trainer.resume_from``; the engines get its weights."""
-    state = checkpoints.load(ctx.run.trainer.resume_from)
+def resume_checkpoint(ctx: LoopContext, path: str | None = None) -> checkpoints.LoopState:
+    """Trainer (and critic) state, ledger and loop state of ``path`` (default ``trainer.resume_from``); the
+    engines get its weights. ``ctx.ledger`` must have drawn nothing yet."""
+    state = checkpoints.load(path or ctx.run.trainer.resume_from)
     critic = checkpoints.critic_state(state) if ctx.critics else None
     checkpoints.verify(state)  # every file against the manifest, before a trainer reads one
     changed = resume.config_differences(state.config, _config_dict(ctx.run))
@@ -207,8 +214,49 @@ def resume_checkpoint(ctx: LoopContext) -> checkpoints.LoopState:
     if critic is not None:
         ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
+    ctx.last_checkpoint = str(state.path)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state
+
+
+def recover_trainers(ctx: LoopContext, step: int, err: Exception) -> checkpoints.LoopState:
+    """After ``step`` failed with ``err``: when a trainer or critic rank died and ``ctx.trainer_recovery``
+    has restarts left, restart the rank groups, restore them, the ledger and the loop state from the run's
+    last checkpoint and give the engines its weights; the caller runs again from the step after it.
+
+    Raises ``err`` when no rank died (or recovery is off), and a :class:`~miles.core.recovery.TrainerRankDiedError`
+    when no restart is left or there is no checkpoint to restore (:func:`restore_point`).
+    """
+    rec = ctx.trainer_recovery
+    if rec is None:
+        raise err
+    died = rec.find_dead(step, err)
+    if died is None:
+        raise err
+    if rec.restarts >= rec.max_failures:
+        raise died.stop(f"No restart left (trainer.max_failures={rec.max_failures}); the run stops. Resume it "
+                        "from its last checkpoint with trainer.resume_from=auto") from err
+    path = restore_point(ctx, died)
+    log.warning("%s; restarting the trainer ranks from %s (%d of trainer.max_failures=%d)", died, path,
+                rec.restarts + 1, rec.max_failures)
+    t0 = time.perf_counter()
+    rec.restart()
+    ctx.ledger = Ledger()  # the prompts drawn since the checkpoint are drawn again, with the same ids
+    ctx.nonfinite_steps.clear()
+    state = resume_checkpoint(ctx, path)
+    rec.restore_s = time.perf_counter() - t0
+    log.warning("trainer ranks restored from step %d in %.1f s; continuing at step %d", state.step, rec.restore_s,
+                state.step + 1)
+    return state
+
+
+def restore_point(ctx: LoopContext, died: TrainerRankDiedError) -> str:
+    """The checkpoint a recovery restores (:attr:`LoopContext.last_checkpoint`); ``died``, with a note
+    that says how to have one, when the run has none."""
+    if ctx.last_checkpoint is None:
+        raise died.stop("There is no run checkpoint to restore the trainer ranks from yet: set trainer.save_every "
+                        "(e.g. 1) for a dead rank to be recovered") from died.cause
+    return ctx.last_checkpoint
 
 
 def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
