@@ -88,19 +88,29 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
     from miles.bench.faults import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--steps", "2"])
-    assert exit_.value.code == 2 and "--steps 2: at least 3 steps for 2 faults" in capsys.readouterr().err
+        main(["--steps", "3"])
+    assert exit_.value.code == 2 and "--steps 3: at least 4 steps for 3 faults" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--faults", "trainer_kill,server_kill"])
+    assert exit_.value.code == 2 and ("--faults trainer_kill,server_kill: choose from engine_kill, engine_hang, "
+                                      "trainer_kill (with --engine torch)") in capsys.readouterr().err
 
 
 class KillTrainerRank:
     """Hook: at ``step`` (before its train step, the first time only) SIGKILL one trainer rank of this
     driver's job, found in Ray's actor table by its class name (its process id)."""
 
+    batches: list = []  # the batch of every attempt at ``step``, read by the test
+
     def __init__(self, step: int) -> None:
         self.step, self.done = step, False
+        KillTrainerRank.batches = []
 
     def before_train(self, ctx, batch) -> None:
-        if ctx.step != self.step or self.done:
+        if ctx.step != self.step:
+            return
+        KillTrainerRank.batches.append((batch.prompt_ids, batch.response_ids, batch.rollout_logprobs))
+        if self.done:
             return
         import ray
 
@@ -119,10 +129,11 @@ def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster,
                                                                     trainer: str) -> None:
     """Step 2: one of two trainer ranks SIGKILLed before the train step. The step is abandoned, both ranks are
     restarted and restored from step 1's checkpoint, and step 2 runs again with the same prompts (group
-    ids): the run finishes, each step logged once, and the ledger counts every prompt trained once."""
+    ids, sampling seeds and weights: the same tokens and log-probs): the run finishes, each step logged
+    once, and the ledger counts every prompt trained once."""
     from miles.core.run import run_job
 
-    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=3",
+    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=2",
                  "trainer.save_every=1", f"trainer.save_dir={tmp_path}", f"warm_start.cache_dir={cache}",
                  "hooks=[{_target_: test_recovery.KillTrainerRank, step: 2}]"]
     if trainer == "megatron":
@@ -131,12 +142,14 @@ def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster,
     seen: list[tuple[int, dict[str, float]]] = []
     final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append((s, dict(m))))
     steps = [s for s, _ in seen if s > 0]
-    assert steps == [1, 2, 3]
+    assert steps == [1, 2]
     by = dict(seen)
     assert by[2]["hooks/kill_trainer_rank/killed"] == 1.0
-    assert [by[s]["fault/trainer_restarts"] for s in steps] == [0, 1, 1]
-    assert by[2]["fault/trainer_restore_s"] > 0
-    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (12, 12, 0)
+    assert [by[s]["fault/trainer_restarts"] for s in steps] == [0, 1] and by[2]["fault/trainer_restore_s"] > 0
+    assert by[2]["rollout/samples"] == 16 and by[2]["train/trainable_samples"] > 0
+    first, retried = KillTrainerRank.batches  # the retry rolls out the same prompts from the same weights
+    assert first == retried
+    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
 
 
 def test_no_checkpoint_to_restore_is_one_clear_error() -> None:

@@ -6,16 +6,22 @@ hook in the driver (:class:`FaultInjector`):
 
 - ``engine_kill``: SIGKILL of one engine actor process;
 - ``engine_hang``: SIGSTOP of one engine actor process (found by ``rollout.engine_timeout_s``);
-- ``server_kill`` (with ``--engine sglang``): SIGKILL of one SGLang server's process group.
+- ``server_kill`` (with ``--engine sglang``): SIGKILL of one SGLang server's process group;
+- ``trainer_kill``: SIGKILL of one trainer rank's actor process (both runs then write a run checkpoint
+  every step, ``trainer.save_every=1``, which the restarted ranks restore).
+
+``--faults`` picks some of them (default: all that apply to the engine).
 
 Per fault: ``recovery_s``, from the signal to the end of that step's weight push (the engine replaced,
 synced and back in rotation); ``out_of_rotation_s``, the part of it the engine was taken out
 (``fault/engine_outage_s``); ``detect_s``, the rest (from the signal until the engine was taken out,
-plus the push to the other engines); ``restarts``; ``steps_lost``, steps whose batch was not trained
-whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
+plus the push to the other engines); ``restarts``; for ``trainer_kill``, ``detect_s`` (from the failed
+call to the dead rank named, ``fault/trainer_detect_s``) and ``restore_s`` (the ranks restarted, restored
+from the checkpoint and the engines re-synced, ``fault/trainer_restore_s``) instead, and ``recovery_s`` up
+to the end of the retried step; ``steps_lost``, steps whose batch was not trained whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
 (trained more than once: ``ledger/trained`` over the number of training steps' prompts).
-Then ``eval/accuracy`` of both runs. Not injected yet: a trainer rank's death and a non-finite step
-(:doc:`docs/faults.md` says what a run survives). JSON last.
+Then ``eval/accuracy`` of both runs. Not injected yet: a non-finite step (:doc:`docs/faults.md` says
+what a run survives). JSON last.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -32,11 +40,13 @@ from miles.bench.e2e import compose
 
 log = logging.getLogger("miles.bench.faults")
 
-FAULTS = ("engine_kill", "engine_hang", "server_kill")
+FAULTS = ("engine_kill", "engine_hang", "server_kill", "trainer_kill")
+TRAINER_CLASSES = ("FSDPTrainer", "MegatronTrainer")
 
 
 class FaultInjector:
-    """Hook: ``faults`` lists ``[step, fault]``; sends each after that step's rollout and records when."""
+    """Hook: ``faults`` lists ``[step, fault]``; sends each after that step's rollout (once: a step that
+    runs again after a trainer restart gets none) and records when."""
 
     sent: dict[int, tuple[str, float]] = {}  # step -> (fault, time.monotonic()), read by the benchmark
 
@@ -45,12 +55,21 @@ class FaultInjector:
         FaultInjector.sent = {}
 
     def after_rollout(self, ctx: Any, groups: Any) -> None:
-        fault = self.faults.get(ctx.step)
+        fault = self.faults.pop(ctx.step, None)
         if fault is None:
             return
         import psutil
 
-        if fault == "server_kill":
+        if fault == "trainer_kill":  # this driver's trainer ranks, from Ray's actor table
+            import ray
+
+            job = ray.get_runtime_context().get_job_id()
+            ranks = [a["Pid"] for a in ray._private.state.actors().values()
+                     if a["ActorClassName"] in TRAINER_CLASSES and a["State"] == "ALIVE" and a["JobID"] == job]
+            if not ranks:
+                raise RuntimeError("trainer_kill: no trainer rank actor found in this job")
+            os.kill(max(ranks), signal.SIGKILL)
+        elif fault == "server_kill":
             # a server's process group: its supervisor (the leader), sglang.launch_server and its children
             leaders = [p.pid for p in psutil.process_iter(["cmdline"])
                        if "sglang_supervisor" in " ".join(p.info["cmdline"] or []) and os.getpgid(p.pid) == p.pid]
@@ -82,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=("torch", "sglang"), default="torch")
     p.add_argument("--steps", type=int, default=12, help="training steps of each run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", default=None,
+                   help=f"comma-separated faults to inject, of {', '.join(FAULTS)} (default: all that apply)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    names = list(FAULTS if args.engine == "sglang" else FAULTS[:2])
+    applies = [f for f in FAULTS if args.engine == "sglang" or f != "server_kill"]
+    names = applies if args.faults is None else [f.strip() for f in args.faults.split(",") if f.strip()]
+    wrong = [f for f in names if f not in applies]
+    if wrong or not names:
+        p.error(f"--faults {args.faults}: choose from {', '.join(applies)} (with --engine {args.engine})")
     every = args.steps // (len(names) + 1)
     if every < 1:
         p.error(f"--steps {args.steps}: at least {len(names) + 1} steps for {len(names)} faults")
@@ -94,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"seed={args.seed}", f"trainer.num_steps={args.steps}", "trainer.eval_every=0", "tracking=none",
               "placement.num_engines=2", "cluster.reuse_actors=false", "rollout.engine_timeout_s=10",
               *([f"rollout={args.engine}"] if args.engine == "sglang" else []), *args.overrides]
+    if "trainer_kill" in names:  # the restarted ranks restore the last run checkpoint: one every step
+        save_dir = tempfile.mkdtemp(prefix="miles-bench-faults-")
+        common += ["trainer.save_every=1", f"trainer.save_dir={save_dir}"]
     hook = ("hooks=[{_target_: miles.bench.faults.FaultInjector, engine_class: " + engine_class + ", faults: ["
             + ", ".join(f"[{k}, {v}]" for k, v in faults.items()) + "]}]")
     log.info("uninterrupted run, then the run with %s", ", ".join(f"{v} at step {k}" for k, v in faults.items()))
     _, clean = _run(common)
+    if "trainer_kill" in names:  # the faulted run writes its own checkpoints
+        shutil.rmtree(save_dir)
     seen, faulted = _run(common + [hook])
     by_step = {s: (m, t) for s, m, t in seen}
     algo = compose(common)[0].algo
@@ -110,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         if step in FaultInjector.sent:
             name, sent_at = FaultInjector.sent[step]
             recovery = t - sent_at
+            if name == "trainer_kill":
+                report["faults"][name] = {
+                    "step": step, "recovery_s": round(recovery, 2), "detect_s": round(m["fault/trainer_detect_s"], 2),
+                    "restore_s": round(m["fault/trainer_restore_s"], 2), "restarts": m["fault/trainer_restarts"]}
+                outage_before = outage
+                continue
             report["faults"][name] = {
                 "step": step, "recovery_s": round(recovery, 2), "out_of_rotation_s": round(outage - outage_before, 2),
                 "detect_s": round(recovery - (outage - outage_before), 2), "restarts": m.get("fault/engine_restarts")}
@@ -121,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompts_lost": ledger.get("ledger/open", 0.0),
         "prompts_duplicated": max(ledger.get("ledger/trained", 0.0) - len(trained_steps) * algo.num_prompts_per_step,
                                   0.0),
-        "restarts": faulted.get("fault/engine_restarts"),
+        "restarts": faulted.get("fault/engine_restarts"), "trainer_restarts": faulted.get("fault/trainer_restarts"),
         "eval_accuracy_faulted": faulted.get("eval/accuracy"), "eval_accuracy_uninterrupted": clean.get("eval/accuracy"),
         "ledger": ledger,
     }
     for name, f in report["faults"].items():
+        if name == "trainer_kill":
+            print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.2f} s, "
+                  f"restore {f['restore_s']:5.1f} s), restarts {f['restarts']:.0f}")
+            continue
         print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.1f} s, "
               f"out of rotation {f['out_of_rotation_s']:5.1f} s), restarts {f['restarts']:.0f}")
     print(f"steps lost {report['steps_lost']}, prompts lost {report['prompts_lost']:.0f}, duplicated "
