@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             recovery = t - sent_at
             if name == "trainer_kill":
                 report["faults"][name] = {
-                    "step": step, "recovery_s": round(recovery, 2), "detect_s": round(m["fault/trainer_detect_s"], 2),
+                    "step": step, "recovery_s": round(recovery, 2), "detect_s": round(m["fault/trainer_detect_s"], 3),
                     "restore_s": round(m["fault/trainer_restore_s"], 2), "restarts": m["fault/trainer_restarts"]}
                 outage_before = outage
                 continue
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, f in report["faults"].items():
         if name == "trainer_kill":
-            print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.2f} s, "
+            print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.3f} s, "
                   f"restore {f['restore_s']:5.1f} s), restarts {f['restarts']:.0f}")
             continue
         print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.1f} s, "

@@ -108,16 +108,18 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     live = list(ctx.rollout.pool.alive)
     offloading = ctx.start_offload([ctx.rollout.pool.engines[e] for e in live])  # during the train step
     offloading = dict(zip(live, offloading, strict=True)) if offloading else {}
-    if metrics["train/trainable_samples"] > 0:
-        batch = ray.put(batch)
-        metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
-        if gae:
-            metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
-    elif all(s.status is Status.FAILED for s in samples):
-        raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
-    else:  # nothing to learn from (e.g. every group filtered out): keep the weights
-        log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
-    ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
+    try:
+        if metrics["train/trainable_samples"] > 0:
+            batch = ray.put(batch)
+            metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+            if gae:
+                metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
+        elif all(s.status is Status.FAILED for s in samples):
+            raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
+        else:  # nothing to learn from (e.g. every group filtered out): keep the weights
+            log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
+    finally:  # also when a trainer rank died: its recovery pushes weights to engines done releasing memory
+        ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
     count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples
