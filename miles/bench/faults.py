@@ -1,4 +1,4 @@
-"""``python -m miles.bench faults``: the default task with rollout-engine faults injected in one run,
+"""``python -m miles.bench faults``: the default task with rollout-engine and trainer-rank faults injected in one run,
 against the same run (same seed, same checkpoint) without them.
 
 The faults, each at its own step (``--steps`` split in equal parts), sent after that step's rollout by a

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 # keys a resumed run may change without changing what it computes
 _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every", "trainer.save_dir",
-               "trainer.keep_checkpoints", "trainer.eval_every", "tracking.", "cluster.")
+               "trainer.keep_checkpoints", "trainer.eval_every", "trainer.max_failures", "tracking.", "cluster.")
 
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
