@@ -253,8 +253,8 @@ def recover_trainers(ctx: LoopContext, step: int, err: Exception) -> checkpoints
 
 
 def restore_point(ctx: LoopContext, died: TrainerRankDiedError) -> str:
-    """The checkpoint a recovery restores (:attr:`LoopContext.last_checkpoint`); ``died``, with a note
-    that says how to have one, when the run has none."""
+    """The checkpoint a recovery restores (:attr:`LoopContext.last_checkpoint`); raises ``died``, saying
+    how to have one, when the run has none."""
     if ctx.last_checkpoint is None:
         raise died.stop("There is no run checkpoint to restore the trainer ranks from yet: set trainer.save_every "
                         "(e.g. 1) for a dead rank to be recovered") from died.cause
