@@ -45,33 +45,46 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
 
 
-def test_two_ranks_write_their_own_shards_and_one_rank_loads_them(
-    ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path
-) -> None:
-    """Saved by 2 FSDP ranks (each its own file), loaded by 1: weights and AdamW state bit for bit those the 2 ranks
-    held (their gathered format 1 state), and the schedule's counters too."""
-    from fsdp_ranks import Group, hf_model_from, local_trainer, rl_batch
+@pytest.fixture(scope="module")
+def two_ranks(ray_cluster, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """After one train step, 2 FSDP ranks save their state (``sharded``: format 2) and, for comparison, the
+    same state gathered on rank 0 (``full``: format 1)."""
+    from fsdp_ranks import Group, hf_model_from, rl_batch
 
-    run = validate({"trainer": {"lr": 1e-3, "lr_warmup_steps": 2}})
-    batch = rl_batch(hf_model_from(tiny_qwen3_dir))
-    group = Group(ray_cluster, 2, tiny_qwen3_dir, run)
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
+    group = Group(ray_cluster, 2, tiny_qwen3_dir, _run())
     try:
-        group.call("train_step", batch)
+        group.call("train_step", rl_batch(hf_model_from(tiny_qwen3_dir)))
         group.call("save_state", str(tmp_path / "sharded"))
         ray_cluster.get([a.__ray_call__.remote(_save_full, str(tmp_path / "full")) for a in group.actors])
     finally:
         group.close()
-    sharded = tmp_path / "sharded"
+    return tmp_path
+
+
+def _run():
+    return validate({"trainer": {"lr": 1e-3, "lr_warmup_steps": 2}})
+
+
+def test_two_ranks_write_their_own_shards_and_one_rank_loads_them(
+    two_ranks: Path, tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """Saved by 2 FSDP ranks (each its own file), loaded by 1: weights and AdamW state bit for bit those the 2 ranks
+    held (their gathered format 1 state), and the schedule's counters too."""
+    from fsdp_ranks import local_trainer
+
+    run = _run()
+    sharded = two_ranks / "sharded"
     meta = json.loads((sharded / "trainer_state.json").read_text())
     assert (meta["format"], meta["world_size"]) == (2, 2)
     assert not (sharded / "model.safetensors").exists()
     parts = sorted(p.name for p in (sharded / "shards").glob("*.distcp"))
     assert parts == ["__0_0.distcp", "__1_0.distcp"]
-    full_bytes = sum(p.stat().st_size for p in (tmp_path / "full").glob("*.safetensors"))
+    full_bytes = sum(p.stat().st_size for p in (two_ranks / "full").glob("*.safetensors"))
     for p in parts:  # no rank wrote the whole state
         assert (sharded / "shards" / p).stat().st_size < 0.75 * full_bytes, p
 
-    want_model, want_optim = read_train_tensors(tmp_path / "full")
+    want_model, want_optim = read_train_tensors(two_ranks / "full")
     got_model, got_optim = read_train_tensors(sharded)  # full tensors from the shards, in this process
     _assert_same(want_model, got_model, "model, read from the shards")
     _assert_same(want_optim, got_optim, "optimizer, read from the shards")
@@ -86,9 +99,42 @@ def test_two_ranks_write_their_own_shards_and_one_rank_loads_them(
     )
     _assert_same(want_model, model, "model, loaded by one rank")
     _assert_same(want_optim, optim, "optimizer, loaded by one rank")
-    saved = [json.loads((tmp_path / d / "trainer_state.json").read_text()) for d in ("full", "one")]
+    saved = [
+        json.loads((d / "trainer_state.json").read_text()) for d in (two_ranks / "full", tmp_path / "one")
+    ]
     assert saved[0]["param_groups"] == saved[1]["param_groups"] == meta["param_groups"]
     assert saved[0]["scheduler"] == saved[1]["scheduler"] == meta["scheduler"]
+
+
+@pytest.mark.megatron
+def test_the_megatron_trainer_resumes_from_fsdp_shards(
+    two_ranks: Path, tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """The megatron trainer (which gathers on rank 0) loads the 2 FSDP ranks' shards and writes back the same
+    weights and AdamW state."""
+    pytest.importorskip("megatron.core")
+    from fsdp_ranks import free_port
+
+    from miles.config import RankConfig
+    from miles.train.megatron import MegatronTrainer
+
+    trainer = MegatronTrainer(
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        checkpoint_dir=str(tiny_qwen3_dir),
+        config=RankConfig.of(_run()),
+        num_threads=1,
+    )
+    try:
+        trainer.load_state(str(two_ranks / "sharded"))
+        trainer.save_state(str(tmp_path / "megatron"))
+    finally:
+        trainer.shutdown()
+    want_model, want_optim = read_train_tensors(two_ranks / "full")
+    _assert_same(want_model, load_file(tmp_path / "megatron" / "model.safetensors"), "model")
+    _assert_same(want_optim, load_file(tmp_path / "megatron" / "optimizer.safetensors"), "optimizer")
 
 
 class _Payload:
