@@ -182,8 +182,17 @@ def test_a_changed_metadata_file_is_refused_before_it_is_unpickled(tmp_path: Pat
 def test_a_changed_shard_is_refused_and_an_intact_state_loads(tmp_path: Path) -> None:
     state = tmp_path / "trainer"
     model, optimizer, scheduler = _small_state(state)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
     load_train_state(state, model=model, optimizer=optimizer, scheduler=scheduler, rank=0, world_size=1)
-    assert optimizer.state and int(next(iter(optimizer.state.values()))["step"]) == 1
+    want, moments = read_train_tensors(state)
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
+    assert not all(torch.equal(fresh[k], v) for k, v in model.state_dict().items())
+    for p, entry in optimizer.state.items():  # the trained moments, not a fresh optimizer's zeros
+        name = next(n for n, q in model.named_parameters() if q is p)
+        assert (
+            torch.equal(entry["exp_avg"], moments[f"state.{name}.exp_avg"])
+            and entry["exp_avg"].abs().sum() > 0
+        )
     shard = state / "shards" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
