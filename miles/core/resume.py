@@ -15,13 +15,17 @@ last one::
     manifest.json       written last: every file above with its size and SHA-256 (:mod:`miles.config.manifest`)
 
 Before writing anything the trainer ranks check that every parameter is finite, and refuse the
-save otherwise (the previous checkpoints stay). A checkpoint is written into ``step_<k>.tmp``; its
-files are flushed to disk, the manifest is written (atomically), and the directory is renamed into
-place. A save killed at any point leaves the previous checkpoints as they were and at worst a
-``.tmp`` (or a ``step_<k>`` without manifest) that is never read: only a directory with its manifest
-counts as a checkpoint. Only the newest ``trainer.keep_checkpoints`` stay; an old one is renamed
-out of the ``step_<k>`` names before it is deleted, so a half-deleted one is never taken for one.
-Resuming checks every file against the manifest before anything is read.
+save otherwise (the previous checkpoints stay). A checkpoint is written into ``step_<k>.tmp``
+(:func:`begin`, the ranks' state, :func:`write_loop`); its files are flushed to disk, the manifest is
+written, atomically and last (:func:`seal`), and the directory is renamed into place (:func:`publish`).
+With more than one FSDP rank every rank writes its own part of the trainer state
+(:mod:`miles.train.shards`). A save killed at any point leaves the previous checkpoints as they were
+and at worst a ``.tmp`` (or a ``step_<k>`` without manifest) that is never read: only a directory
+with its manifest counts as a checkpoint, and the next save that completes removes the ``.tmp`` of
+an earlier step. Only the newest ``trainer.keep_checkpoints`` stay; an old one is renamed out of the
+``step_<k>`` names before it is deleted, so a half-deleted one is never taken for one. Resuming
+checks every file against the manifest before anything is read (and a sharded trainer state, whose
+DCP index is a pickle, against its own manifest too).
 
 ``trainer.resume_from=auto`` takes the newest complete checkpoint in ``trainer.save_dir``, or starts
 afresh (and says so) when there is none: re-running the command of a run that was killed continues
@@ -35,8 +39,9 @@ accounted for) across both parts, though the batches need not be the uninterrupt
 depend on when each group finished. The trainer and the driver must see the same ``save_dir``
 (one machine, or shared storage). A checkpoint records the model's shape and the tokenizer's
 vocabulary (:func:`fingerprint`); a resume with another model shape or tokenizer is refused before
-Ray starts (:func:`check_compatible`). The trainer state holds full (unsharded) tensors, so any
-world size and layout loads it. Finding and reading checkpoints: :mod:`miles.config.checkpoints`.
+Ray starts (:func:`check_compatible`). Any world size and layout loads the trainer state: full tensors
+(one rank, or the megatron trainer) or shards that are resharded on load. Finding and reading
+checkpoints: :mod:`miles.config.checkpoints`.
 """
 
 from __future__ import annotations
@@ -69,16 +74,33 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
          config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
          stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
-    its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`."""
+    its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`.
+
+    The steps, each a function: :func:`begin` (an empty ``step_<k>.tmp``), the ranks' state, :func:`write_loop`,
+    :func:`seal` (the manifest), :func:`publish` (the rename, then pruning)."""
     import ray
 
-    final = step_dir(save_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = begin(save_dir, step)
     ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
     if critics:
         ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
+    write_loop(tmp, step, rng_state, next_group_id, config, ledger=ledger, stream=stream, fingerprint=fingerprint)
+    seal(tmp)
+    return publish(tmp, keep)
+
+
+def begin(save_dir: str | Path, step: int) -> Path:
+    """An empty ``<save_dir>/step_<k>.tmp`` (what an earlier attempt left there is removed) to write into."""
+    tmp = step_dir(save_dir, step).with_name(step_dir(save_dir, step).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_loop(tmp: Path, step: int, rng_state: tuple, next_group_id: int, config: dict[str, Any], *,
+               ledger: dict[str, list[int]] | None = None, stream: dict[str, Any] | None = None,
+               fingerprint: dict[str, Any] | None = None) -> None:
+    """``config.yaml`` (secrets redacted) and ``loop_state.json`` into ``tmp``."""
     (tmp / "config.yaml").write_text(yaml.safe_dump(redact_tree(config), sort_keys=False))
     meta = {"format": FORMAT, "step": step, "next_group_id": next_group_id, "rng_state": rng_to_json(rng_state)}
     if ledger is not None:
@@ -88,13 +110,37 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     if fingerprint is not None:
         meta["fingerprint"] = fingerprint
     (tmp / "loop_state.json").write_text(json.dumps(meta))
-    manifest.write(tmp)  # last: from here on the directory is a complete checkpoint
+
+
+def seal(tmp: Path) -> None:
+    """Flush every file of ``tmp`` and write its manifest, last (atomically)."""
+    manifest.write(tmp)
+
+
+def publish(tmp: Path, keep: int) -> Path:
+    """Rename the sealed ``step_<k>.tmp`` to ``step_<k>`` (one ``os.replace``: from here on it is a checkpoint),
+    then delete all but the newest ``keep`` checkpoints; returns the checkpoint's path."""
+    if not manifest.has_manifest(tmp):
+        raise ValueError(f"publish: {tmp} has no {manifest.NAME}; seal it first")
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced whole
         _remove(final)
     os.replace(tmp, final)
-    for _, old in checkpoints(save_dir)[:-keep]:
+    _fsync_dir(final.parent)
+    for _, old in checkpoints(final.parent)[:-keep]:
         _remove(old)
+    for left in final.parent.glob("step_*.tmp"):  # saves of earlier steps that were killed
+        if left.name < tmp.name:
+            shutil.rmtree(left, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

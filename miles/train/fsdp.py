@@ -32,8 +32,8 @@ One ``train_step`` (every rank is called with the same full batch):
 backward recomputes the layer inside FSDP's unsharded window, with identical gradients.
 
 ``save_state`` / ``load_state`` write and read the model, AdamW state and scheduler counters as
-safetensors + JSON (:mod:`miles.train.optim`); a loaded trainer continues exactly where the saved
-one stopped.
+safetensors + JSON, or with more than one rank as each rank's own DCP shard (:mod:`miles.train.optim`,
+:mod:`miles.train.shards`); a loaded trainer continues exactly where the saved one stopped, at any world size.
 
 Reference model (``algo.kl_coef > 0``): a second copy of the initial checkpoint, frozen, and
 FSDP-sharded like the policy, so it costs 1/W of a model per rank instead of a whole one; its

@@ -10,13 +10,19 @@ Schedule, as a multiplier of ``trainer.lr`` at optimizer step ``s`` (0-based), `
 
 so a decaying schedule reaches ``r * lr`` at step ``S`` and stays there.
 
-Trainer state on disk (:func:`save_train_state`; written by rank 0, the whole directory renamed into
-place at the end; the policy trainer and the PPO critic write the same layout)::
+Trainer state on disk (:func:`save_train_state`; written into ``<directory>.tmp``, renamed into place at
+the end; the policy trainer and the PPO critic write the same layouts). One rank (format 1, rank 0 writes;
+also the megatron trainer's, which gathers on rank 0)::
 
     model.safetensors      full fp32 model state dict, HF parameter names
     optimizer.safetensors  ``state.<param name>.<key>`` for every per-parameter tensor (AdamW: step,
                            exp_avg, exp_avg_sq)
     trainer_state.json     optimizer hyperparameters per param group and the scheduler's counters
+
+More than one rank (format 2): ``trainer_state.json`` as above, and instead of the two safetensors files
+``shards/``, where every rank writes its own part of the same tensors with ``torch.distributed.checkpoint``
+(:mod:`miles.train.shards`). Both formats load at any world size (:func:`load_train_state`), and
+:func:`read_train_tensors` reads either as full tensors (the megatron trainer resumes an FSDP run so).
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dic
 
 
 STATE_FORMAT = 1
+SHARDED_FORMAT = 2
 
 
 def refuse_nonfinite(model_state: dict[str, torch.Tensor] | None, directory: str | Path, *, rank: int,
@@ -113,12 +120,14 @@ def refuse_nonfinite(model_state: dict[str, torch.Tensor] | None, directory: str
 
 
 def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int,
+                     sharded: bool | None = None) -> None:
     """Collective over the ranks of ``model``. Write model, optimizer and scheduler state to ``directory``.
 
-    Full (unsharded) state dicts gathered to CPU; rank 0 writes everything into ``<directory>.tmp``
-    and renames it into place, so a crash leaves either the previous state or the new one. Nothing is
-    written when a parameter is not finite (:func:`refuse_nonfinite`, on every rank).
+    ``sharded`` (default: ``world_size > 1``): every rank writes its own part (format 2, :mod:`miles.train.shards`);
+    else full state dicts gathered to CPU, written by rank 0 (format 1). Either way into ``<directory>.tmp``,
+    renamed into place, so a crash leaves either the previous state or the new one. Nothing is written when a
+    parameter is not finite (:func:`refuse_nonfinite`, on every rank).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -126,6 +135,10 @@ def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
         get_optimizer_state_dict,
     )
 
+    if world_size > 1 if sharded is None else sharded:
+        _save_sharded(directory, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank,
+                      world_size=world_size)
+        return
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=opts)
     refuse_nonfinite(model_sd if rank == 0 else None, directory, rank=rank, world_size=world_size,
@@ -135,6 +148,33 @@ def save_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
         tensors, groups = flatten_optimizer_state(optim_sd)
         write_train_state(directory, model_state=model_sd, optimizer_tensors=tensors, param_groups=groups,
                           scheduler_state=scheduler.state_dict(), world_size=world_size)
+    if world_size > 1:
+        dist.barrier()
+
+
+def _save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
+    """Format 2: the ranks' sharded state dicts through DCP into ``<directory>.tmp/shards``; rank 0 adds the
+    manifest and ``trainer_state.json`` and renames the directory into place."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from miles.train import shards
+
+    model_sd = get_model_state_dict(model)
+    shards.refuse_nonfinite(model_sd, directory, world_size=world_size)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if world_size > 1:
+        dist.barrier()
+    shards.write(tmp, shards.flat_tensors(model_sd, optim_sd), rank=rank, world_size=world_size)
+    if rank == 0:
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in optim_sd["param_groups"]]
+        _write_meta(tmp, SHARDED_FORMAT, world_size, groups, scheduler.state_dict())
+        _publish(tmp, final)
     if world_size > 1:
         dist.barrier()
 
@@ -158,10 +198,19 @@ def write_train_state(directory: str | Path, *, model_state: dict[str, torch.Ten
                    for k, v in model_state.items()}
     save_file(model_state, str(tmp / "model.safetensors"))
     save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"))
+    _write_meta(tmp, STATE_FORMAT, world_size, param_groups, scheduler_state)
+    _publish(tmp, final)
+
+
+def _write_meta(directory: Path, fmt: int, world_size: int, param_groups: list[dict[str, Any]],
+                scheduler_state: dict[str, Any]) -> None:
     sched = {k: v for k, v in scheduler_state.items() if k != "lr_lambdas"}
-    (tmp / "trainer_state.json").write_text(json.dumps(
-        {"format": STATE_FORMAT, "world_size": world_size, "param_groups": param_groups, "scheduler": sched},
-        indent=1))
+    (directory / "trainer_state.json").write_text(json.dumps(
+        {"format": fmt, "world_size": world_size, "param_groups": param_groups, "scheduler": sched}, indent=1))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final`` (an existing ``final`` is moved aside first, then deleted)."""
     if final.exists():
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -176,23 +225,29 @@ def read_train_meta(directory: str | Path) -> dict[str, Any]:
     """``trainer_state.json`` of a directory :func:`write_train_state` wrote (its format checked)."""
     path = Path(directory)
     meta = json.loads((path / "trainer_state.json").read_text())
-    if meta.get("format") != STATE_FORMAT:
+    if meta.get("format") not in (STATE_FORMAT, SHARDED_FORMAT):
         raise ValueError(f"load_state: {path} has trainer state format {meta.get('format')!r}; "
-                         f"expected {STATE_FORMAT}")
+                         f"expected {STATE_FORMAT} or {SHARDED_FORMAT}")
     return meta
 
 
 def read_train_tensors(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``(model state, optimizer tensors)`` of a directory :func:`write_train_state` wrote."""
+    """``(model state, optimizer tensors)`` of a directory :func:`save_train_state` wrote, as full tensors in
+    this process (format 2: every rank's part read and verified first, :func:`miles.train.shards.read_full`)."""
     from safetensors.torch import load_file
 
     path = Path(directory)
+    if read_train_meta(path)["format"] == SHARDED_FORMAT:
+        from miles.train import shards
+
+        return shards.read_full(path)
     return load_file(str(path / "model.safetensors")), load_file(str(path / "optimizer.safetensors"))
 
 
 def load_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int, world_size: int) -> None:
-    """Collective. Restore what :func:`save_train_state` wrote, at any world size: rank 0 reads, broadcasts."""
+    """Collective. Restore what :func:`save_train_state` wrote, at any world size: format 1, rank 0 reads and
+    broadcasts; format 2, every rank reads the parts of the shards it holds (after rank 0 checked them)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -200,14 +255,43 @@ def load_train_state(directory: str | Path, *, model: torch.nn.Module, optimizer
     )
 
     meta = read_train_meta(directory)
-    model_sd: dict[str, torch.Tensor] = {}
-    optim_sd: dict[str, Any] = {}
-    if rank == 0:
-        model_sd, tensors = read_train_tensors(directory)
-        optim_sd = unflatten_optimizer_state(tensors, meta["param_groups"])
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size > 1)
-    set_model_state_dict(model, model_sd, options=opts)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+    if meta["format"] == SHARDED_FORMAT:
+        _load_sharded(directory, meta, model=model, optimizer=optimizer, rank=rank, world_size=world_size)
+    else:
+        model_sd: dict[str, torch.Tensor] = {}
+        optim_sd: dict[str, Any] = {}
+        if rank == 0:
+            model_sd, tensors = read_train_tensors(directory)
+            optim_sd = unflatten_optimizer_state(tensors, meta["param_groups"])
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size > 1)
+        set_model_state_dict(model, model_sd, options=opts)
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
     scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
     if world_size > 1:
         dist.barrier()
+
+
+def _load_sharded(directory: str | Path, meta: dict[str, Any], *, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> None:
+    """Format 2: DCP fills this rank's sharded state dicts in place (resharding), then they are set."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from miles.train import shards
+
+    shards.verify_collective(directory, rank=rank, world_size=world_size, device=next(model.parameters()).device)
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)  # initializes the optimizer state to fill
+    flat = shards.flat_tensors(model_sd, optim_sd)
+    shards.read_into(directory, flat, world_size=world_size)
+    model_sd = {k: flat[shards.MODEL + k] for k in model_sd}
+    state = {name: {key: flat[f"{shards.OPTIMIZER}state.{name}.{key}"] if isinstance(value, torch.Tensor)
+                    else type(value)(flat[f"{shards.OPTIMIZER}state.{name}.{key}"].item())
+                    for key, value in entry.items()} for name, entry in optim_sd["state"].items()}
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    set_model_state_dict(model, model_sd)
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})

@@ -119,7 +119,8 @@ class FSDPRank(Reusable):
         return t
 
     def save_state(self, directory: str) -> None:
-        """Collective. Write model, optimizer and scheduler state to ``directory`` (safetensors + JSON).
+        """Collective. Write model, optimizer and scheduler state to ``directory`` (safetensors + JSON; with more
+        than one rank every rank writes its own shard).
 
         Layout and atomic rename in :func:`miles.train.optim.save_train_state`.
         """
@@ -127,7 +128,7 @@ class FSDPRank(Reusable):
                          rank=self.rank, world_size=self.world_size)
 
     def load_state(self, directory: str) -> None:
-        """Collective. Restore what :meth:`save_state` wrote (any world size); rank 0 reads and broadcasts."""
+        """Collective. Restore what :meth:`save_state` wrote (any world size; shards are resharded)."""
         load_train_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                          rank=self.rank, world_size=self.world_size)
 
