@@ -65,15 +65,22 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 
 from miles.agent.http_guard import Guard, SessionTable
+from miles.agent.server_requests import (
+    chat_messages,
+    check_messages,
+    check_n,
+    extend_session,
+    sampling_params,
+    to_request,
+)
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import parse_tool_calls
 from miles.config.validate import ConfigError
-from miles.rollout.requests import EngineLimits, check_request
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+from miles.rollout.requests import EngineLimits
+from miles.types import GenerateRequest, GenerateResult, Status
 
 TOKEN_ENV = "MILES_ROLLOUT_TOKEN"
 ADMIN_TOKEN_ENV = "MILES_ROLLOUT_ADMIN_TOKEN"
-ROLES = ("system", "user", "assistant", "tool")
 SESSION_HEADER = "x-miles-session"
 Generate = Callable[[GenerateRequest, "str | None"], Awaitable[list[GenerateResult]]]
 _FINISH = {
@@ -140,95 +147,6 @@ class _Batcher:
             future.set_result(await asyncio.to_thread(self.engine.generate, [request]))
         except Exception as e:
             future.set_exception(e)
-
-
-def sampling_params(body: Any, *, max_key: str) -> SamplingParams:
-    """The sampling fields of a request body (``max_key``: its ``max_new_tokens``); 422 naming a wrong field."""
-    if not isinstance(body, dict):
-        raise HTTPException(422, f"sampling fields: expected a JSON object, got {type(body).__name__}")
-
-    def number(key: str, value: Any, kind: type) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise HTTPException(422, f"{key}: expected a number, got {value!r}")
-        try:
-            out = kind(float(value)) if kind is int and isinstance(value, float) else kind(value)
-        except (TypeError, ValueError, OverflowError):
-            raise HTTPException(422, f"{key}: expected a number, got {value!r}") from None
-        if kind is int and isinstance(value, float) and out != value:
-            raise HTTPException(422, f"{key}: expected an integer, got {value!r}")
-        if kind is float and out != out:
-            raise HTTPException(422, f"{key}: expected a number, got NaN")
-        return out
-
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise HTTPException(422, f"seed: expected an integer or null, got {seed!r}")
-    temperature = number("temperature", body.get("temperature", 1.0), float)
-    max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
-    return SamplingParams(
-        temperature=temperature,
-        greedy=temperature == 0.0,
-        seed=seed,
-        top_p=number("top_p", body.get("top_p", 1.0), float),
-        top_k=number("top_k", body.get("top_k", 0), int),
-        max_new_tokens=number(max_key, max_new, int),
-    )
-
-
-def to_request(
-    rid: str,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    *,
-    limits: EngineLimits | None,
-    session_id: str | None = None,
-) -> GenerateRequest:
-    """A request of ``prompt_ids``, checked against the engine's ``limits`` when known (422 naming the field)."""
-    request = GenerateRequest(
-        request_id=rid, prompt_ids=tuple(prompt_ids), sampling=sampling, session_id=session_id
-    )
-    if limits is not None:
-        try:
-            check_request(request, None, limits)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
-    return request
-
-
-def _check_n(body: dict[str, Any]) -> None:
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise HTTPException(422, f"n: only 1 is supported, got {n!r}")
-    if body.get("stream"):
-        raise HTTPException(422, "stream: streaming responses are not supported; send stream=false")
-
-
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """The OpenAI ``messages`` of a chat request, checked (422 naming the message and field)."""
-    if not isinstance(messages, list) or not messages:
-        raise HTTPException(422, "messages: a non-empty list of {'role', 'content'} objects is required")
-    out = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise HTTPException(422, f"messages[{k}]: expected an object, got {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise HTTPException(
-                422, f"messages[{k}].role: expected one of {', '.join(ROLES)}, got {m.get('role')!r}"
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: the text parts, joined
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise HTTPException(422, f"messages[{k}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise HTTPException(
-                422, f"messages[{k}].content: expected a string, got {type(content).__name__}"
-            )
-        out.append({**m, "content": content})
-    return out
 
 
 async def _generate_one(
@@ -358,7 +276,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
-        _check_n(body)
+        check_n(body)
         messages = check_messages(body.get("messages"))
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -380,7 +298,7 @@ def create_app(
         try:
             session = held or Session(tokenizer, chat_messages(messages), render_kwargs=extra)
             if held is not None:
-                added = _extend(session, messages)
+                added = extend_session(session, messages)
         except (TemplateDriftError, ValueError) as e:
             raise HTTPException(409 if held is not None else 422, f"messages: {e}") from None
         except (KeyError, TypeError) as e:  # the chat template refused the messages
@@ -428,7 +346,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> dict[str, Any]:
-        _check_n(body)
+        check_n(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]  # the openai client sends one prompt of ids as [[...]]
@@ -537,49 +455,6 @@ def create_app(
         return {"ended": sessions.pop(session_id, None) is not None}
 
     return app
-
-
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
-    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
-    out: list[dict[str, str]] = []
-    for m in messages:
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("_tools"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "_tools": "1"})
-        else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
-
-
-def _extend(session: Session, messages: list[dict[str, Any]]) -> bool:
-    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
-
-    The request repeats the conversation: its first messages must be the session's, assistant turns
-    included by position; a non-assistant message that differs, or a conversation that is shorter,
-    is refused (ValueError) rather than silently re-tokenized. Returns whether messages were appended
-    (one environment turn, which :meth:`Session.drop_last_turn` removes).
-    """
-    held = session.messages
-    request = chat_messages(messages)
-    if len(request) < len(held):
-        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
-    for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
-        if ours["role"] != theirs["role"] or (
-            ours["role"] != "assistant" and ours["content"] != theirs["content"]
-        ):
-            raise ValueError(
-                f"message {k} ({theirs['role']}) differs from the session's; a session only grows"
-            )
-    new = request[len(held) :]
-    if new:
-        session.add_messages(new)
-    elif held[-1]["role"] == "assistant":
-        raise ValueError("nothing new after the session's last assistant turn")
-    return bool(new)
 
 
 def main(argv: list[str] | None = None) -> None:
