@@ -575,3 +575,12 @@ def test_session_cap_and_idle_ttl(small) -> None:
     code, out = turn("a")
     assert code == 410 and "start a new session id" in out["detail"], out
     assert len(small.app.state.sessions) == 1
+
+
+def test_miles_rollout_refuses_nonpositive_limits(checkpoint: Path, capsys) -> None:
+    from miles.agent.server import main
+
+    for flag in ("--max-body-mb", "--max-sessions", "--session-ttl-s"):
+        with pytest.raises(SystemExit) as exited:
+            main([str(checkpoint), flag, "0"])
+        assert exited.value.code == 2 and "must be > 0" in capsys.readouterr().err
