@@ -10,7 +10,6 @@ import asyncio
 import os
 import shutil
 import socket
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -327,13 +326,11 @@ print('written_mb:', sum(os.path.getsize(f) for f in os.listdir('.')) >> 20)
 
 
 def test_cpu_loop_and_infinite_output_are_stopped() -> None:
-    t0 = time.perf_counter()
     assert run("while True: pass", cpu_s=1).endswith("[killed: CPU time limit of 1 s]")
     out = run("while True: print('x' * 999)", max_output_bytes=1 << 16)
     assert out.endswith("[output truncated]\n[killed: output limit of 65536 bytes]") and len(out) < 2100
     out = run("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)", wall_s=1)
     assert out == "[killed: wall time limit of 1 s]"
-    assert time.perf_counter() - t0 < 30  # each stopped at its own limit, far before a minute
 
 
 def test_concurrent_calls_have_their_own_process_limits() -> None:
