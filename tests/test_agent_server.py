@@ -19,6 +19,7 @@ from miles.config import ConfigError
 from miles.types import GenerateRequest, SamplingParams
 
 TOKEN = "s3cret"
+ADMIN = "adm1n"
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +31,39 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = tmp_path_factory.mktemp("server_ckpt")
     tok = train_tokenizer([f"what is {a} plus {b}? {a + b}" for a in range(20) for b in range(9)], 300)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      bos_token_id=0, eos_token_id=tok.eos_token_id, pad_token_id=0, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
+def _serve(app):
+    import uvicorn
+
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    return srv, thread, srv.servers[0].sockets[0].getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint: Path):
-    import uvicorn
     from transformers import AutoTokenizer
 
     from miles.config.schema import PrecisionConfig
@@ -50,14 +72,38 @@ def server(checkpoint: Path):
     engine = TorchEngine(str(checkpoint), PrecisionConfig(), seed=0, num_threads=1, prefix_cache_tokens=4096)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     generate, version = engine_backend(engine)
-    app = create_app(generate, tok, weight_version=version, token=TOKEN, control=engine, limits=engine.limits)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield type("S", (), {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok})
+    app = create_app(
+        generate,
+        tok,
+        weight_version=version,
+        token=TOKEN,
+        admin_token=ADMIN,
+        control=engine,
+        limits=engine.limits,
+        weights_dirs=[str(checkpoint.parent)],
+    )
+    srv, thread, port = _serve(app)
+    yield type("S", (), {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok, "port": port})
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def small(server):
+    """A second server on the same engine: no token, no admin token, no request limits (the engine checks),
+    a 4 KiB body limit, at most 2 sessions idle for at most 2 s."""
+    generate, version = engine_backend(server.engine)
+    app = create_app(
+        generate,
+        server.tok,
+        weight_version=version,
+        control=server.engine,
+        max_body_bytes=4096,
+        max_sessions=2,
+        session_ttl_s=2.0,
+    )
+    srv, thread, port = _serve(app)
+    yield type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port, "app": app})
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -96,28 +142,48 @@ def test_every_endpoint_checks_the_token(server) -> None:
 
 
 def test_generate_and_chat_completions(server) -> None:
-    prompt = server.tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4?"}], tokenize=True,
-                                            add_generation_prompt=True, return_dict=False)
-    code, out = _post(f"{server.url}/generate", {"input_ids": list(prompt), "sampling_params":
-                                                 {"max_new_tokens": 6, "temperature": 1.0, "seed": 3}})
+    prompt = server.tok.apply_chat_template(
+        [{"role": "user", "content": "what is 3 plus 4?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    code, out = _post(
+        f"{server.url}/generate",
+        {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "seed": 3}},
+    )
     assert code == 200 and 1 <= len(out["output_ids"]) <= 6
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
-    (want,) = server.engine.generate([GenerateRequest(request_id="x", prompt_ids=tuple(prompt), seed=3)],
-                                     SamplingParams(max_new_tokens=6))
+    (want,) = server.engine.generate(
+        [GenerateRequest(request_id="x", prompt_ids=tuple(prompt), seed=3)], SamplingParams(max_new_tokens=6)
+    )
     assert out["output_ids"] == list(want.response_ids)
-    code, chat = _post(f"{server.url}/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "what is 3 plus 4?"}], "max_tokens": 6, "seed": 3})
+    code, chat = _post(
+        f"{server.url}/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "what is 3 plus 4?"}],
+            "max_tokens": 6,
+            "seed": 3,
+        },
+    )
     assert code == 200, chat
     choice = chat["choices"][0]
     assert code == 200 and choice["prompt_token_ids"] == list(prompt)
     assert choice["output_token_ids"] == list(want.response_ids)
-    assert choice["message"]["content"] == server.tok.decode(list(want.response_ids), skip_special_tokens=True)
+    assert choice["message"]["content"] == server.tok.decode(
+        list(want.response_ids), skip_special_tokens=True
+    )
     assert chat["usage"]["completion_tokens"] == len(want.response_ids)
     assert _post(f"{server.url}/generate", {"input_ids": []})[0] == 422
     # the engine's own request check, before the request is queued: 422 naming the field
     vocab = server.engine.vocab_size
     for ids, sampling, detail in [
-        ([1, vocab], {}, f"request 'gen-.*': prompt_ids: token ids must be in \\[0, {vocab}\\), got min 1, max {vocab}"),
+        (
+            [1, vocab],
+            {},
+            f"request 'gen-.*': prompt_ids: token ids must be in \\[0, {vocab}\\), got min 1, max {vocab}",
+        ),
         ([1], {"top_p": 0}, r"top_p must be in \(0, 1\] \(1 disables nucleus sampling\), got 0"),
         ([1], {"top_k": "x"}, "top_k: expected a number, got 'x'"),
     ]:
@@ -126,25 +192,41 @@ def test_generate_and_chat_completions(server) -> None:
 
 
 def test_tool_calls_become_openai_tool_calls() -> None:
-    msg = assistant_message('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>', "r")
+    msg = assistant_message(
+        'ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>', "r"
+    )
     assert msg["content"] == "ok" and msg["tool_calls"][0]["function"] == {
-        "name": "calculator", "arguments": '{"expression": "1+2"}'}
+        "name": "calculator",
+        "arguments": '{"expression": "1+2"}',
+    }
     assert assistant_message("<tool_call>{bad}</tool_call>", "r") == {
-        "role": "assistant", "content": "<tool_call>{bad}</tool_call>"}
+        "role": "assistant",
+        "content": "<tool_call>{bad}</tool_call>",
+    }
 
 
 def test_concurrent_requests_get_their_own_answers(server) -> None:
     """32 concurrent seeded requests of different prompts: each answer equals that request run alone."""
     prompts = [list(server.tok.encode(f"what is {i} plus {i % 7}?")) for i in range(32)]
-    want = [server.engine.generate([GenerateRequest(request_id=str(i), prompt_ids=tuple(p), seed=100 + i)],
-                                   SamplingParams(max_new_tokens=8))[0].response_ids for i, p in enumerate(prompts)]
-    body = [{"input_ids": p, "sampling_params": {"max_new_tokens": 8, "seed": 100 + i}} for i, p in enumerate(prompts)]
+    want = [
+        server.engine.generate(
+            [GenerateRequest(request_id=str(i), prompt_ids=tuple(p), seed=100 + i)],
+            SamplingParams(max_new_tokens=8),
+        )[0].response_ids
+        for i, p in enumerate(prompts)
+    ]
+    body = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 8, "seed": 100 + i}}
+        for i, p in enumerate(prompts)
+    ]
     bad = {"input_ids": prompts[0], "sampling_params": {"temperature": -1}}  # refused alone, failing no other
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda b: _post(f"{server.url}/generate", b), body[:16] + [bad] * 4 + body[16:]))
     seconds = time.perf_counter() - t0
-    assert [code for code, _ in got[16:20]] == [422] * 4 and "temperature must be >= 0" in got[16][1]["detail"]
+    assert [code for code, _ in got[16:20]] == [422] * 4 and "temperature must be >= 0" in got[16][1][
+        "detail"
+    ]
     got = got[:16] + got[20:]
     assert all(code == 200 for code, _ in got)
     assert [out["output_ids"] for _, out in got] == [list(w) for w in want]
@@ -158,9 +240,12 @@ def test_an_openai_client_session_is_token_exact(server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN)
     messages = [{"role": "user", "content": "what is 3 plus 4?"}]
     choices = []
-    for turn, follow_up in enumerate([{"role": "tool", "content": "7"}, {"role": "user", "content": "sure?"}, None]):
-        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=turn,
-                                               extra_body={"session_id": "s1"})
+    for turn, follow_up in enumerate(
+        [{"role": "tool", "content": "7"}, {"role": "user", "content": "sure?"}, None]
+    ):
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, seed=turn, extra_body={"session_id": "s1"}
+        )
         choice = reply.choices[0]
         choices.append(choice.model_extra)
         messages.append({"role": "assistant", "content": choice.message.content})
@@ -174,20 +259,29 @@ def test_an_openai_client_session_is_token_exact(server) -> None:
     for k, c in enumerate(choices):
         assert full[:pos] == c["prompt_token_ids"]  # each turn was sampled from the session so far
         out = c["output_token_ids"]
-        assert full[pos:pos + len(out)] == out and held["loss_mask"][pos - len(held["prompt_ids"]):][:len(out)] == [1] * len(out)
-        assert held["logprobs"][pos - len(held["prompt_ids"]):][:len(out)] == c["output_logprobs"]
+        assert full[pos : pos + len(out)] == out and held["loss_mask"][pos - len(held["prompt_ids"]) :][
+            : len(out)
+        ] == [1] * len(out)
+        assert held["logprobs"][pos - len(held["prompt_ids"]) :][: len(out)] == c["output_logprobs"]
         pos += len(out)
         if k + 1 < len(choices):
             pos = len(choices[k + 1]["prompt_token_ids"])
     assert pos == len(full) and sum(held["loss_mask"]) == sum(len(c["output_token_ids"]) for c in choices)
-    tool_turn = server.tok.decode(choices[1]["prompt_token_ids"][len(choices[0]["prompt_token_ids"]):])
+    tool_turn = server.tok.decode(choices[1]["prompt_token_ids"][len(choices[0]["prompt_token_ids"]) :])
     assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in tool_turn
     # a session only grows: an edited user turn is refused, not re-tokenized
     messages[0] = {"role": "user", "content": "what is 5 plus 4?"}
     with pytest.raises(openai.APIStatusError) as refused:
-        client.chat.completions.create(model="tiny", messages=messages + [{"role": "user", "content": "x"}],
-                                       max_tokens=4, extra_body={"session_id": "s1"})
-    assert refused.value.status_code == 409 and "differs from the session" in refused.value.response.json()["detail"]
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages + [{"role": "user", "content": "x"}],
+            max_tokens=4,
+            extra_body={"session_id": "s1"},
+        )
+    assert (
+        refused.value.status_code == 409
+        and "differs from the session" in refused.value.response.json()["detail"]
+    )
     assert _post(f"{server.url}/sessions/s1")[1]["turns"] == 3
 
 
@@ -197,8 +291,13 @@ def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "MILES_ROLLOUT_TOKEN"}
-    out = subprocess.run([sys.executable, "-m", "miles", "rollout", str(checkpoint), "--host", "0.0.0.0"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "rollout", str(checkpoint), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 2 and "needs a token" in out.stderr
 
 
@@ -221,9 +320,13 @@ def test_openai_completions_take_text_or_token_ids(server) -> None:
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN)
     prompt = list(server.tok.encode("what is 3 plus 4?", add_special_tokens=False))
-    (want,) = server.engine.generate([GenerateRequest(request_id="c", prompt_ids=tuple(prompt), seed=5)],
-                                     SamplingParams(max_new_tokens=5))
-    for sent in ("what is 3 plus 4?", prompt):  # text is encoded as it is (no chat template); ids are used as sent
+    (want,) = server.engine.generate(
+        [GenerateRequest(request_id="c", prompt_ids=tuple(prompt), seed=5)], SamplingParams(max_new_tokens=5)
+    )
+    for sent in (
+        "what is 3 plus 4?",
+        prompt,
+    ):  # text is encoded as it is (no chat template); ids are used as sent
         out = client.completions.create(model="tiny", prompt=sent, max_tokens=5, seed=5, temperature=1.0)
         choice = out.choices[0].model_dump()
         assert choice["prompt_token_ids"] == prompt
@@ -242,29 +345,35 @@ def test_control_endpoints_pause_resume_and_update_weights(server, checkpoint: P
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     before = _post(f"{server.url}/generate", body)[1]["meta_info"]["output_token_logprobs"]
     # paused: a request waits; resumed: it completes
-    assert _post(f"{server.url}/pause", {}) == (200, {"paused": True})
+    assert _post(f"{server.url}/pause", {}, token=ADMIN) == (200, {"paused": True})
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_post, f"{server.url}/generate", body)
         time.sleep(1.0)
         assert not pending.done(), "a paused engine must not decode"
-        assert _post(f"{server.url}/resume", {}) == (200, {"paused": False})
+        assert _post(f"{server.url}/resume", {}, token=ADMIN) == (200, {"paused": False})
         assert pending.result(timeout=60)[0] == 200
     # new weights from a directory of safetensors, as a new version
     state = {k: v * 1.01 if v.is_floating_point() else v for k, v in server.engine.state_dict().items()}
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     try:
-        code, out = _post(f"{server.url}/update_weights", {"path": str(tmp_path), "version": 7})
+        code, out = _post(f"{server.url}/update_weights", {"path": str(tmp_path), "version": 7}, token=ADMIN)
         assert code == 200 and out["weight_version"] == 7 and out["bytes"] > 0
         assert _post(f"{server.url}/weight_version") == (200, {"weight_version": 7})
         after = _post(f"{server.url}/generate", body)[1]["meta_info"]
         assert after["weight_version"] == 7 and after["output_token_logprobs"] != before
         # refused with nothing applied: a directory without safetensors, a bad body
-        assert _post(f"{server.url}/update_weights", {"path": str(tmp_path / "none"), "version": 8})[0] == 422
-        assert _post(f"{server.url}/update_weights", {"path": str(tmp_path)})[0] == 422
+        assert (
+            _post(
+                f"{server.url}/update_weights", {"path": str(tmp_path / "none"), "version": 8}, token=ADMIN
+            )[0]
+            == 422
+        )
+        assert _post(f"{server.url}/update_weights", {"path": str(tmp_path)}, token=ADMIN)[0] == 422
         assert _post(f"{server.url}/weight_version") == (200, {"weight_version": 7})
     finally:  # the module's other tests expect the checkpoint's weights
         server.engine.update_weights(
-            {k: v for k, v in server.engine.state_dict().items()} | _checkpoint_state(checkpoint), 0)
+            {k: v for k, v in server.engine.state_dict().items()} | _checkpoint_state(checkpoint), 0
+        )
 
 
 def _checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -277,13 +386,201 @@ def test_a_header_session_reuses_its_prefix_on_the_engine(server) -> None:
     """Turns of a session named by the X-Miles-Session header generate with that session_id: the
     second turn's prompt starts with the first turn's context, whose K/V the engine kept."""
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, default_headers={"X-Miles-Session": "h1"})
+    client = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=TOKEN, default_headers={"X-Miles-Session": "h1"}
+    )
     before = server.engine.health()["prefix_cache"]["hit_tokens"]
     messages = [{"role": "user", "content": "what is 2 plus 5?"}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "sure?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "sure?"},
+    ]
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=1)
-    context = first.choices[0].model_extra["prompt_token_ids"] + first.choices[0].model_extra["output_token_ids"]
-    assert second.choices[0].model_extra["prompt_token_ids"][:len(context)] == context
-    assert server.engine.health()["prefix_cache"]["hit_tokens"] - before == len(context) - 1  # all but the last token
+    context = (
+        first.choices[0].model_extra["prompt_token_ids"] + first.choices[0].model_extra["output_token_ids"]
+    )
+    assert second.choices[0].model_extra["prompt_token_ids"][: len(context)] == context
+    assert (
+        server.engine.health()["prefix_cache"]["hit_tokens"] - before == len(context) - 1
+    )  # all but the last token
+
+
+# --- hardening: each request fails on its own, with a reason ---------------------------------
+
+
+def _raw(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict | None = None,
+    chunked: bool = False,
+) -> tuple[int, dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        if chunked:
+            conn.putrequest(method, path, skip_host=True)
+            for k, v in (headers or {}).items():
+                conn.putheader(k, v)
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.endheaders()
+            for start in range(0, len(body or b""), 1000):
+                piece = body[start : start + 1000]
+                conn.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+        else:
+            conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_host_header_must_name_this_server(server) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "10.0.0.1"):
+        code, out = _raw(server.port, "GET", "/health", headers=auth | {"Host": host})
+        assert code == 400 and "Host header" in out["detail"] and "--allowed-host" in out["detail"], (
+            host,
+            out,
+        )
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "localhost", f"[::1]:{server.port}"):
+        assert _raw(server.port, "GET", "/health", headers=auth | {"Host": host})[0] == 200, host
+
+
+def test_control_endpoints_always_need_the_admin_token(server, small, checkpoint: Path) -> None:
+    for path in ("/pause", "/resume", "/update_weights"):
+        for token in (None, TOKEN, "wrong"):
+            code, out = _post(f"{server.url}{path}", {}, token=token)
+            assert code == 401 and "admin token" in out.get("detail", out.get("error", "")), (
+                path,
+                token,
+                out,
+            )
+        code, out = _post(f"{small.url}{path}", {}, token=None)  # loopback, no admin token configured
+        assert code == 403 and "MILES_ROLLOUT_ADMIN_TOKEN" in out["detail"], out
+    # the admin token opens the other endpoints too; update_weights reads only configured directories
+    assert _post(f"{server.url}/health", token=ADMIN)[0] == 200
+    for outside in ("/usr/lib", str(checkpoint.parent) + "/../.."):
+        code, out = _post(f"{server.url}/update_weights", {"path": outside, "version": 9}, token=ADMIN)
+        assert code == 403 and "--weights-dir" in out["detail"], out
+    assert _post(f"{server.url}/weight_version")[1]["weight_version"] == 0
+
+
+def test_body_size_limit(small) -> None:
+    big = json.dumps({"input_ids": [1] * 3000}).encode()
+    code, out = _raw(small.port, "POST", "/generate", big, {"Content-Type": "application/json"})
+    assert code == 413 and "limit of 4096 bytes" in out["detail"], out
+    code, out = _raw(
+        small.port,
+        "POST",
+        "/generate",
+        big,
+        {"Host": "127.0.0.1", "Content-Type": "application/json"},
+        chunked=True,
+    )  # no Content-Length: counted while read
+    assert code == 413 and "limit of 4096 bytes" in out["detail"], out
+    ok = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).encode()
+    assert _raw(small.port, "POST", "/generate", ok, {"Content-Type": "application/json"})[0] == 200
+
+
+MALFORMED = [
+    ({"messages": "hi"}, 422, "messages: a non-empty list"),
+    ({"messages": []}, 422, "messages: a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 422, "messages[0].content: expected a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "only text parts"),
+    ({"temperature": "hot"}, 422, "temperature: expected a number, got 'hot'"),
+    ({"temperature": True}, 422, "temperature: expected a number"),
+    ({"max_tokens": 2.5}, 422, "max_tokens: expected an integer"),
+    ({"max_tokens": [3]}, 422, "max_tokens: expected a number"),
+    ({"seed": "1"}, 422, "seed: expected an integer"),
+    ({"n": "x"}, 422, "n: only 1 is supported"),
+    ({"stream": True}, 422, "stream: streaming"),
+    ({"tools": "calculator"}, 422, "tools: expected a list"),
+    ({"max_tokens": 1000}, 422, "exceeds the context length 256"),
+    ({"top_p": 0}, 422, "top_p must be in"),
+]
+
+
+def test_malformed_requests_get_a_reason_and_leave_the_session_as_it_was(server) -> None:
+    url = f"{server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+    code, first = _post(url, {"messages": messages, "session_id": "m1", "max_tokens": 4, "seed": 0})
+    assert code == 200
+    before = _post(f"{server.url}/sessions/m1")[1]
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "sure?"}]
+    for fields, status, reason in MALFORMED:
+        body = {"messages": messages, "session_id": "m1", "max_tokens": 4} | fields
+        code, out = _post(url, body)
+        assert code == status and reason in out["detail"], (fields, out)
+        assert _post(f"{server.url}/sessions/m1")[1] == before, fields  # nothing appended, nothing lost
+    edited = [{"role": "user", "content": "what is 9 plus 4?"}, *messages[1:]]
+    code, out = _post(url, {"messages": edited, "session_id": "m1", "max_tokens": 4})
+    assert code == 409 and "differs from the session" in out["detail"]
+    for raw in (b"{not json", b"[1, 2]", b'"text"'):
+        code, out = _raw(
+            server.port,
+            "POST",
+            "/v1/chat/completions",
+            raw,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
+        assert code == 422 and out["detail"], out
+    assert _post(f"{server.url}/sessions/m1")[1] == before
+    code, second = _post(url, {"messages": messages, "session_id": "m1", "max_tokens": 4, "seed": 1})
+    assert code == 200 and _post(f"{server.url}/sessions/m1")[1]["turns"] == 2
+
+
+def test_a_request_the_engine_refuses_fails_alone_in_its_batch(small, server) -> None:
+    """Without limits on the server the engine checks: a batch holding a bad request is retried one by
+    one, so only that request fails (422, with the engine's reason)."""
+    vocab = server.engine.vocab_size
+    good = [
+        {"input_ids": [1, 2, 3 + i], "sampling_params": {"max_new_tokens": 3, "seed": i}} for i in range(12)
+    ]
+    bad = {"input_ids": [1, vocab + 5], "sampling_params": {"max_new_tokens": 3}}
+    with ThreadPoolExecutor(16) as pool:
+        got = list(
+            pool.map(lambda b: _post(f"{small.url}/generate", b, token=None), good[:6] + [bad] * 3 + good[6:])
+        )
+    assert [c for c, _ in got] == [200] * 6 + [422] * 3 + [200] * 6, got
+    assert "token ids must be in" in got[6][1]["detail"]
+
+
+def test_session_cap_and_idle_ttl(small) -> None:
+    url = f"{small.url}/v1/chat/completions"
+
+    def turn(sid: str) -> tuple[int, dict]:
+        return _post(
+            url,
+            {
+                "messages": [{"role": "user", "content": "what is 1 plus 1?"}],
+                "session_id": sid,
+                "max_tokens": 2,
+            },
+            token=None,
+        )
+
+    assert turn("a")[0] == 200 and turn("b")[0] == 200
+    code, out = turn("c")
+    assert code == 429 and "session table full (2 sessions" in out["detail"], out
+    time.sleep(2.5)  # past the 2 s idle TTL
+    assert turn("c")[0] == 200  # the idle ones were dropped, freeing room
+    code, out = _post(f"{small.url}/sessions/a", token=None)
+    assert code == 410 and "expired after 2 s idle" in out["detail"], out
+    code, out = turn("a")
+    assert code == 410 and "start a new session id" in out["detail"], out
+    assert len(small.app.state.sessions) == 1
+
+
+def test_miles_rollout_refuses_nonpositive_limits(checkpoint: Path, capsys) -> None:
+    from miles.agent.server import main
+
+    for flag in ("--max-body-mb", "--max-sessions", "--session-ttl-s"):
+        with pytest.raises(SystemExit) as exited:
+            main([str(checkpoint), flag, "0"])
+        assert exited.value.code == 2 and "must be > 0" in capsys.readouterr().err

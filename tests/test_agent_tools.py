@@ -22,15 +22,21 @@ def _call(name: str, **arguments) -> str:
 
 
 def test_parse_well_formed_and_malformed_calls_in_order() -> None:
-    text = ("Let me compute. " + _call("calculator", expression="1+2") + "\n"
-            + "<tool_call>{not json}</tool_call>"
-            + '<tool_call>{"arguments": {}}</tool_call>'
-            + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
-            + '<tool_call>{"name": "python", "arguments": [1]}</tool_call>'
-            + "<tool_call>{\"name\": \"calculator\"")
+    text = (
+        "Let me compute. "
+        + _call("calculator", expression="1+2")
+        + "\n"
+        + "<tool_call>{not json}</tool_call>"
+        + '<tool_call>{"arguments": {}}</tool_call>'
+        + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        + '<tool_call>{"name": "python", "arguments": [1]}</tool_call>'
+        + '<tool_call>{"name": "calculator"'
+    )
     calls, errors = parse_tool_calls(text)
-    assert calls == [ToolCall(name="calculator", arguments={"expression": "1+2"}),
-                     ToolCall(name="python", arguments={"code": "print(1)"})]
+    assert calls == [
+        ToolCall(name="calculator", arguments={"expression": "1+2"}),
+        ToolCall(name="python", arguments={"code": "print(1)"}),
+    ]
     assert [e.error for e in errors] == ["malformed"] * 4
     assert "not valid JSON" in errors[0].text and 'string "name"' in errors[1].text
     assert "python must be a JSON object" in errors[2].text and "without </tool_call>" in errors[3].text
@@ -38,9 +44,17 @@ def test_parse_well_formed_and_malformed_calls_in_order() -> None:
 
 
 def test_tool_response_turn_and_schema() -> None:
-    outcomes = [asyncio.run(run_call({"calculator": Calculator()}, ToolCall(name="calculator",
-                                                                            arguments={"expression": "6*7"})))]
-    assert tool_response_message(outcomes) == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    outcomes = [
+        asyncio.run(
+            run_call(
+                {"calculator": Calculator()}, ToolCall(name="calculator", arguments={"expression": "6*7"})
+            )
+        )
+    ]
+    assert tool_response_message(outcomes) == {
+        "role": "user",
+        "content": "<tool_response>\n42\n</tool_response>",
+    }
     assert schema(Calculator())["function"]["name"] == "calculator"
 
 
@@ -67,19 +81,35 @@ def test_deadline_unknown_tool_and_raising_tool_become_observations() -> None:
 # --- calculator -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("expression", "value"), [
-    ("123 * 456", "56088"), ("(2 + 3) * -4", "-20"), ("6 / 3", "2"), ("7 / 2", "3.5"), ("2 ** 10", "1024"),
-    ("17 // 5", "3"), ("17 % 5", "2"), ("1 / 3", "0.333333333333"),
-])
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("123 * 456", "56088"),
+        ("(2 + 3) * -4", "-20"),
+        ("6 / 3", "2"),
+        ("7 / 2", "3.5"),
+        ("2 ** 10", "1024"),
+        ("17 // 5", "3"),
+        ("17 % 5", "2"),
+        ("1 / 3", "0.333333333333"),
+    ],
+)
 def test_calculator_values(expression: str, value: str) -> None:
     assert Calculator()({"expression": expression}) == value
 
 
-@pytest.mark.parametrize(("expression", "why"), [
-    ("__import__('os').system('true')", "unsupported element Call"), ("x + 1", "unsupported element Name"),
-    ("9 ** 9 ** 9", "exceed 4096 bits"), ("'a' * 3", "unsupported element Constant"), ("1 +", "not an arithmetic"),
-    ("True + 1", "unsupported element Constant"), ("1" * 300, "longer than 200"),
-])
+@pytest.mark.parametrize(
+    ("expression", "why"),
+    [
+        ("__import__('os').system('true')", "unsupported element Call"),
+        ("x + 1", "unsupported element Name"),
+        ("9 ** 9 ** 9", "exceed 4096 bits"),
+        ("'a' * 3", "unsupported element Constant"),
+        ("1 +", "not an arithmetic"),
+        ("True + 1", "unsupported element Constant"),
+        ("1" * 300, "longer than 200"),
+    ],
+)
 def test_calculator_refuses(expression: str, why: str) -> None:
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match=why):
@@ -92,11 +122,11 @@ def test_calculator_refuses(expression: str, why: str) -> None:
 
 def test_sandbox_runs_code_in_a_fresh_temporary_directory() -> None:
     box = PythonSandbox(wall_s=20)
-    code = "import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.environ))"
+    code = "import os\nprint(os.listdir('.'))\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.environ))"
     first, second = box({"code": code}).splitlines(), box({"code": code}).splitlines()
-    assert first[0] != second[0] and "miles-sandbox-" in first[0]
-    assert not __import__("os").path.exists(first[0])  # removed after the call
-    assert first[1] == "['HOME', 'LANG', 'PATH']"  # nothing else inherited
+    assert (
+        first == second == ["[]", "/work", "['HOME', 'LANG', 'PATH', 'PWD']"]
+    )  # nothing left, nothing inherited
     assert box({"code": "raise SystemExit(3)"}) == "[exit code 3]"
 
 
@@ -114,7 +144,9 @@ def test_sandbox_cpu_and_wall_limits_kill_within_their_deadline() -> None:
     assert "[killed: " in box({"code": "while True: pass"})
     assert time.perf_counter() - t0 < 3.5  # the CPU limit (1 s of CPU) fires first or the wall limit does
     t0 = time.perf_counter()
-    out = asyncio.run(run_call({"python": box}, ToolCall(name="python", arguments={"code": "import time\ntime.sleep(60)"})))
+    out = asyncio.run(
+        run_call({"python": box}, ToolCall(name="python", arguments={"code": "import time\ntime.sleep(60)"}))
+    )
     assert out.error is None and out.text.endswith("[killed: wall time limit of 3 s]")
     assert time.perf_counter() - t0 < 5
 

@@ -1,4 +1,4 @@
-"""``miles rollout CHECKPOINT [--host H] [--port P]``: a rollout engine over HTTP (FastAPI + uvicorn).
+"""``miles rollout CHECKPOINT [--host H] [--port P] ...``: a rollout engine over HTTP (FastAPI + uvicorn).
 
 (``python -m miles.agent.server`` is the same command.)
 
@@ -38,35 +38,57 @@ batching inside the engine); each response is matched to its request by id.
 
 Binding: 127.0.0.1 by default. Any address that is not loopback needs a token (environment
 variable ``MILES_ROLLOUT_TOKEN``), checked on every endpoint as ``Authorization: Bearer <token>``;
-without one the server refuses to start. With a token on loopback, it is checked too.
+without one the server refuses to start. With a token on loopback, it is checked too. The control
+endpoints always need the admin token (``MILES_ROLLOUT_ADMIN_TOKEN``), and ``/update_weights`` reads
+only directories under a ``--weights-dir``. The Host header, the body size (``--max-body-mb``, 8) and
+the session table (``--max-sessions`` 4096, ``--session-ttl-s`` 3600) are checked as
+:mod:`miles.agent.http_guard` describes.
+
+Each request is checked on its own: a malformed one (a field of the wrong type or value, messages
+that are not a list of ``{"role", "content"}`` objects, a session that does not continue) answers
+400/409/410/422/429 with a ``detail`` naming the field, leaves its session as it was, and fails no
+other request; if the engine refuses a batch, each of its requests is retried alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import ipaddress
 import itertools
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
 
+from miles.agent.http_guard import Guard, SessionTable
+from miles.agent.server_requests import (
+    chat_messages,
+    check_messages,
+    check_n,
+    extend_session,
+    sampling_params,
+    to_request,
+)
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import parse_tool_calls
 from miles.config.validate import ConfigError
-from miles.rollout.requests import EngineLimits, check_request
-from miles.types import GenerateRequest, GenerateResult, SamplingParams, Status
+from miles.rollout.requests import EngineLimits
+from miles.types import GenerateRequest, GenerateResult, Status
 
 TOKEN_ENV = "MILES_ROLLOUT_TOKEN"
+ADMIN_TOKEN_ENV = "MILES_ROLLOUT_ADMIN_TOKEN"
 SESSION_HEADER = "x-miles-session"
 Generate = Callable[[GenerateRequest, "str | None"], Awaitable[list[GenerateResult]]]
-_FINISH = {Status.COMPLETED: "stop", Status.TRUNCATED: "length", Status.ABORTED: "abort", Status.FAILED: "error"}
+_FINISH = {
+    Status.COMPLETED: "stop",
+    Status.TRUNCATED: "length",
+    Status.ABORTED: "abort",
+    Status.FAILED: "error",
+}
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -78,8 +100,10 @@ def check_bind(host: str, token: str | None) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ConfigError(f"rollout server: binding to {host!r} (not loopback) needs a token; set the environment "
-                          f"variable {TOKEN_ENV} (clients send 'Authorization: Bearer <token>') or bind 127.0.0.1")
+        raise ConfigError(
+            f"rollout server: binding to {host!r} (not loopback) needs a token; set the environment "
+            f"variable {TOKEN_ENV} (clients send 'Authorization: Bearer <token>') or bind 127.0.0.1"
+        )
 
 
 class _Batcher:
@@ -105,56 +129,35 @@ class _Batcher:
                 try:
                     results = await asyncio.to_thread(self.engine.generate, [r for r, _ in batch])
                 except Exception as e:
-                    for _, f in batch:
-                        f.set_exception(e)
+                    if len(batch) == 1:
+                        batch[0][1].set_exception(e)
+                        continue
+                    for (
+                        item
+                    ) in batch:  # one request may be what the engine refused: each alone, failing only itself
+                        await self._one(*item)
                     continue
                 for request, future in batch:
                     future.set_result([r for r in results if r.request_id == request.request_id])
         finally:
             self.running = False
 
-
-class _BearerAuth:
-    """ASGI middleware: an HTTP request without ``Authorization: Bearer <token>`` gets 401; others go
-    to the app untouched (no per-request task or response re-streaming)."""
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(got, self.expected):
-                response = JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def to_request(rid: str, prompt_ids: list[int], body: dict[str, Any], *, max_key: str,
-               limits: EngineLimits | None, session_id: str | None = None) -> GenerateRequest:
-    """A request of ``prompt_ids`` and a body's sampling fields (``max_key``: its ``max_new_tokens``),
-    checked against the engine's ``limits`` when known; a wrong field answers 422 naming it."""
-    def number(key: str, value: Any, kind: type) -> Any:
+    async def _one(self, request: GenerateRequest, future: asyncio.Future) -> None:
         try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise HTTPException(422, f"{key}: expected a number, got {value!r}") from None
+            future.set_result(await asyncio.to_thread(self.engine.generate, [request]))
+        except Exception as e:
+            future.set_exception(e)
 
-    temperature = number("temperature", body.get("temperature", 1.0), float)
-    max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
-    sampling = SamplingParams(temperature=temperature, greedy=temperature == 0.0, seed=body.get("seed"),
-                              top_p=number("top_p", body.get("top_p", 1.0), float),
-                              top_k=number("top_k", body.get("top_k", 0), int),
-                              max_new_tokens=number(max_key, max_new, int))
-    request = GenerateRequest(request_id=rid, prompt_ids=tuple(prompt_ids), sampling=sampling, session_id=session_id)
-    if limits is not None:
-        try:
-            check_request(request, None, limits)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
-    return request
+
+async def _generate_one(
+    generate: Generate, request: GenerateRequest, session_id: str | None
+) -> GenerateResult:
+    """One result of ``generate``; an engine's ValueError (a request it refuses) answers 422."""
+    try:
+        (r,) = await generate(request, session_id)
+    except ValueError as e:
+        raise HTTPException(422, f"request {request.request_id!r}: {e}") from None
+    return r
 
 
 def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
@@ -163,10 +166,18 @@ def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
     calls, _ = parse_tool_calls(text)
     if not calls:
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text.split("<tool_call>")[0].strip() or None,
-            "tool_calls": [{"id": f"call_{call_id_prefix}_{i}", "type": "function",
-                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                           for i, c in enumerate(calls)]}
+    return {
+        "role": "assistant",
+        "content": text.split("<tool_call>")[0].strip() or None,
+        "tool_calls": [
+            {
+                "id": f"call_{call_id_prefix}_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for i, c in enumerate(calls)
+        ],
+    }
 
 
 def load_weights_dir(path: str, adapter: str | None = None) -> dict[str, Any]:
@@ -199,21 +210,41 @@ def engine_backend(engine: Any) -> tuple[Generate, Callable[[], int]]:
     return generate, engine.weight_version
 
 
-def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[], int] = lambda: -1,
-               token: str | None = None, control: Any = None, limits: EngineLimits | None = None) -> Any:
+def create_app(
+    generate: Generate,
+    tokenizer: Any,
+    *,
+    weight_version: Callable[[], int] = lambda: -1,
+    token: str | None = None,
+    admin_token: str | None = None,
+    control: Any = None,
+    limits: EngineLimits | None = None,
+    weights_dirs: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
+    max_body_bytes: int = 8 << 20,
+    max_sessions: int = 4096,
+    session_ttl_s: float = 3600.0,
+) -> Any:
     """The FastAPI app. ``generate(request, session_id)`` completes one request (``session_id`` is the
-    chat session's or None); the sessions are ``app.state.sessions`` (id -> :class:`Session`).
+    chat session's or None); the sessions are ``app.state.sessions`` (a :class:`SessionTable`).
     ``control``: an engine with ``pause``, ``resume`` and ``update_weights`` for the control endpoints
-    (None: they answer 501). ``limits``: the engine's, to check each request against before it is queued
-    (422 when it is wrong, failing no other request of its batch); None: the engine checks."""
+    (None: they answer 501); they need ``admin_token``, and ``/update_weights`` reads only directories
+    under ``weights_dirs``. ``limits``: the engine's, to check each request against before it is queued
+    (422 when it is wrong, failing no other request of its batch); None: the engine checks. The rest:
+    :mod:`miles.agent.http_guard`."""
     app = FastAPI(title="miles rollout")
     ids = itertools.count()
-    sessions: dict[str, Session] = {}
+    sessions = SessionTable(max_sessions=max_sessions, ttl_s=session_ttl_s)
     app.state.sessions = sessions
     busy: set[str | None] = set()
-
-    if token:
-        app.add_middleware(_BearerAuth, token=token)
+    roots = [os.path.realpath(d) for d in weights_dirs]
+    app.add_middleware(
+        Guard,
+        token=token,
+        admin_token=admin_token,
+        max_body_bytes=max_body_bytes,
+        allowed_hosts=tuple(allowed_hosts),
+    )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -222,77 +253,141 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
     @app.post("/generate")
     async def generate_ids(body: dict[str, Any]) -> dict[str, Any]:
         input_ids = body.get("input_ids")
-        if not input_ids or not all(isinstance(t, int) for t in input_ids):
+        if (
+            not isinstance(input_ids, list)
+            or not input_ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids)
+        ):
             raise HTTPException(422, "input_ids: a non-empty list of token ids is required")
-        request = to_request(f"gen-{next(ids)}", input_ids, body.get("sampling_params", {}),
-                             max_key="max_new_tokens", limits=limits)
-        (r,) = await generate(request, None)
-        return {"output_ids": list(r.response_ids),
-                "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
-                "meta_info": {"output_token_logprobs": list(r.logprobs), "finish_reason": r.finish_reason or
-                              _FINISH[r.status], "weight_version": r.weight_version,
-                              "prompt_tokens": len(input_ids), "completion_tokens": len(r.response_ids)}}
+        sampling = sampling_params(body.get("sampling_params", {}), max_key="max_new_tokens")
+        request = to_request(f"gen-{next(ids)}", input_ids, sampling, limits=limits)
+        r = await _generate_one(generate, request, None)
+        return {
+            "output_ids": list(r.response_ids),
+            "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
+            "meta_info": {
+                "output_token_logprobs": list(r.logprobs),
+                "finish_reason": r.finish_reason or _FINISH[r.status],
+                "weight_version": r.weight_version,
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(r.response_ids),
+            },
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
-        if int(body.get("n", 1)) != 1:
-            raise HTTPException(422, "n: only 1 is supported")
-        extra = {"tools": body["tools"]} if body.get("tools") else {}
+        check_n(body)
+        messages = check_messages(body.get("messages"))
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise HTTPException(422, "tools: expected a list of tool objects")
+        extra = {"tools": tools} if tools else {}
         session_id = body.get("session_id") or request.headers.get(SESSION_HEADER)
-        if session_id is not None and session_id in busy:
-            raise HTTPException(409, f"session {session_id!r} has a request in progress; send its turns one by one")
+        if session_id is not None and (not isinstance(session_id, str) or len(session_id) > 256):
+            raise HTTPException(422, "session_id: expected a string of at most 256 characters")
+        sampling = sampling_params(body, max_key="max_tokens")
+        if session_id is not None:
+            if session_id in busy:
+                raise HTTPException(
+                    409, f"session {session_id!r} has a request in progress; send its turns one by one"
+                )
+            sessions.expire(busy)
+            sessions.check(session_id)
+        held = sessions.get(session_id) if session_id is not None else None
+        added = False
         try:
-            if session_id is None:
-                session = Session(tokenizer, chat_messages(body["messages"]), render_kwargs=extra)
-            else:
-                session = sessions.get(session_id) or Session(tokenizer, chat_messages(body["messages"]),
-                                                              render_kwargs=extra)
-                sessions[session_id] = _extend(session, body["messages"])
-        except (TemplateDriftError, ValueError, KeyError, TypeError) as e:
-            raise HTTPException(409 if session_id else 422, f"messages: {e}") from None
+            session = held or Session(tokenizer, chat_messages(messages), render_kwargs=extra)
+            if held is not None:
+                added = extend_session(session, messages)
+        except (TemplateDriftError, ValueError) as e:
+            raise HTTPException(409 if held is not None else 422, f"messages: {e}") from None
+        except (KeyError, TypeError) as e:  # the chat template refused the messages
+            raise HTTPException(
+                422, f"messages: the chat template cannot render them ({type(e).__name__}: {e})"
+            ) from None
         prompt = list(session.ids)
         rid = f"chatcmpl-{next(ids)}"
-        request = to_request(rid, prompt, body, max_key="max_tokens", limits=limits, session_id=session_id)
         busy.add(session_id)
         try:
-            (r,) = await generate(request, session_id)
+            request_ = to_request(rid, prompt, sampling, limits=limits, session_id=session_id)
+            r = await _generate_one(generate, request_, session_id)
+        except BaseException:
+            if added:  # the session is left as it was before this request
+                session.drop_last_turn()
+            raise
         finally:
             busy.discard(session_id)
         message = assistant_message(session.add_policy(r), rid)
+        if session_id is not None and (held is None or session_id in sessions):  # not if ended meanwhile
+            sessions.put(session_id, session)
         finish = "tool_calls" if "tool_calls" in message else _FINISH[r.status]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.get("model", ""),
-                "session_id": session_id,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "prompt_token_ids": list(prompt), "output_token_ids": list(r.response_ids),
-                             "output_logprobs": list(r.logprobs)}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(r.response_ids),
-                          "total_tokens": len(prompt) + len(r.response_ids)}}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "session_id": session_id,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "prompt_token_ids": list(prompt),
+                    "output_token_ids": list(r.response_ids),
+                    "output_logprobs": list(r.logprobs),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(r.response_ids),
+                "total_tokens": len(prompt) + len(r.response_ids),
+            },
+        }
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> dict[str, Any]:
-        if int(body.get("n", 1)) != 1:
-            raise HTTPException(422, "n: only 1 is supported")
+        check_n(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]  # the openai client sends one prompt of ids as [[...]]
         if isinstance(prompt, str) and prompt:
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             prompt_ids = prompt
         else:
-            raise HTTPException(422, "prompt: a non-empty string or list of token ids is required (one prompt)")
+            raise HTTPException(
+                422, "prompt: a non-empty string or list of token ids is required (one prompt)"
+            )
         rid = f"cmpl-{next(ids)}"
-        (r,) = await generate(to_request(rid, prompt_ids, body, max_key="max_tokens", limits=limits), None)
+        sampling = sampling_params(body, max_key="max_tokens")
+        r = await _generate_one(generate, to_request(rid, prompt_ids, sampling, limits=limits), None)
         tokens = [tokenizer.decode([t]) for t in r.response_ids]
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.get("model", ""),
-                "choices": [{"index": 0, "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
-                             "finish_reason": _FINISH[r.status],
-                             "logprobs": {"tokens": tokens, "token_logprobs": list(r.logprobs)},
-                             "prompt_token_ids": list(prompt_ids), "output_token_ids": list(r.response_ids),
-                             "output_logprobs": list(r.logprobs)}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(r.response_ids),
-                          "total_tokens": len(prompt_ids) + len(r.response_ids)}}
-
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": tokenizer.decode(list(r.response_ids), skip_special_tokens=True),
+                    "finish_reason": _FINISH[r.status],
+                    "logprobs": {"tokens": tokens, "token_logprobs": list(r.logprobs)},
+                    "prompt_token_ids": list(prompt_ids),
+                    "output_token_ids": list(r.response_ids),
+                    "output_logprobs": list(r.logprobs),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(r.response_ids),
+                "total_tokens": len(prompt_ids) + len(r.response_ids),
+            },
+        }
 
     def _control() -> Any:
         if control is None:
@@ -316,11 +411,22 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
     @app.post("/update_weights")
     async def update_weights(body: dict[str, Any]) -> dict[str, Any]:
         engine = _control()
-        path, version = body.get("path"), body.get("version")
-        if not isinstance(path, str) or not isinstance(version, int):
-            raise HTTPException(422, "update_weights: {'path': a directory of safetensors, 'version': int} required")
+        path, version, adapter = body.get("path"), body.get("version"), body.get("adapter")
+        if not isinstance(path, str) or isinstance(version, bool) or not isinstance(version, int):
+            raise HTTPException(
+                422, "update_weights: {'path': a directory of safetensors, 'version': int} required"
+            )
+        if adapter is not None and not isinstance(adapter, str):
+            raise HTTPException(422, f"adapter: expected a string, got {adapter!r}")
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, root]) == root for root in roots):
+            raise HTTPException(
+                403,
+                f"update_weights: {path!r} is not under a directory this server loads weights "
+                f"from ({', '.join(roots) or 'none configured'}; --weights-dir)",
+            )
         try:
-            state = await asyncio.to_thread(load_weights_dir, path, body.get("adapter"))
+            state = await asyncio.to_thread(load_weights_dir, real, adapter)
             metrics = await asyncio.to_thread(engine.update_weights, state, version)
         except (ValueError, OSError) as e:
             raise HTTPException(422, f"update_weights: {e}") from None
@@ -330,56 +436,25 @@ def create_app(generate: Generate, tokenizer: Any, *, weight_version: Callable[[
     async def get_session(session_id: str) -> dict[str, Any]:
         session = sessions.get(session_id)
         if session is None:
+            sessions.check(session_id)  # 410 when it expired
             raise HTTPException(404, f"no session {session_id!r}")
         drift = session.drift()
-        return {"prompt_ids": session.prompt_ids, "response_ids": session.response_ids,
-                "logprobs": session.logprobs, "loss_mask": session.loss_mask, "turns": session.policy_turns,
-                "status": session.status.value, "weight_version": session.weight_version,
-                "drift": None if drift is None else drift.describe(tokenizer)}
+        return {
+            "prompt_ids": session.prompt_ids,
+            "response_ids": session.response_ids,
+            "logprobs": session.logprobs,
+            "loss_mask": session.loss_mask,
+            "turns": session.policy_turns,
+            "status": session.status.value,
+            "weight_version": session.weight_version,
+            "drift": None if drift is None else drift.describe(tokenizer),
+        }
 
     @app.delete("/sessions/{session_id}")
     async def end_session(session_id: str) -> dict[str, Any]:
         return {"ended": sessions.pop(session_id, None) is not None}
 
     return app
-
-
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
-    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
-    out: list[dict[str, str]] = []
-    for m in messages:
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("_tools"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "_tools": "1"})
-        else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
-
-
-def _extend(session: Session, messages: list[dict[str, Any]]) -> Session:
-    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
-
-    The request repeats the conversation: its first messages must be the session's, assistant turns
-    included by position; a non-assistant message that differs, or a conversation that is shorter,
-    is refused (ValueError) rather than silently re-tokenized.
-    """
-    held = session.messages
-    request = chat_messages(messages)
-    if len(request) < len(held):
-        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
-    for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
-        if ours["role"] != theirs["role"] or (ours["role"] != "assistant" and ours["content"] != theirs["content"]):
-            raise ValueError(f"message {k} ({theirs['role']}) differs from the session's; a session only grows")
-    new = request[len(held):]
-    if new:
-        session.add_messages(new)
-    elif held[-1]["role"] == "assistant":
-        raise ValueError("nothing new after the session's last assistant turn")
-    return session
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -390,17 +465,52 @@ def main(argv: list[str] | None = None) -> None:
     from miles.config.schema import PrecisionConfig
     from miles.rollout.torch_engine import TorchEngine
 
-    parser = argparse.ArgumentParser(prog="miles rollout", description="Serve a checkpoint's engine over HTTP.")
+    parser = argparse.ArgumentParser(
+        prog="miles rollout", description="Serve a checkpoint's engine over HTTP."
+    )
     parser.add_argument("checkpoint")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit (413 past it)")
+    parser.add_argument(
+        "--max-sessions", type=int, default=4096, help="chat sessions held at once (429 past it)"
+    )
+    parser.add_argument(
+        "--session-ttl-s", type=float, default=3600.0, help="idle seconds before a session is dropped"
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="another Host header name to answer to (loopback names and --host always are)",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        action="append",
+        default=[],
+        help="a directory /update_weights may load from (repeatable; none: it loads nothing)",
+    )
     args = parser.parse_args(argv)
+    if args.max_body_mb <= 0 or args.max_sessions <= 0 or args.session_ttl_s <= 0:
+        parser.error("--max-body-mb, --max-sessions and --session-ttl-s must be > 0")
     token = os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)
     engine = TorchEngine(args.checkpoint, PrecisionConfig())
     generate, version = engine_backend(engine)
-    app = create_app(generate, AutoTokenizer.from_pretrained(args.checkpoint), weight_version=version, token=token,
-                     control=engine, limits=engine.limits)
+    app = create_app(
+        generate,
+        AutoTokenizer.from_pretrained(args.checkpoint),
+        weight_version=version,
+        token=token,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+        control=engine,
+        limits=engine.limits,
+        weights_dirs=args.weights_dir,
+        allowed_hosts=[args.host, *args.allowed_host],
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_sessions=args.max_sessions,
+        session_ttl_s=args.session_ttl_s,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -1,0 +1,146 @@
+"""The rollout server's request bodies: each field checked on its own (an HTTPException naming it),
+and how a chat request's messages continue a :class:`~miles.agent.session.Session`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import HTTPException
+
+from miles.agent.session import Session
+from miles.rollout.requests import EngineLimits, check_request
+from miles.types import GenerateRequest, SamplingParams
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def sampling_params(body: Any, *, max_key: str) -> SamplingParams:
+    """The sampling fields of a request body (``max_key``: its ``max_new_tokens``); 422 naming a wrong field."""
+    if not isinstance(body, dict):
+        raise HTTPException(422, f"sampling fields: expected a JSON object, got {type(body).__name__}")
+
+    def number(key: str, value: Any, kind: type) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise HTTPException(422, f"{key}: expected a number, got {value!r}")
+        try:
+            out = kind(float(value)) if kind is int and isinstance(value, float) else kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise HTTPException(422, f"{key}: expected a number, got {value!r}") from None
+        if kind is int and isinstance(value, float) and out != value:
+            raise HTTPException(422, f"{key}: expected an integer, got {value!r}")
+        if kind is float and out != out:
+            raise HTTPException(422, f"{key}: expected a number, got NaN")
+        return out
+
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise HTTPException(422, f"seed: expected an integer or null, got {seed!r}")
+    temperature = number("temperature", body.get("temperature", 1.0), float)
+    max_new = body.get(max_key) or body.get("max_completion_tokens") or 256
+    return SamplingParams(
+        temperature=temperature,
+        greedy=temperature == 0.0,
+        seed=seed,
+        top_p=number("top_p", body.get("top_p", 1.0), float),
+        top_k=number("top_k", body.get("top_k", 0), int),
+        max_new_tokens=number(max_key, max_new, int),
+    )
+
+
+def to_request(
+    rid: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    limits: EngineLimits | None,
+    session_id: str | None = None,
+) -> GenerateRequest:
+    """A request of ``prompt_ids``, checked against the engine's ``limits`` when known (422 naming the field)."""
+    request = GenerateRequest(
+        request_id=rid, prompt_ids=tuple(prompt_ids), sampling=sampling, session_id=session_id
+    )
+    if limits is not None:
+        try:
+            check_request(request, None, limits)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+    return request
+
+
+def check_n(body: dict[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise HTTPException(422, f"n: only 1 is supported, got {n!r}")
+    if body.get("stream"):
+        raise HTTPException(422, "stream: streaming responses are not supported; send stream=false")
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """The OpenAI ``messages`` of a chat request, checked (422 naming the message and field)."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPException(422, "messages: a non-empty list of {'role', 'content'} objects is required")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise HTTPException(422, f"messages[{k}]: expected an object, got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise HTTPException(
+                422, f"messages[{k}].role: expected one of {', '.join(ROLES)}, got {m.get('role')!r}"
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: the text parts, joined
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise HTTPException(422, f"messages[{k}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise HTTPException(
+                422, f"messages[{k}].content: expected a string, got {type(content).__name__}"
+            )
+        out.append({**m, "content": content})
+    return out
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
+    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tools"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tools": "1"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def extend_session(session: Session, messages: list[dict[str, Any]]) -> bool:
+    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
+
+    The request repeats the conversation: its first messages must be the session's, assistant turns
+    included by position; a non-assistant message that differs, or a conversation that is shorter,
+    is refused (ValueError) rather than silently re-tokenized. Returns whether messages were appended
+    (one environment turn, which :meth:`Session.drop_last_turn` removes).
+    """
+    held = session.messages
+    request = chat_messages(messages)
+    if len(request) < len(held):
+        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
+    for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
+        if ours["role"] != theirs["role"] or (
+            ours["role"] != "assistant" and ours["content"] != theirs["content"]
+        ):
+            raise ValueError(
+                f"message {k} ({theirs['role']}) differs from the session's; a session only grows"
+            )
+    new = request[len(held) :]
+    if new:
+        session.add_messages(new)
+    elif held[-1]["role"] == "assistant":
+        raise ValueError("nothing new after the session's last assistant turn")
+    return bool(new)
