@@ -236,3 +236,12 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
         for q in ("p50", "p90", "p99")
     }
     assert 0 < p["p50"] <= p["p90"] <= p["p99"], p
+
+
+def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
+    from miles.bench.observe import main, scrape_cost_ms
+
+    with pytest.raises(SystemExit):
+        main(["--steps", "2"])
+    assert scrape_cost_ms({"train/loss": 0.5, "perf/step_time_s": 1.0}, scrapes=3) > 0
+    assert active() is None

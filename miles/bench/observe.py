@@ -1,0 +1,127 @@
+"""``python -m miles.bench observe``: the cost of the Prometheus exporter (``tracking.prometheus_port``).
+
+Runs the default task in pairs of jobs in one driver (one Ray cluster, actors reused after a warm-up job):
+one job with the exporter on, scraped every ``--scrape-interval-s`` by a thread of the driver (as
+Prometheus would, more often than its 15 s default), one without it, alternating which goes first. Per
+job the median ``perf/step_time_s`` of its steps after the first; per pair the ratio on/off. Prints the
+median ratio over the pairs, and the cost of one scrape: milliseconds per ``GET /metrics`` of an exporter
+holding a real run's metrics (median of ``--scrapes``). JSON last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from miles.bench.e2e import compose
+
+log = logging.getLogger("miles.bench.observe")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(overrides: list[str], port: int | None, scrape_interval_s: float) -> tuple[float, dict[str, float]]:
+    """One job; returns the median step time of its steps after the first, and its last step's metrics."""
+    from miles.core.run import run_job
+
+    run, resolved = compose(overrides + ([f"tracking.prometheus_port={port}"] if port is not None else []))
+    times: list[float] = []
+    last: dict[str, float] = {}
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(scrape_interval_s):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            except OSError:
+                pass  # not up yet, or gone
+
+    def on_metrics(m: dict[str, float], step: int) -> None:
+        if step >= 2 and "perf/step_time_s" in m:
+            times.append(m["perf/step_time_s"])
+        last.update(m)
+
+    scraper = threading.Thread(target=scrape, daemon=True) if port is not None else None
+    if scraper is not None:
+        scraper.start()
+    try:
+        run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=on_metrics, keep_ray=True)
+    finally:
+        stop.set()
+    return statistics.median(times), last
+
+
+def scrape_cost_ms(metrics: dict[str, float], scrapes: int) -> float:
+    """Median milliseconds of one ``GET /metrics`` on an exporter holding ``metrics`` and a filled latency histogram."""
+    from miles.tracking.prometheus import Exporter
+
+    exporter = Exporter(0, {"run": "bench", "model": "tiny"})
+    try:
+        exporter.set_metrics(metrics, 1)
+        exporter.set_distributions(
+            {"train/reward": [0.0, 1.0] * 32, "rollout/response_len": list(range(64))}, 1
+        )
+        for i in range(256):
+            exporter.rollout.answered(i % 2, 0.01 * i, 10)
+        out = []
+        for _ in range(scrapes):
+            t0 = time.perf_counter()
+            urllib.request.urlopen(exporter.url, timeout=5).read()
+            out.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(out)
+    finally:
+        exporter.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles.bench observe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="pairs of jobs (exporter on, off)")
+    p.add_argument("--steps", type=int, default=12, help="training steps per job")
+    p.add_argument("--scrape-interval-s", type=float, default=1.0)
+    p.add_argument("--scrapes", type=int, default=200, help="scrapes timed for the cost of one")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every job")
+    args = p.parse_args(argv)
+    if args.pairs < 1 or args.steps < 3:
+        p.error("--pairs >= 1 and --steps >= 3 (the first step of each job is left out)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common = [f"trainer.num_steps={args.steps}", "trainer.eval_every=0", "tracking=none", *args.overrides]
+    _job(common, None, args.scrape_interval_s)  # warm-up: actors start, later jobs reuse them
+    pairs: list[dict[str, Any]] = []
+    last: dict[str, float] = {}
+    for i in range(args.pairs):
+        order = ("on", "off") if i % 2 == 0 else ("off", "on")
+        got = {}
+        for which in order:
+            got[which], m = _job(common, _free_port() if which == "on" else None, args.scrape_interval_s)
+            last = m or last
+        pairs.append(
+            {
+                "step_s_on": round(got["on"], 4),
+                "step_s_off": round(got["off"], 4),
+                "ratio_on_over_off": round(got["on"] / got["off"], 4),
+            }
+        )
+        log.info("pair %d: %s", i, pairs[-1])
+    ratio = statistics.median(p["ratio_on_over_off"] for p in pairs)
+    report = {
+        "steps": args.steps,
+        "scrape_interval_s": args.scrape_interval_s,
+        "pairs": pairs,
+        "median_ratio_on_over_off": round(ratio, 4),
+        "median_overhead_pct": round(100 * (ratio - 1), 2),
+        "scrape_ms": round(scrape_cost_ms(last, args.scrapes), 2),
+        "metrics_per_step": len(last),
+    }
+    print(json.dumps(report))
+    return 0
