@@ -239,9 +239,10 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
 
 
 def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
-    from miles.bench.observe import main, scrape_cost_ms
+    from miles.bench.observe import main, report_cost_us, scrape_cost_ms
 
     with pytest.raises(SystemExit):
         main(["--steps", "2"])
     assert scrape_cost_ms({"train/loss": 0.5, "perf/step_time_s": 1.0}, scrapes=3) > 0
+    assert all(us > 0 for us in report_cost_us({"train/loss": 0.5}, repeats=20))
     assert active() is None

@@ -4,8 +4,11 @@ Runs the default task in pairs of jobs in one driver (one Ray cluster, actors re
 one job with the exporter on, scraped every ``--scrape-interval-s`` by a thread of the driver (as
 Prometheus would, more often than its 15 s default), one without it, alternating which goes first. Per
 job the median ``perf/step_time_s`` of its steps after the first; per pair the ratio on/off. Prints the
-median ratio over the pairs, and the cost of one scrape: milliseconds per ``GET /metrics`` of an exporter
-holding a real run's metrics (median of ``--scrapes``). JSON last.
+median ratio over the pairs (on a shared machine the pairs' spread, printed too, can exceed the cost), and
+the costs the exporter adds, each timed on its own: one scrape (milliseconds per ``GET /metrics`` of an
+exporter holding a real run's metrics, median of ``--scrapes``), the dispatcher's report of one request
+and the loop's report of one step (microseconds); from these, the overhead they add up to per step at the
+measured step time, ``estimated_overhead_pct``. JSON last.
 """
 
 from __future__ import annotations
@@ -84,6 +87,28 @@ def scrape_cost_ms(metrics: dict[str, float], scrapes: int) -> float:
         exporter.close()
 
 
+def report_cost_us(metrics: dict[str, float], repeats: int = 2000) -> tuple[float, float]:
+    """Microseconds the exporter adds per request answered (in flight, latency, tokens) and per step logged."""
+    from miles.tracking.prometheus import Exporter
+
+    exporter = Exporter(0, {"run": "bench", "model": "tiny"})
+    try:
+        live = exporter.rollout
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            live.inflight(i % 2).inc(1)
+            live.answered(i % 2, 0.1, 10)
+            live.inflight(i % 2).dec(1)
+        per_request = (time.perf_counter() - t0) / repeats * 1e6
+        t0 = time.perf_counter()
+        for step in range(repeats // 10):
+            exporter.set_metrics(metrics, step)
+        per_step = (time.perf_counter() - t0) / (repeats // 10) * 1e6
+        return per_request, per_step
+    finally:
+        exporter.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles.bench observe", description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=3, help="pairs of jobs (exporter on, off)")
@@ -114,14 +139,27 @@ def main(argv: list[str] | None = None) -> int:
         )
         log.info("pair %d: %s", i, pairs[-1])
     ratio = statistics.median(p["ratio_on_over_off"] for p in pairs)
+    scrape_ms = scrape_cost_ms(last, args.scrapes)
+    per_request_us, per_step_us = report_cost_us(last)
+    step_s = statistics.median(p["step_s_off"] for p in pairs)
+    requests = last.get("rollout/samples", 0.0)  # at most one request per sample
+    scrape_share = scrape_ms / 1000 / args.scrape_interval_s  # of the driver's time, while it is scraped
+    estimate = (requests * per_request_us + per_step_us) / 1e6 / step_s + scrape_share
     report = {
         "steps": args.steps,
         "scrape_interval_s": args.scrape_interval_s,
         "pairs": pairs,
         "median_ratio_on_over_off": round(ratio, 4),
         "median_overhead_pct": round(100 * (ratio - 1), 2),
-        "scrape_ms": round(scrape_cost_ms(last, args.scrapes), 2),
+        "ratio_min": min(p["ratio_on_over_off"] for p in pairs),
+        "ratio_max": max(p["ratio_on_over_off"] for p in pairs),
+        "scrape_ms": round(scrape_ms, 2),
         "metrics_per_step": len(last),
+        "report_us_per_request": round(per_request_us, 1),
+        "report_us_per_step": round(per_step_us, 1),
+        "requests_per_step_max": requests,
+        "step_s_off": round(step_s, 4),
+        "estimated_overhead_pct": round(100 * estimate, 2),
     }
     print(json.dumps(report))
     return 0

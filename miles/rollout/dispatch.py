@@ -180,6 +180,7 @@ class Session:
         self.tasks: set[asyncio.Task] = set()
         self.live = prometheus.active()  # None: no exporter runs
         if self.live is not None:
+            self.live.watch(self)
             self.live.alive.set(len(pool.alive))
 
     async def generate(self, request: GenerateRequest, sampling: SamplingParams | None) -> list[GenerateResult]:
@@ -187,8 +188,6 @@ class Session:
             raise ValueError(f"GenerateRequest {request.request_id!r}: n must be >= 1, found {request.n}")
         future = self.loop.create_future()
         self.queue.append(_Pending(request, sampling, future))
-        if self.live is not None:
-            self.live.queued.inc()
         self._schedule()
         return await future
 
@@ -255,8 +254,6 @@ class Session:
                 for p in self.queue:
                     if not p.future.done():
                         p.future.set_exception(error)
-                if self.live is not None:
-                    self.live.queued.dec(len(self.queue))
                 self.queue.clear()
                 return
             head, e = self._next()
@@ -276,7 +273,6 @@ class Session:
                     rows += p.request.n
             self.inflight[e] += rows
             if self.live is not None:
-                self.live.queued.dec(len(call))
                 self.live.inflight(e).inc(len(call))
             for p in call:
                 if p.request.session_id is not None and self.pool.cfg.session_affinity:
@@ -353,7 +349,6 @@ class Session:
                 self.queue.appendleft(p)
                 if self.live is not None:
                     self.live.retried.inc()
-                    self.live.queued.inc()
 
 
 def first_line(err: BaseException) -> str:

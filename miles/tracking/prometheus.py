@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,9 +72,13 @@ class RolloutMetrics:
         names, values = [*labels, "engine"], list(labels.values())
         self._values = values
         common = dict(registry=registry, labelnames=list(labels))
+        self._sessions: weakref.WeakSet = (
+            weakref.WeakSet()
+        )  # the dispatcher's request queues (one per rollout)
         self.queued = Gauge(
             "miles_rollout_requests_queued", "Requests waiting for an engine", **common
         ).labels(*values)
+        self.queued.set_function(self._queued)
         self.alive = Gauge("miles_rollout_engines_in_rotation", "Engines in rotation", **common).labels(
             *values
         )
@@ -95,6 +100,18 @@ class RolloutMetrics:
         )
         self._tokens = Counter("miles_rollout_generated_tokens", "Response tokens generated", **per_engine)
         self._requests = Counter("miles_rollout_requests", "Requests answered", **per_engine)
+
+    def watch(self, session: Any) -> None:
+        """Count ``session.queue`` in ``miles_rollout_requests_queued`` while its event loop runs."""
+        self._sessions.add(session)
+
+    def _queued(self) -> float:
+        for _ in range(3):  # a rollout may start a session while a scrape reads them
+            try:
+                return float(sum(len(s.queue) for s in list(self._sessions) if not s.loop.is_closed()))
+            except RuntimeError:
+                continue
+        return math.nan
 
     def inflight(self, engine: int) -> Any:
         return self._inflight.labels(*self._values, str(engine))
