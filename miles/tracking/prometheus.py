@@ -100,6 +100,7 @@ class RolloutMetrics:
         )
         self._tokens = Counter("miles_rollout_generated_tokens", "Response tokens generated", **per_engine)
         self._requests = Counter("miles_rollout_requests", "Requests answered", **per_engine)
+        self._per_engine: dict[int, tuple[Any, Any, Any]] = {}
 
     def watch(self, session: Any) -> None:
         """Count ``session.queue`` in ``miles_rollout_requests_queued`` while its event loop runs."""
@@ -113,13 +114,26 @@ class RolloutMetrics:
                 continue
         return math.nan
 
+    def _engine(self, engine: int) -> tuple[Any, Any, Any]:
+        """The engine's (in flight, tokens, requests) series; looked up once (``labels()`` takes a lock)."""
+        got = self._per_engine.get(engine)
+        if got is None:
+            values = (*self._values, str(engine))
+            got = self._per_engine[engine] = (
+                self._inflight.labels(*values),
+                self._tokens.labels(*values),
+                self._requests.labels(*values),
+            )
+        return got
+
     def inflight(self, engine: int) -> Any:
-        return self._inflight.labels(*self._values, str(engine))
+        return self._engine(engine)[0]
 
     def answered(self, engine: int, latency_s: float, tokens: int) -> None:
         self.latency.observe(latency_s)
-        self._tokens.labels(*self._values, str(engine)).inc(tokens)
-        self._requests.labels(*self._values, str(engine)).inc()
+        _, tokens_total, requests_total = self._engine(engine)
+        tokens_total.inc(tokens)
+        requests_total.inc()
 
 
 class _StepCollector:
