@@ -16,13 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import signal
 import socket
 import statistics
 import threading
 import time
 import urllib.request
+import zlib
 from typing import Any
 
+from miles.bench import names_from
 from miles.bench.e2e import compose
 
 log = logging.getLogger("miles.bench.observe")
@@ -137,7 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scrape-interval-s", type=float, default=1.0)
     p.add_argument("--scrapes", type=int, default=200, help="scrapes timed for the cost of one")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every job")
+    p.add_argument(
+        "--alerts",
+        default=None,
+        metavar="FAULTS",
+        help=f"instead: seconds from each fault ({', '.join(FAULT_ALERTS)}, comma-separated) to its alert, "
+        "on runs scraped by a real Prometheus with the shipped settings",
+    )
+    p.add_argument(
+        "--inject-after-s", type=float, default=40.0, help="--alerts: seconds of steps before the fault"
+    )
     args = p.parse_args(argv)
+    if args.alerts is not None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faults = names_from(FAULT_ALERTS)(args.alerts)
+        print(json.dumps(alerts_main(faults, 100000, args.inject_after_s, 180.0, args.overrides)))
+        return 0
     if args.pairs < 1 or args.steps < 3:
         p.error("--pairs >= 1 and --steps >= 3 (the first step of each job is left out)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,3 +205,167 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report))
     return 0
+
+
+# ---- time from an injected fault to its alert, on a run scraped by a real Prometheus (--alerts) ----
+
+FAULT_ALERTS = {
+    "engine_kill": "MilesEngineLost",
+    "trainer_hang": "MilesNoStepProgress",
+    "nan_reward": "MilesRewardNonfinite",
+}
+NAN_FLAG = "MILES_BENCH_NAN_REWARD_FLAG"  # a file: while it exists, nan_after_flag returns NaN
+
+
+def nan_after_flag(response_text: str, label: str) -> float:
+    """The default task's reward; once the file named by ``$MILES_BENCH_NAN_REWARD_FLAG`` exists, NaN for about half
+    the (label, response) pairs (by checksum: a run whose every sample fails stops at once, before any alert)."""
+    import os
+
+    from miles.tasks.procedural import exact_answer_reward
+
+    flag = os.environ.get(NAN_FLAG)
+    broken = flag and os.path.exists(flag) and zlib.crc32(f"{label}|{response_text}".encode()) % 2 == 0
+    return math.nan if broken else exact_answer_reward(response_text, label)
+
+
+class AlertFault:
+    """Hook: after ``after_s`` seconds, injects ``fault`` after a step's rollout; stops the run once told."""
+
+    injected_at: float | None = None
+    stop = threading.Event()
+
+    def __init__(self, fault: str, after_s: float) -> None:
+        self.fault, self.after_s, self.t0 = fault, after_s, time.monotonic()
+        AlertFault.injected_at = None
+        AlertFault.stop.clear()
+
+    def after_rollout(self, ctx: Any, groups: Any) -> None:
+        if AlertFault.stop.is_set():
+            ctx.request_stop("the alert fired")
+        if AlertFault.injected_at is not None or time.monotonic() - self.t0 < self.after_s:
+            return
+        if self.fault == "nan_reward":
+            open(os.environ[NAN_FLAG], "w").close()  # the next rollout's rewards are NaN
+        else:
+            os.kill(
+                _actor_pid("TorchEngine" if self.fault == "engine_kill" else "FSDPTrainer"),
+                signal.SIGKILL if self.fault == "engine_kill" else signal.SIGSTOP,
+            )
+        AlertFault.injected_at = time.monotonic()
+        log.info("%s injected at step %d", self.fault, ctx.step)
+
+
+def _actor_pid(cls: str) -> int:
+    import psutil
+
+    pids = [
+        p.pid
+        for p in psutil.process_iter(["cmdline", "status"])
+        if (p.info["cmdline"] or [""])[0].startswith(f"ray::{cls}") and p.info["status"] != "zombie"
+    ]
+    if not pids:
+        raise RuntimeError(f"no {cls} actor process found on this node")
+    return min(pids)
+
+
+def _firing_since(api: str, alert: str) -> bool:
+    with urllib.request.urlopen(f"{api}/api/v1/alerts", timeout=5) as r:
+        alerts = json.load(r)["data"]["alerts"]
+    return any(a["labels"].get("alertname") == alert and a["state"] == "firing" for a in alerts)
+
+
+def fault_to_alert(
+    fault: str, api: str, port: int, after_s: float, limit_s: float, common: list[str]
+) -> dict:
+    """One run with ``fault`` injected after ``after_s``; seconds until its alert fired (None: not in ``limit_s``)."""
+    from miles.core.run import run_job
+
+    hook = f"hooks=[{{_target_: miles.bench.observe.AlertFault, fault: {fault}, after_s: {after_s}}}]"
+    overrides = [*common, f"tracking.prometheus_port={port}", hook]
+    if fault == "nan_reward":
+        overrides.append("task.reward._target_=miles.bench.observe.nan_after_flag")
+    run, resolved = compose(overrides)
+    result: dict[str, Any] = {"fault": fault, "alert": FAULT_ALERTS[fault], "seconds": None}
+
+    def watch() -> None:
+        while AlertFault.injected_at is None and not AlertFault.stop.is_set():
+            time.sleep(0.2)
+        while not AlertFault.stop.is_set():
+            if AlertFault.injected_at is not None and time.monotonic() - AlertFault.injected_at > limit_s:
+                break
+            try:
+                if _firing_since(api, FAULT_ALERTS[fault]):
+                    result["seconds"] = round(time.monotonic() - AlertFault.injected_at, 1)
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        if fault == "trainer_hang":
+            os.kill(_actor_pid("FSDPTrainer"), signal.SIGCONT)
+        AlertFault.stop.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        run_job(run, resolved_yaml=resolved, overrides=overrides, keep_ray=True)
+    except Exception as e:  # noqa: BLE001 - the fault may end the run; the alert's time still counts
+        result["run_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    AlertFault.stop.set()
+    watcher.join(timeout=limit_s)
+    log.info("%s", result)
+    return result
+
+
+def alerts_main(faults: list[str], steps: int, after_s: float, limit_s: float, overrides: list[str]) -> dict:
+    """Prometheus with the shipped settings (15 s scrape and evaluation, alerts.yml) against each faulted run."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    if shutil.which("prometheus") is None:
+        raise SystemExit("--alerts needs Debian's prometheus package (apt-get install prometheus)")
+    port, prom_port = _free_port(), _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="miles-alerts-"))
+    rules = Path(__file__).resolve().parents[1] / "tracking" / "alerts.yml"
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 15s, evaluation_interval: 15s}\n"
+        f"rule_files: [{rules}]\n"
+        f"scrape_configs:\n  - job_name: miles\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+    )
+    os.environ[NAN_FLAG] = str(tmp / "nan_reward")  # reward workers inherit it
+    api = f"http://127.0.0.1:{prom_port}"
+    with open(tmp / "prometheus.log", "w") as out:
+        prom = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    common = [
+        f"trainer.num_steps={steps}",
+        "trainer.eval_every=0",
+        "tracking=none",
+        "cluster.reuse_actors=false",
+        *overrides,
+    ]
+    try:
+        results = []
+        for fault in faults:
+            Path(os.environ[NAN_FLAG]).unlink(missing_ok=True)
+            results.append(fault_to_alert(fault, api, port, after_s, limit_s, common))
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "scrape_interval_s": 15,
+        "evaluation_interval_s": 15,
+        "inject_after_s": after_s,
+        "faults": results,
+    }
