@@ -237,8 +237,6 @@ class AlertFault:
 
     def __init__(self, fault: str, after_s: float) -> None:
         self.fault, self.after_s, self.t0 = fault, after_s, time.monotonic()
-        AlertFault.injected_at = None
-        AlertFault.stop.clear()
 
     def after_rollout(self, ctx: Any, groups: Any) -> None:
         if AlertFault.stop.is_set():
@@ -287,6 +285,8 @@ def fault_to_alert(
         overrides.append("task.reward._target_=miles.bench.observe.nan_after_flag")
     run, resolved = compose(overrides)
     result: dict[str, Any] = {"fault": fault, "alert": FAULT_ALERTS[fault], "seconds": None}
+    AlertFault.injected_at = None
+    AlertFault.stop.clear()
 
     def watch() -> None:
         while AlertFault.injected_at is None and not AlertFault.stop.is_set():
@@ -301,9 +301,9 @@ def fault_to_alert(
             except OSError:
                 pass
             time.sleep(1)
-        if fault == "trainer_hang":
-            os.kill(_actor_pid("FSDPTrainer"), signal.SIGCONT)
         AlertFault.stop.set()
+        if fault == "trainer_hang" and AlertFault.injected_at is not None:
+            os.kill(_actor_pid("FSDPTrainer"), signal.SIGCONT)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
