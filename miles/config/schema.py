@@ -402,6 +402,9 @@ class TrackingConfig:
     """Timeout of one request to the tracking server (sets ``MLFLOW_HTTP_REQUEST_TIMEOUT`` unless set)."""
     flush_timeout_s: float = 30.0
     """At the end of the run, wait at most this long for buffered data to reach the server."""
+    prometheus_port: int | None = None
+    """Serve live metrics for Prometheus at ``http://127.0.0.1:<port>/metrics`` while the run goes on
+    (docs/observability.md); 0 takes a free port (printed at start); None: no exporter."""
 
 
 @dataclass(**_frozen)

@@ -26,6 +26,11 @@
   leaves the rotation (logged) and its requests are retried on the others; with no engine left
   every waiting request raises :class:`AllEnginesDeadError`.
 
+Every answered request's latency (from its arrival in the queue to its answer, retries included) is kept
+in ``EnginePool.latencies`` until the rollout manager reads them; with a Prometheus exporter running
+(:mod:`miles.tracking.prometheus`) queue depth, requests in flight, latencies and tokens are reported
+to it as they happen.
+
 Each call carries fresh request ids (``<id>@<n>``), so a late answer to an abandoned call can
 never be mistaken for its retry; results come back under the caller's ids, ordered by index.
 """
@@ -44,6 +49,7 @@ from typing import Any
 import ray
 
 from miles.config.schema import RolloutConfig
+from miles.tracking import prometheus
 from miles.types import GenerateRequest, GenerateResult, SamplingParams, session_key
 
 log = logging.getLogger(__name__)
@@ -82,6 +88,7 @@ class EnginePool:
         self.dispatched = [0] * len(self.engines)  # requests sent to each engine, all time
         self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures, affinity_*
         self.homes: OrderedDict[str, int] = OrderedDict()  # session key -> engine that produced it (LRU)
+        self.latencies: list[float] = []  # seconds from arrival to answer of each answered request, until read
         self._wire_id = 0
 
     def session(self) -> Session:
@@ -121,6 +128,9 @@ class EnginePool:
             self.deaths[e] = first_line(err)
             self.died_at[e] = time.monotonic()
             self.counts["engines_lost"] += 1
+            if (live := prometheus.active()) is not None:
+                live.lost.inc()
+                live.alive.set(len(self.alive))
             log.warning("rollout engine %d died (%s); taken out of rotation, %d of %d engine(s) left",
                         e, self.deaths[e], len(self.alive), len(self.engines))
 
@@ -130,6 +140,8 @@ class EnginePool:
         self.engines[e] = engine
         self.deaths.pop(e, None)
         self.alive = sorted([*self.alive, e])
+        if (live := prometheus.active()) is not None:
+            live.alive.set(len(self.alive))
         return time.monotonic() - self.died_at.pop(e, time.monotonic())
 
     def all_dead_error(self) -> AllEnginesDeadError:
@@ -153,6 +165,7 @@ class _Pending:
     attempts: int = 0
     avoid: set[int] = field(default_factory=set)  # engines this request already failed on
     errors: list[str] = field(default_factory=list)
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 class Session:
@@ -165,6 +178,10 @@ class Session:
         self.inflight = [0] * len(pool.engines)  # samples in flight per engine
         self.scheduled = False
         self.tasks: set[asyncio.Task] = set()
+        self.live = prometheus.active()  # None: no exporter runs
+        if self.live is not None:
+            self.live.watch(self)
+            self.live.alive.set(len(pool.alive))
 
     async def generate(self, request: GenerateRequest, sampling: SamplingParams | None) -> list[GenerateResult]:
         if request.n < 1:
@@ -255,6 +272,8 @@ class Session:
                     call.append(p)
                     rows += p.request.n
             self.inflight[e] += rows
+            if self.live is not None:
+                self.live.inflight(e).inc(len(call))
             for p in call:
                 if p.request.session_id is not None and self.pool.cfg.session_affinity:
                     self.pool.counts["affinity_hits" if self.pool.home(p.request) == e else "affinity_misses"] += 1
@@ -290,6 +309,8 @@ class Session:
             self._deliver(e, call, wire, results)
         finally:
             self.inflight[e] -= rows
+            if self.live is not None:
+                self.live.inflight(e).dec(len(call))
             self._schedule()
 
     def _deliver(self, e: int, call: list[_Pending], wire: list[GenerateRequest], results: list) -> None:
@@ -304,6 +325,10 @@ class Session:
                     f"(n={p.request.n}): a lost or duplicated completion is an engine bug"))
             elif not p.future.done():
                 self.pool.remember(p.request, e)
+                latency = time.perf_counter() - p.arrived
+                self.pool.latencies.append(latency)
+                if self.live is not None:
+                    self.live.answered(e, latency, sum(len(r.response_ids) for r in got))
                 p.future.set_result([replace(r, request_id=p.request.request_id) for r in got])
         if by_id:
             log.error("engine %d returned results for requests it was not sent: %s", e, sorted(by_id))
@@ -322,6 +347,8 @@ class Session:
             else:
                 self.pool.counts["retried"] += 1
                 self.queue.appendleft(p)
+                if self.live is not None:
+                    self.live.retried.inc()
 
 
 def first_line(err: BaseException) -> str:

@@ -36,10 +36,12 @@ from miles.rollout.dispatch import AllEnginesDeadError, EnginePool, EngineReques
 from miles.rollout.filters import first_rejection
 from miles.rollout.generate import GenerateContext, single_turn
 from miles.rollout.protocols import check_group
+from miles.tracking.plots import quantiles
 from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
 
 log = logging.getLogger(__name__)
 
+LATENCY_QUANTILES = (50, 90, 99)  # rollout/request_latency_s/p50, p90, p99 per step
 GENERATED = (Status.COMPLETED, Status.TRUNCATED)
 
 
@@ -383,7 +385,16 @@ class RolloutManager:
             "perf/reward_s": counts["reward_ms"] / 1000,
             "perf/rollout_tokens_per_s": num_tokens / max(seconds, 1e-9),
             **sample_counts(flat),  # a generate function's per-sample counts (metadata["counts"])
+            **self._latency_quantiles(),
         }
+
+    def _latency_quantiles(self) -> dict[str, float]:
+        """``rollout/request_latency_s/p50, p90, p99`` over the requests answered since the last call."""
+        latencies, self.pool.latencies = self.pool.latencies, []
+        if not latencies:
+            return {}
+        q = quantiles(latencies, LATENCY_QUANTILES)
+        return {f"rollout/request_latency_s/p{p}": v for p, v in q.items()}
 
     def _totals(self) -> Counter[str]:
         return self.counts + self.pool.counts

@@ -92,6 +92,11 @@ def clamp_tags(tags: Mapping[str, str]) -> dict[str, str]:
             for k, v in tags.items()}
 
 
+def default_run_name(run: MilesConfig) -> str:
+    """``tracking.run_name``, else algo-model-precision-seed."""
+    return run.tracking.run_name or f"{run.algo.name}-{run.model.flavor}-{run.precision.name}-seed{run.seed}"
+
+
 class MlflowTracker:
     """Logs one miles job as one MLflow run; never raises because of the tracking server."""
 
@@ -114,7 +119,7 @@ class MlflowTracker:
         if run.trainer.resume_from is not None:
             tags["miles.resumed_from"] = str(run.trainer.resume_from)
         tags.update(launch.tags)
-        name = run.tracking.run_name or f"{run.algo.name}-{run.model.flavor}-{run.precision.name}-seed{run.seed}"
+        name = default_run_name(run)
         if launch.sweep_job is not None and not run.tracking.run_name:
             name += f"-job{launch.sweep_job}"
         self._monitor_stop = threading.Event()
@@ -227,5 +232,22 @@ class ConsoleTracker:
         pass
 
 
-def make_tracker(run: MilesConfig, **kwargs: Any) -> MlflowTracker | ConsoleTracker:
-    return MlflowTracker(run, **kwargs) if run.tracking.backend == "mlflow" else ConsoleTracker()
+def make_tracker(run: MilesConfig, **kwargs: Any) -> Any:
+    """MLflow (or the console) per ``tracking.backend``; with ``tracking.prometheus_port`` set, also live
+    metrics for Prometheus (:class:`miles.tracking.prometheus.LiveTracker`)."""
+    exporter = None
+    if run.tracking.prometheus_port is not None:  # first: a port in use fails the run before MLflow starts
+        from miles.tracking.prometheus import Exporter
+
+        exporter = Exporter(run.tracking.prometheus_port, {"run": default_run_name(run), "model": run.model.flavor})
+    try:
+        tracker = MlflowTracker(run, **kwargs) if run.tracking.backend == "mlflow" else ConsoleTracker()
+    except BaseException:
+        if exporter is not None:
+            exporter.close()
+        raise
+    if exporter is None:
+        return tracker
+    from miles.tracking.prometheus import LiveTracker
+
+    return LiveTracker(tracker, exporter)

@@ -29,11 +29,11 @@ QUANTILES = (0, 10, 25, 50, 75, 90, 100)
 PHASES = ("perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/eval_s")
 
 
-def quantiles(values: Sequence[float]) -> dict[int, float]:
-    """Percentiles ``QUANTILES`` of ``values`` (linear interpolation, as numpy's default)."""
+def quantiles(values: Sequence[float], qs: Sequence[int] = QUANTILES) -> dict[int, float]:
+    """Percentiles ``qs`` of ``values`` (linear interpolation, as numpy's default)."""
     xs = sorted(float(v) for v in values)
     out = {}
-    for q in QUANTILES:
+    for q in qs:
         pos = (len(xs) - 1) * q / 100
         lo, hi = math.floor(pos), math.ceil(pos)
         out[q] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,248 @@
+"""Live observability: the Prometheus exporter, a real Prometheus scraping a real run, the alert rules (promtool)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from miles.config import validate
+from miles.tracking.mlflow_tracker import ConsoleTracker, make_tracker
+from miles.tracking.prometheus import Exporter, LiveTracker, active, metric_name
+
+ROOT = Path(__file__).resolve().parents[1]
+ALERTS = ROOT / "miles" / "tracking" / "alerts.yml"
+_NO_PROMETHEUS = shutil.which("prometheus") is None or shutil.which("promtool") is None
+_WHY = "needs Debian's prometheus package (prometheus, promtool): apt-get install prometheus, as scripts/setup.sh does"
+
+
+def _scrape(url: str) -> dict[str, list]:
+    """Every sample served at ``url``, by sample name."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metric_names() -> None:
+    assert metric_name("train/loss") == "miles_train_loss"
+    assert metric_name("rollout/request_latency_s/p99") == "miles_rollout_request_latency_s_p99"
+    assert metric_name("tenant/a-b.c/reward") == "miles_tenant_a_b_c_reward"
+
+
+def test_exporter_is_off_by_default_and_serves_step_metrics_with_nan(capsys: pytest.CaptureFixture) -> None:
+    run = validate({"tracking": {"backend": "none"}})
+    assert run.tracking.prometheus_port is None
+    assert isinstance(make_tracker(run, resolved_yaml="", overrides=[], config_dict={}), ConsoleTracker)
+
+    run = validate({"tracking": {"backend": "none", "prometheus_port": 0, "run_name": "r1"}})
+    tracker = make_tracker(run, resolved_yaml="", overrides=[], config_dict={})
+    assert isinstance(tracker, LiveTracker) and active() is tracker.exporter.rollout
+    url = tracker.exporter.url
+    assert url.startswith("http://127.0.0.1:") and tracker.exporter.port > 0
+    assert f"Prometheus metrics at {url}" in capsys.readouterr().out  # port 0: the port taken is printed
+    try:
+        tracker.log_metrics({"train/loss": float("nan"), "perf/step_time_s": 1.5}, step=3)
+        tracker.log_distributions({"train/reward": [0.0, 1.0, 1.0, 0.0, float("nan")]}, step=3)
+        got = _scrape(url)
+        loss = got["miles_train_loss"][0]
+        assert math.isnan(loss.value) and loss.labels == {"run": "r1", "model": run.model.flavor}
+        assert got["miles_perf_step_time_s"][0].value == 1.5
+        assert got["miles_step"][0].value == 3.0
+        assert abs(got["miles_step_timestamp_seconds"][0].value - time.time()) < 60
+        assert (
+            got["miles_train_reward_p50"][0].value == 0.5 and got["miles_train_reward_p100"][0].value == 1.0
+        )
+        assert got["process_resident_memory_bytes"][0].value > 0
+        # a step key named like a live rollout family is not served twice (the scrape would be refused)
+        tracker.log_metrics({"rollout/requests_queued": 7.0}, step=4)
+        assert [s.value for s in _scrape(url)["miles_rollout_requests_queued"]] == [0.0]
+    finally:
+        tracker.finish()
+    assert active() is None
+    with pytest.raises(OSError):
+        _scrape(url)
+
+
+def test_exporter_port_errors_name_the_key() -> None:
+    with pytest.raises(ValueError, match="tracking.prometheus_port"):
+        Exporter(70000, {"run": "r"})
+    busy = Exporter(0, {"run": "r"})
+    try:
+        with pytest.raises(OSError, match=f"tracking.prometheus_port={busy.port}: cannot listen"):
+            Exporter(busy.port, {"run": "r"})
+    finally:
+        busy.close()
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(_NO_PROMETHEUS, reason=_WHY)
+def test_alert_rules_pass_promtool() -> None:
+    """The rules file is valid and each alert fires (and stays quiet) as tests/data/alerts_test.yml says."""
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    unit = subprocess.run(
+        ["promtool", "test", "rules", "alerts_test.yml"],
+        cwd=ROOT / "tests" / "data",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+
+def _query(api: str, promql: str) -> list[dict]:
+    url = f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _get(api: str, path: str) -> dict:
+    with urllib.request.urlopen(f"{api}{path}", timeout=10) as r:
+        return json.load(r)
+
+
+# what a scrape of a run must show: step metrics, the live rollout families, and the driver's memory
+EXPECTED = {
+    "miles_train_loss": "miles_train_loss",
+    "miles_perf_step_time_s": "miles_perf_step_time_s",
+    "miles_step": "miles_step",
+    "request latency histogram": "histogram_quantile(0.9, sum by (le) (miles_rollout_request_latency_seconds_bucket)) > 0",
+    "requests answered": "miles_rollout_requests_total > 0",
+    "tokens generated": "miles_rollout_generated_tokens_total > 0",
+    "in flight": "miles_rollout_requests_in_flight",
+    "queued": "miles_rollout_requests_queued",
+    "engines": "miles_rollout_engines_in_rotation == 1",
+    "latency quantile to MLflow": "miles_rollout_request_latency_s_p99",
+    "reward distribution": "miles_train_reward_p50",
+    "driver memory": 'process_resident_memory_bytes{job="miles"}',
+}
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(_NO_PROMETHEUS, reason=_WHY)
+def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
+    """A real Prometheus scrapes a real run's exporter; its HTTP API returns miles' series, the alert rules
+    load and evaluate on them, and MLflow gets the request latency quantiles of every step."""
+    from mlflow.tracking import MlflowClient
+
+    from miles.core.run import run_job
+
+    port, prom_port = _free_port(), _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: [{ALERTS}]\n"
+        f"scrape_configs:\n  - job_name: miles\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+    )
+    api = f"http://127.0.0.1:{prom_port}"
+    with open(tmp_path / "prometheus.log", "w") as out:
+        prom = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    found: dict[str, list] = {}
+    rules: list[dict] = []
+
+    def on_metrics(metrics: dict[str, float], step: int) -> None:
+        """At step 2 (step 1's distributions are logged after its metrics), wait (up to 30 s) until Prometheus
+        has scraped every expected series, while the run holds."""
+        if step != 2:
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found.update(
+                {name: r for name, q in EXPECTED.items() if name not in found and (r := _query(api, q))}
+            )
+            if len(found) == len(EXPECTED):
+                break
+            time.sleep(0.5)
+        rules.extend(r for g in _get(api, "/api/v1/rules")["data"]["groups"] for r in g["rules"])
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # Prometheus answers once its storage and rules are loaded
+            try:
+                urllib.request.urlopen(f"{api}/-/ready", timeout=2)
+                break
+            except OSError:
+                assert prom.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "prometheus.log"
+                ).read_text()
+                time.sleep(0.2)
+        uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+        run = validate(
+            {
+                "seed": 0,
+                "trainer": {"num_steps": 2, "eval_every": 0},
+                "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
+                "task": {"num_eval_prompts": 4},
+                "tracking": {
+                    "uri": uri,
+                    "experiment": "observe",
+                    "run_name": "watched",
+                    "plots": False,
+                    "prometheus_port": port,
+                },
+            }
+        )
+        run_job(run, resolved_yaml="", overrides=[], on_metrics=on_metrics)
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+    assert set(found) == set(EXPECTED), f"no series for {set(EXPECTED) - set(found)}"
+    loss = found["miles_train_loss"][0]["metric"]
+    assert loss["job"] == "miles" and loss["run"] == "watched" and loss["model"] == run.model.flavor
+    assert float(found["request latency histogram"][0]["value"][1]) > 0
+    assert {r["metric"]["engine"] for r in found["tokens generated"]} == {"0"}
+    assert len(rules) >= 15 and all(r["health"] == "ok" for r in rules), [
+        (r["name"], r.get("lastError")) for r in rules
+    ]
+
+    client = MlflowClient(uri)
+    run_id = client.search_runs([client.get_experiment_by_name("observe").experiment_id])[0].info.run_id
+    for q in ("p50", "p90", "p99"):
+        history = client.get_metric_history(run_id, f"rollout/request_latency_s/{q}")
+        assert sorted(m.step for m in history) == [1, 2], q
+    p = {
+        q: client.get_metric_history(run_id, f"rollout/request_latency_s/{q}")[0].value
+        for q in ("p50", "p90", "p99")
+    }
+    assert 0 < p["p50"] <= p["p90"] <= p["p99"], p
+
+
+def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
+    from miles.bench.observe import main, report_cost_us, scrape_cost_ms
+
+    with pytest.raises(SystemExit):
+        main(["--steps", "2"])
+    assert scrape_cost_ms({"train/loss": 0.5, "perf/step_time_s": 1.0}, scrapes=3) > 0
+    assert all(us > 0 for us in report_cost_us({"train/loss": 0.5}, repeats=20))
+    assert active() is None
