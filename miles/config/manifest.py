@@ -28,7 +28,7 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != NAME)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -41,13 +41,13 @@ def write(root: str | Path) -> Path:
     root = Path(root)
     files = {}
     for p in _files(root):
-        _fsync(p)
+        fsync(p)
         files[p.relative_to(root).as_posix()] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
     tmp = root / (NAME + ".tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, root / NAME)
-    _fsync(root)
+    fsync(root)
     return root / NAME
 
 

@@ -126,21 +126,13 @@ def publish(tmp: Path, keep: int) -> Path:
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced whole
         _remove(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    manifest.fsync(final.parent)
     for _, old in checkpoints(final.parent)[:-keep]:
         _remove(old)
     for left in final.parent.glob("step_*.tmp"):  # saves of earlier steps that were killed
         if left.name < tmp.name:
             shutil.rmtree(left, ignore_errors=True)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: Path) -> None:
