@@ -7,6 +7,7 @@ import math
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -16,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles.config import validate
+from miles.tracking.memory import actor_metrics, process_memory, split_key
 from miles.tracking.mlflow_tracker import ConsoleTracker, make_tracker
 from miles.tracking.prometheus import Exporter, LiveTracker, active, metric_name
 
@@ -75,11 +77,44 @@ def test_exporter_is_off_by_default_and_serves_step_metrics_with_nan(capsys: pyt
         # a step key named like a live rollout family is not served twice (the scrape would be refused)
         tracker.log_metrics({"rollout/requests_queued": 7.0}, step=4)
         assert [s.value for s in _scrape(url)["miles_rollout_requests_queued"]] == [0.0]
+        # process memory: one family per field, labelled by actor
+        tracker.log_metrics(
+            actor_metrics("engine0", {"rss_bytes": 5e8}) | actor_metrics("trainer1", {"rss_bytes": 7e8}), 4
+        )
+        rss = {s.labels["actor"]: (s.value, s.labels["run"]) for s in _scrape(url)["miles_mem_rss_bytes"]}
+        assert rss == {"engine0": (5e8, "r1"), "trainer1": (7e8, "r1")}
     finally:
         tracker.finish()
     assert active() is None
     with pytest.raises(OSError):
         _scrape(url)
+
+
+def test_process_memory_counts_the_children_and_names_fields_per_actor() -> None:
+    """A child holding 300 MB shows in its parent's ``rss_bytes``; keys split back into actor and field."""
+    alone = process_memory()["rss_bytes"]
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; b = bytearray(300 << 20); b[::4096] = "
+            "b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert process_memory()["rss_bytes"] - alone > 250 << 20
+        assert process_memory(child.pid)["rss_bytes"] > 250 << 20
+    finally:
+        child.kill()
+        child.wait()
+    assert "cuda_allocated_bytes" not in process_memory()  # no CUDA here (the CUDA fields: untested)
+    assert actor_metrics("engine3", {"rss_bytes": 1.0}) == {"mem/engine3/rss_bytes": 1.0}
+    assert split_key("mem/engine3/rss_bytes") == ("engine3", "rss_bytes") and split_key("train/loss") is None
+    with pytest.raises(ValueError, match="letters, digits and _"):
+        actor_metrics("engine/0", {"rss_bytes": 1.0})
 
 
 def test_exporter_port_errors_name_the_key() -> None:
@@ -138,6 +173,7 @@ EXPECTED = {
     "latency quantile to MLflow": "miles_rollout_request_latency_s_p99",
     "reward distribution": "miles_train_reward_p50",
     "driver memory": 'process_resident_memory_bytes{job="miles"}',
+    "memory per actor": 'miles_mem_rss_bytes{actor=~"driver|engine0|trainer0"} > 0',
 }
 
 
@@ -222,6 +258,7 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
     assert loss["job"] == "miles" and loss["run"] == "watched" and loss["model"] == run.model.flavor
     assert float(found["request latency histogram"][0]["value"][1]) > 0
     assert {r["metric"]["engine"] for r in found["tokens generated"]} == {"0"}
+    assert {r["metric"]["actor"] for r in found["memory per actor"]} == {"driver", "engine0", "trainer0"}
     assert len(rules) >= 15 and all(r["health"] == "ok" for r in rules), [
         (r["name"], r.get("lastError")) for r in rules
     ]

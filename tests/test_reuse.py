@@ -16,9 +16,9 @@ TINY = ["algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4", "trainer
 
 
 def _numbers(metrics: dict[str, float]) -> dict[str, float]:
-    """A step's metrics without the timings (those differ run to run)."""
+    """A step's metrics without the timings and process memory (those differ run to run)."""
     return {k: v for k, v in metrics.items()
-            if not (k.startswith("perf/") or k.endswith(("_s", "/seconds", "bytes_per_s")) or "_s/p" in k)}
+            if not (k.startswith(("perf/", "mem/")) or k.endswith(("_s", "/seconds", "bytes_per_s")) or "_s/p" in k)}
 
 
 def _job(overrides: list[str], on_metrics=None) -> list[tuple[int, dict[str, float]]]:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import torch
@@ -27,6 +27,7 @@ from miles.core.ledger import Ledger
 from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
+from miles.tracking.memory import actor_metrics, process_memory, rank_memory
 from miles.types import SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
 
@@ -111,7 +112,8 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     try:
         if metrics["train/trainable_samples"] > 0:
             batch = ray.put(batch)
-            metrics |= ray.get([t.train_step.remote(batch) for t in ctx.trainers])[0]
+            ranks = ray.get([t.train_step.remote(batch) for t in ctx.trainers])
+            metrics |= ranks[0] | rank_memory(ranks)  # the same metrics on every rank, but each rank's own memory
             if gae:
                 metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
         elif all(s.status is Status.FAILED for s in samples):
@@ -261,9 +263,18 @@ def restore_point(ctx: LoopContext, died: TrainerRankDiedError) -> str:
     return ctx.last_checkpoint
 
 
-def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
-    """``(busy_s, clock_s)`` of each engine by engine id: seconds spent generating so far and the
-    engine's clock (``health()``); engines that do not report them (or do not answer in 10 s) are left out."""
+class EngineReading(NamedTuple):
+    """One engine's ``health()`` at a moment: seconds spent generating so far, its clock, its memory."""
+
+    busy_s: float
+    clock_s: float
+    memory: dict[str, float]
+    """:func:`miles.tracking.memory.process_memory` of the engine's process (and its server's)."""
+
+
+def engine_busy(engines: Sequence[Any]) -> dict[int, EngineReading]:
+    """The :class:`EngineReading` of each engine by engine id (``health()``); engines that do not report
+    their busy time (or do not answer in 10 s) are left out."""
     out = {}
     for ref in [e.health.remote() for e in engines]:
         try:
@@ -271,20 +282,24 @@ def engine_busy(engines: Sequence[Any]) -> dict[int, tuple[float, float]]:
         except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
             continue
         if "busy_s" in h:
-            out[int(h["engine_id"])] = (float(h["busy_s"]), float(h["clock_s"]))
+            out[int(h["engine_id"])] = EngineReading(float(h["busy_s"]), float(h["clock_s"]), h.get("memory", {}))
     return out
 
 
-def engine_busy_metrics(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
-                        ) -> dict[str, float]:
+def engine_busy_metrics(before: dict[int, EngineReading], after: dict[int, EngineReading]) -> dict[str, float]:
     """Between two :func:`engine_busy` readings, averaged over the engines in both:
     ``perf/engine_busy_s`` (seconds spent generating) and ``perf/engine_busy_frac`` (that over the
-    seconds between the readings, on the engine's clock)."""
-    both = [(after[e][0] - before[e][0], after[e][1] - before[e][1]) for e in before.keys() & after.keys()]
+    seconds between the readings, on the engine's clock). With them, the memory of every engine at the
+    second reading and of the driver now: ``mem/engine<id>/*``, ``mem/driver/*`` (:mod:`miles.tracking.memory`)."""
+    out = actor_metrics("driver", process_memory())
+    for e, reading in after.items():
+        out |= actor_metrics(f"engine{e}", reading.memory)
+    both = [(after[e].busy_s - before[e].busy_s, after[e].clock_s - before[e].clock_s)
+            for e in before.keys() & after.keys()]
     if not both or min(dt for _, dt in both) <= 0:
-        return {}
-    return {"perf/engine_busy_s": sum(b for b, _ in both) / len(both),
-            "perf/engine_busy_frac": sum(b / dt for b, dt in both) / len(both)}
+        return out
+    return out | {"perf/engine_busy_s": sum(b for b, _ in both) / len(both),
+                  "perf/engine_busy_frac": sum(b / dt for b, dt in both) / len(both)}
 
 
 def sampling_params(run: MilesConfig) -> SamplingParams:

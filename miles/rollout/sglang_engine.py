@@ -136,6 +136,7 @@ from miles.rollout.sglang_server import (
 )
 from miles.rollout.sglang_weights import WEIGHT_LOADS, weights_dir
 from miles.rollout.sglang_wire import Checkpoint
+from miles.tracking.memory import process_memory
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,8 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         ok = not self._stopped() and self.server.healthy(self.health_timeout_s)
         return {"ok": ok, "version": self._version, "engine_id": self.engine_id, "pid": self.server.pid,
                 "url": self.server.url, "paused": self._paused, **self._activity(), "updating": self._updating,
-                "dead": self._dead, "closed": self._closed, "log": str(self.server.log_path)}
+                "dead": self._dead, "closed": self._closed, "log": str(self.server.log_path),
+                "memory": process_memory()}  # the server's too: it is this actor's child
 
     def weight_version(self) -> int:
         return self._version

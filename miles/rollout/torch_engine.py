@@ -121,6 +121,7 @@ from miles.rollout.engine_weights import EngineWeights
 from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
 from miles.rollout.requests import eos_ids
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
+from miles.tracking.memory import process_memory
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -291,7 +292,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         return {"ok": self._thread.is_alive() and not self._closed, "version": self._version,
                 "engine_id": self.engine_id, "running": self._n, "waiting": len(self._waiting),
                 "paused": self._paused, "released": self._released, "adapters": sorted(self._adapters),
-                "prefix_cache": self._prefix.stats(), **self._busy_reading()}
+                "prefix_cache": self._prefix.stats(), "memory": process_memory(), **self._busy_reading()}
 
     def _busy_reading(self) -> dict[str, float]:
         with self._busy_lock:

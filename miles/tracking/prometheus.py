@@ -7,7 +7,9 @@ MLflow stays the run's record; the exporter shows the run while it goes on. It s
   ``_`` (``train/loss`` -> ``miles_train_loss``). Non-finite values are exported as they are (NaN, +Inf),
   so that an alert can see them; MLflow skips them. Per-sample distributions (``train/reward``, ...)
   are exported as ``<name>_p0 .. _p100``. ``miles_step`` is the last step logged and
-  ``miles_step_timestamp_seconds`` when (Unix time).
+  ``miles_step_timestamp_seconds`` when (Unix time). Process memory (``mem/<actor>/<field>``,
+  :mod:`miles.tracking.memory`) is one family per field with an ``actor`` label:
+  ``miles_mem_rss_bytes{actor="engine0"}``.
 - **Live rollout metrics**, updated by the dispatcher (:mod:`miles.rollout.dispatch`) as requests
   come and go: requests queued, requests in flight per engine, request latency (a histogram, from the
   request's arrival to its answer, retries included), tokens generated per engine, retries, engines
@@ -28,6 +30,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from miles.tracking.memory import MEM_PREFIX, split_key
 from miles.tracking.plots import quantiles
 
 log = logging.getLogger(__name__)
@@ -142,6 +145,7 @@ class _StepCollector:
     def __init__(self, labels: Mapping[str, str]) -> None:
         self.labels = dict(labels)
         self.latest: dict[str, tuple[str, float]] = {}  # Prometheus name -> (key, value)
+        self.memory: dict[tuple[str, str], float] = {}  # (field, actor) -> value, of mem/<actor>/<field>
         self.step = -1
         self.step_time = 0.0
 
@@ -154,6 +158,15 @@ class _StepCollector:
             g = GaugeMetricFamily(name, f"miles metric {key} (latest logged value)", labels=names)
             g.add_metric(values, value)
             yield g
+        families: dict[str, Any] = {}
+        for (fld, actor), value in sorted(dict(self.memory).items()):
+            g = families.get(fld)
+            if g is None:
+                g = families[fld] = GaugeMetricFamily(
+                    metric_name(MEM_PREFIX + fld), f"Process memory, {fld} (miles.tracking.memory), per actor",
+                    labels=[*names, "actor"])
+            g.add_metric([*values, actor], value)
+        yield from families.values()
         if self.step >= 0:
             for name, doc, value in (
                 ("miles_step", "Last step logged", float(self.step)),
@@ -201,6 +214,10 @@ class Exporter:
     def set_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """The latest value of each step metric, and the step's number and time."""
         for k, v in metrics.items():
+            actor_field = split_key(k)
+            if actor_field is not None:  # mem/engine0/rss_bytes -> miles_mem_rss_bytes{actor="engine0"}
+                self.steps.memory[(actor_field[1], actor_field[0])] = float(v)
+                continue
             name = metric_name(k)
             if name in RESERVED:  # a live rollout family of that name is served instead
                 continue

@@ -73,6 +73,7 @@ from miles.config.build import build
 from miles.config.rank import RankConfig
 from miles.precision.on_policy import sequence_logits
 from miles.precision.recipe import quantize_train_forward
+from miles.tracking.memory import actor_metrics, process_memory
 from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
 from miles.train.objective import mismatch_settings, policy_objective
 from miles.train.optim import lr_scheduler
@@ -440,7 +441,7 @@ class FSDPTrainer(FSDPRank):
         elapsed = self._all_reduce(torch.tensor([time.perf_counter() - start], device=self.device),
                                    op=dist.ReduceOp.MAX)
         out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
-        return out
+        return out | actor_metrics(f"trainer{self.rank}", process_memory())  # this rank's own: not reduced
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:

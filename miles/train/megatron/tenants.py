@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from miles.tracking.memory import actor_metrics, process_memory
 from miles.train.megatron.policy import MegatronPolicy
 from miles.train.megatron.replay import route_metrics
 from miles.types import TrainBatch
@@ -111,7 +112,7 @@ def train_step(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, float]:
     out["perf/train_forward_tokens"] = float(engine.dp_sum(torch.tensor([forward])))
     elapsed = engine.world_max(torch.tensor([time.perf_counter() - start]))
     out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
-    return out
+    return out | actor_metrics(f"trainer{trainer.rank}", process_memory())  # this rank's own: not reduced
 
 
 def compute_gradients(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, torch.Tensor] | None:

@@ -76,6 +76,7 @@ from miles.backends.reuse import Reusable
 from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
+from miles.tracking.memory import actor_metrics, process_memory
 from miles.train.batching import pad_batch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import check_dims
@@ -173,7 +174,7 @@ class MegatronTrainer(MegatronPolicy, Reusable):
         out["perf/train_forward_tokens"] = float(self.engine.dp_sum(torch.tensor([forward_tokens])))
         elapsed = self.engine.world_max(torch.tensor([time.perf_counter() - start]))
         out["perf/train_tokens_per_s"] = out["train/num_tokens"] / max(float(elapsed), 1e-9)
-        return out
+        return out | actor_metrics(f"trainer{self.rank}", process_memory())  # this rank's own: not reduced
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
