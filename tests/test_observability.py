@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from miles.config import validate
+from miles.config import ConfigError, validate
 from miles.tracking.memory import actor_metrics, process_memory, split_key
 from miles.tracking.mlflow_tracker import ConsoleTracker, make_tracker
 from miles.tracking.prometheus import Exporter, LiveTracker, active, metric_name
@@ -283,3 +283,49 @@ def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
     assert scrape_cost_ms({"train/loss": 0.5, "perf/step_time_s": 1.0}, scrapes=3) > 0
     assert all(us > 0 for us in report_cost_us({"train/loss": 0.5}, repeats=20))
     assert active() is None
+
+
+def test_ray_dashboard_is_one_key_and_listens_on_loopback_only() -> None:
+    """``cluster.dashboard_port`` starts the local cluster with Ray's dashboard on 127.0.0.1 (in a child
+    process: the tests' own cluster runs without one); bad values and a joined cluster are refused."""
+    with pytest.raises(ConfigError, match="cluster.dashboard_port: expected a port"):
+        validate({"cluster": {"dashboard_port": 0}})
+    with pytest.raises(ConfigError, match="has its own"):
+        validate({"cluster": {"dashboard_port": 8265, "address": "10.0.0.1:6379"}})
+    assert validate({}).cluster.dashboard_port is None
+
+    port = _free_port()
+    child = (
+        "import json, pathlib, sys, time, urllib.error, urllib.request, psutil, ray\n"
+        "from miles.config.schema import ClusterConfig\n"
+        "from miles.core.cluster import start_ray, stop_ray\n"
+        f"start_ray(ClusterConfig(num_cpus=1, dashboard_port={port}), keep=True)\n"
+        f"url = 'http://127.0.0.1:{port}/api/version'\n"
+        "def get(headers):\n"
+        "    try:\n"
+        "        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:\n"
+        "            return r.status, json.load(r)\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        return e.code, None\n"
+        "deadline = time.monotonic() + 90\n"
+        "while True:\n"
+        "    try:\n"
+        "        anonymous = get({})\n"
+        "        break\n"
+        "    except OSError:\n"
+        "        assert time.monotonic() < deadline, 'the dashboard never answered'\n"
+        "        time.sleep(0.5)\n"
+        "token = (pathlib.Path.home() / '.ray' / 'auth_token').read_text().strip()\n"
+        "status, version = get({'Authorization': 'Bearer ' + token})\n"
+        f"hosts = {{c.laddr.ip for c in psutil.net_connections('tcp') if c.laddr and c.laddr.port == {port} "
+        "and c.status == 'LISTEN'}\n"
+        "print(json.dumps({'anonymous': anonymous[0], 'status': status, 'ray': version and version.get('ray_version'), "
+        "'hosts': sorted(hosts)}))\n"
+        "stop_ray()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    # Ray's token authentication guards it: refused without the cluster's token, answered with it
+    assert seen["anonymous"] == 401 and seen["status"] == 200 and seen["ray"], seen
+    assert seen["ray"] and seen["hosts"] == ["127.0.0.1"], seen

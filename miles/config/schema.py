@@ -415,6 +415,9 @@ class ClusterConfig:
     """Join this Ray cluster; None starts a local one."""
     num_cpus: int | None = None
     """CPUs of a locally started cluster (None: all of the machine)."""
+    dashboard_port: int | None = None
+    """Start the locally started cluster with Ray's dashboard at ``http://127.0.0.1:<port>`` (actors, logs,
+    CPU and memory per process); None: no dashboard."""
     reuse_actors: bool = True
     """Keep a finished job's actors for the next job of the same shape in this driver, while Ray stays up
     (a sweep's jobs, jobs run from Python): each actor is constructed anew in its process, which skips

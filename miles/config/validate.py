@@ -224,6 +224,7 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+    _check_cluster(run)
     _check_precision(run)
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)
@@ -231,6 +232,18 @@ def check_semantics(run: MilesConfig) -> None:
     _check_schedule(run)
     _check_adapter(run)
     _check_tenants(run)
+
+
+def _check_cluster(run: MilesConfig) -> None:
+    port = run.cluster.dashboard_port
+    if port is None:
+        return
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"cluster.dashboard_port: expected a port in 1..65535 or null (off), found {port}")
+    if run.cluster.address is not None:
+        raise ConfigError(f"cluster.dashboard_port={port}: miles starts the dashboard only with a cluster it starts; "
+                          f"the cluster at cluster.address={run.cluster.address!r} has its own (ray start "
+                          "--include-dashboard)")
 
 
 FIXED_QUANT_BLOCK = {"mxfp8": 32, "nvfp4": 16}

@@ -27,12 +27,12 @@ from miles.core.plan import HINT, Plan, describe_request
 
 log = logging.getLogger(__name__)
 
-_KEPT: tuple[str | None, int | None] | None = None
-"""(address, num_cpus) of the Ray cluster miles started and keeps for later jobs (``keep``), else None."""
+_KEPT: tuple[str | None, int | None, int | None] | None = None
+"""(address, num_cpus, dashboard_port) of the Ray cluster miles started and keeps for later jobs (``keep``), else None."""
 
 
 def start_ray(cluster: ClusterConfig, *, keep: bool = False) -> bool:
-    """Start a local Ray cluster (dashboard off) or join ``cluster.address``. Returns True if we started it.
+    """Start a local Ray cluster (its dashboard on 127.0.0.1 with ``cluster.dashboard_port``, else off) or join ``cluster.address``. Returns True if we started it.
 
     A cluster that is already up is used as it is, except one that miles itself kept from an earlier
     job (``keep``) with other ``cluster.*`` settings: that one is stopped and this job's started.
@@ -40,7 +40,7 @@ def start_ray(cluster: ClusterConfig, *, keep: bool = False) -> bool:
     own exit handler when the process ends.
     """
     global _KEPT
-    want = (cluster.address, cluster.num_cpus)
+    want = (cluster.address, cluster.num_cpus, cluster.dashboard_port)
     if ray.is_initialized() and _KEPT is not None and _KEPT != want:
         log.info("stopping the Ray cluster kept from the last job: this job sets other cluster.* values")
         stop_ray()
@@ -50,8 +50,12 @@ def start_ray(cluster: ClusterConfig, *, keep: bool = False) -> bool:
     if cluster.address:
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
-                 logging_level=logging.WARNING)
+        dashboard = {} if cluster.dashboard_port is None else {"dashboard_host": "127.0.0.1",
+                                                                "dashboard_port": cluster.dashboard_port}
+        ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=bool(dashboard),
+                 runtime_env={"env_vars": env}, logging_level=logging.WARNING, **dashboard)
+        if dashboard:
+            log.info("Ray dashboard at http://127.0.0.1:%d", cluster.dashboard_port)
     if keep:
         _KEPT = want
     return True
