@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,8 @@ class Layouts:
     saved: Path
     continued: list[dict[str, float]]
     reloaded: list[dict[str, float]]
+    traces: list[bytes]
+    """Each rank's torch profiler trace of the ``continued`` step (``profile.steps``)."""
 
 
 @dataclasses.dataclass
@@ -180,10 +183,12 @@ def layouts(megatron_pair: MegatronPair, checkpoints: dict[str, Path], fsdp_refe
         seen[name] = Seen(state, logits, logprobs, grads, metrics, after, sites, reads, [calls, calls_1])
         if name == "dp2":
             group.call("save_state", str(saved))
+            group.call("start_profile")
             continued = group.call("train_step", batch)
+            traces = group.call("stop_profile")
             group.call("load_state", str(saved))
             reloaded = group.call("train_step", batch)
-    return Layouts(seen=seen, saved=saved, continued=continued, reloaded=reloaded)
+    return Layouts(seen=seen, saved=saved, continued=continued, reloaded=reloaded, traces=traces)
 
 
 # ---- config checks -------------------------------------------------------------------------------
@@ -455,6 +460,11 @@ def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoin
     assert train(layouts.continued) == train(layouts.reloaded), "a step after load_state must repeat the step after " \
         "save_state exactly"
     assert layouts.continued[0]["train/loss"] != layouts.seen["dp2"].metrics[0]["train/loss"]
+    # profiled (profile.steps): each rank's trace names the forward and backward ops; each reports its memory
+    for rank, (trace, metrics) in enumerate(zip(layouts.traces, layouts.continued, strict=True)):
+        names = {e["name"] for e in json.loads(gzip.decompress(trace))["traceEvents"] if e.get("ph") == "X"}
+        assert "aten::mm" in names and any(n.startswith("autograd::engine::evaluate_function") for n in names), rank
+        assert metrics[f"mem/trainer{rank}/rss_bytes"] > 0
     # the FSDP trainer reads the state megatron wrote and writes the same tensors back (names, layout, values)
     with local_trainer(checkpoints["dense"], _run()) as fsdp:
         fsdp.load_state(str(directory))

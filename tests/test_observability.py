@@ -329,3 +329,43 @@ def test_ray_dashboard_is_one_key_and_listens_on_loopback_only() -> None:
     # Ray's token authentication guards it: refused without the cluster's token, answered with it
     assert seen["anonymous"] == 401 and seen["status"] == 200 and seen["ray"], seen
     assert seen["ray"] and seen["hosts"] == ["127.0.0.1"], seen
+
+
+def test_profile_steps_record_the_trainer_and_engine_as_chrome_traces(ray_cluster, tmp_path: Path) -> None:
+    """``profile.steps=[2]``: the trainer rank and the torch engine record step 2 only; each trace is a
+    gzipped Chrome trace naming the ops that ran there, on disk and in MLflow."""
+    import gzip
+
+    from mlflow.tracking import MlflowClient
+
+    from miles.core.run import run_job
+
+    with pytest.raises(ConfigError, match=r"profile.steps: \[3\] not among the train steps 1..2"):
+        validate({"trainer": {"num_steps": 2}, "profile": {"steps": [3]}})
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run = validate(
+        {
+            "trainer": {"num_steps": 2, "eval_every": 0},
+            "algo": {"num_prompts_per_step": 2, "num_samples_per_prompt": 4},
+            "task": {"num_eval_prompts": 2},
+            "tracking": {"uri": uri, "experiment": "profiled", "run_name": "p", "plots": False},
+            "profile": {"steps": [2], "dir": str(tmp_path / "profiles")},
+        }
+    )
+    run_job(run, resolved_yaml="", overrides=[])
+    assert sorted(p.name for p in (tmp_path / "profiles" / "p").iterdir()) == ["step_2"]
+    names = {}
+    for actor in ("trainer0", "engine0"):
+        trace = json.loads(
+            gzip.decompress((tmp_path / "profiles" / "p" / "step_2" / f"{actor}.json.gz").read_bytes())
+        )
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert events and all("ts" in e and "dur" in e for e in events), actor
+        names[actor] = {e["name"] for e in events}
+    backward = {a: any(n.startswith("autograd::engine::evaluate_function") for n in names[a]) for a in names}
+    assert {"aten::mm", "aten::linear"} <= names["trainer0"] and backward["trainer0"]  # forward and backward
+    assert {"aten::mm", "aten::linear"} <= names["engine0"] and not backward["engine0"]  # forwards only
+    client = MlflowClient(uri)
+    run_id = client.search_runs([client.get_experiment_by_name("profiled").experiment_id])[0].info.run_id
+    logged = {a.path for a in client.list_artifacts(run_id, "profile/step_2")}
+    assert logged == {"profile/step_2/trainer0.json.gz", "profile/step_2/engine0.json.gz"}

@@ -408,6 +408,18 @@ class TrackingConfig:
 
 
 @dataclass(**_frozen)
+class ProfileConfig:
+    """Torch profiler traces of chosen steps (:mod:`miles.core.profiling`)."""
+
+    steps: tuple[int, ...] = ()
+    """Record the trainer ranks and torch engines during these steps (rollout, train and weight sync);
+    empty: never."""
+    dir: str = "profiles"
+    """Where the traces go: ``<dir>/<run name>/step_<n>/<actor>.json.gz``; also MLflow artifacts under
+    ``profile/step_<n>/``."""
+
+
+@dataclass(**_frozen)
 class ClusterConfig:
     """The Ray cluster."""
 
@@ -542,6 +554,8 @@ class MilesConfig:
     """Supervised warm start of freshly built tiny models."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray cluster."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Torch profiler traces of chosen steps."""
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     """User code allowed in ``_target_``."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -225,6 +225,9 @@ def check_semantics(run: MilesConfig) -> None:
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
     _check_cluster(run)
+    bad = [s for s in run.profile.steps if not 1 <= s <= run.trainer.num_steps]
+    if bad:
+        raise ConfigError(f"profile.steps: {bad} not among the train steps 1..{run.trainer.num_steps} (trainer.num_steps)")
     _check_precision(run)
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)

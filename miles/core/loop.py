@@ -38,6 +38,8 @@ from miles.core.progress import Progress
 from miles.core.schedules import train_async
 from miles.core.step import (
     LoopContext,
+    begin_profile,
+    end_profile,
     engine_busy,
     engine_busy_metrics,
     learn,
@@ -104,6 +106,7 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     """One synchronous step (1-6 of the module docstring, and the run checkpoint); returns its metrics and
     the next group id."""
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
+    begin_profile(ctx, step)
     t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
     # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
@@ -137,6 +140,7 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     metrics |= push_weights(ctx, step)
     hooks.after_weight_sync(step, step)
     t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+    end_profile(ctx, step)
 
     # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
     last = step == run.trainer.num_steps or hooks.stop_reason is not None

@@ -212,6 +212,12 @@ def run_job(
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
+        if run.profile.steps:
+            from miles.core.profiling import StepProfiler
+            from miles.tracking.mlflow_tracker import default_run_name
+
+            ctx.profiler = StepProfiler(run.profile.steps, Path(run.profile.dir) / default_run_name(run),
+                                        tracker.log_artifacts)
         if (off := trainer_recovery_off(run)) is not None:
             log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)
         elif run.trainer.max_failures:

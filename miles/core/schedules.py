@@ -63,6 +63,8 @@ from miles.core.ledger import OUTCOMES, Ledger
 from miles.core.progress import Progress
 from miles.core.step import (
     LoopContext,
+    begin_profile,
+    end_profile,
     engine_busy,
     engine_busy_metrics,
     learn,
@@ -290,6 +292,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
         for step in range(first, run.trainer.num_steps + 1):
             if hooks.stop_reason is not None:
                 break
+            begin_profile(ctx, step)
             t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
             version = step - 1  # the trainer's weights: the proximal policy of this update
             taken, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
@@ -311,6 +314,7 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                 hooks.after_weight_sync(step, step)
                 pushed = step
             t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+            end_profile(ctx, step)
             if evaluating:
                 evaluated = evaluate(ctx, eval_set)
                 hooks.after_eval(step, evaluated)

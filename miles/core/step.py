@@ -24,6 +24,7 @@ from miles.config.schema import MilesConfig
 from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
+from miles.core.profiling import StepProfiler, step_actors
 from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
@@ -72,6 +73,21 @@ class LoopContext:
     (:func:`recover_trainers`); None: a dead rank ends the run."""
     last_checkpoint: str | None = None
     """The run checkpoint written last in this run, or the one it resumed from; None: none yet."""
+    profiler: StepProfiler | None = None
+    """``profile.steps``: records torch profiler traces of chosen steps (:mod:`miles.core.profiling`)."""
+
+
+def begin_profile(ctx: LoopContext, step: int) -> None:
+    """At the start of ``step``: start the profiles of the actors it runs on, if ``profile.steps`` has it."""
+    if ctx.profiler is not None:
+        pool = ctx.rollout.pool
+        ctx.profiler.begin(step, step_actors(ctx.trainers, ctx.critics, {e: pool.engines[e] for e in pool.alive}))
+
+
+def end_profile(ctx: LoopContext, step: int) -> None:
+    """After ``step``'s weight sync: stop the profiles :func:`begin_profile` started and save them."""
+    if ctx.profiler is not None:
+        ctx.profiler.end(step)
 
 
 def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[str, float]

@@ -91,7 +91,7 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     """``trainer.num_steps`` steps over every tenant (module docstring); returns the last step's metrics."""
     from miles.core.evaluate import evaluate
     from miles.core.progress import Progress
-    from miles.core.step import learn, log_batch_sizes, sampling_params
+    from miles.core.step import begin_profile, end_profile, learn, log_batch_sizes, sampling_params
     from miles.weights.sync import sync_weights
 
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
@@ -123,6 +123,7 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     for step in range(1, run.trainer.num_steps + 1):
         if hooks.stop_reason is not None:
             break
+        begin_profile(ctx, step)
         t0 = time.perf_counter()
         groups: list[list[Any]] = []
         metrics = {}
@@ -152,6 +153,7 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
         hooks.after_weight_sync(step, step)
         t3 = time.perf_counter()
+        end_profile(ctx, step)
         last = step == run.trainer.num_steps or hooks.stop_reason is not None
         if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
             evaluated = evaluate_all(step)

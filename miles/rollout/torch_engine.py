@@ -122,6 +122,7 @@ from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
 from miles.rollout.requests import eos_ids
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
 from miles.tracking.memory import process_memory
+from miles.tracking.profiler import Profiled
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
+class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profiled):
     """Generates with per-token log-probs by continuous batching; receives weights between steps.
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
@@ -326,6 +327,9 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         if self._released:
             raise RuntimeError(f"engine {self.engine_id}: {what} while memory is released; "
                                "call resume_memory() first")
+
+    def _on_work_thread(self, fn: Callable[[], Any]) -> Any:  # Profiled: the scheduler thread runs the model
+        return self._run_op(fn)
 
     def _run_op(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the scheduler thread between two steps and return its result."""

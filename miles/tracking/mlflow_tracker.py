@@ -168,6 +168,11 @@ class MlflowTracker:
         if out:
             self.log_metrics(out, step)
 
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
+        """Upload the files of ``local_dir`` under ``artifact_path`` (in the background; ``local_dir`` must
+        stay until the run ends)."""
+        self._outbox.put_artifacts(local_dir, artifact_path)
+
     def finish(self, status: str = "FINISHED") -> None:
         """Plots and the metrics history as artifacts, then end the run (waiting at most ``tracking.flush_timeout_s``)."""
         self._monitor_stop.set()
@@ -226,6 +231,9 @@ class ConsoleTracker:
         pass
 
     def log_distributions(self, values: Mapping[str, Sequence[float]], step: int) -> None:
+        pass
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from miles.backends.reuse import Reusable
 from miles.config.rank import RankConfig
+from miles.tracking.profiler import Profiled
 from miles.train.optim import load_train_state, save_train_state
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def pad_token_id(config: Any) -> int:
     return next(i for i in (config.pad_token_id, eos, 0) if i is not None)
 
 
-class FSDPRank(Reusable):
+class FSDPRank(Reusable, Profiled):
     """Base of :class:`miles.train.fsdp.FSDPTrainer` and :class:`miles.train.critic.FSDPCritic`."""
 
     model: torch.nn.Module

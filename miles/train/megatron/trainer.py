@@ -77,6 +77,7 @@ from miles.config.build import build
 from miles.config.schema import MilesConfig, TargetConfig
 from miles.config.validate import ConfigError
 from miles.tracking.memory import actor_metrics, process_memory
+from miles.tracking.profiler import Profiled
 from miles.train.batching import pad_batch
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import check_dims
@@ -86,7 +87,7 @@ from miles.train.megatron.replay import route_metrics
 from miles.types import TrainBatch
 
 
-class MegatronTrainer(MegatronPolicy, Reusable):
+class MegatronTrainer(MegatronPolicy, Reusable, Profiled):
     """One rank of the megatron trainer (a plain class; the driver makes it a Ray actor): the policy's
     passes (:class:`.policy.MegatronPolicy`) behind the trainer's API."""
 
