@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles.config import ConfigError, validate
+from miles.tracking import dashboard
 from miles.tracking.memory import actor_metrics, process_memory, split_key
 from miles.tracking.mlflow_tracker import ConsoleTracker, make_tracker
 from miles.tracking.prometheus import Exporter, LiveTracker, active, metric_name
@@ -117,6 +118,23 @@ def test_process_memory_counts_the_children_and_names_fields_per_actor() -> None
         actor_metrics("engine/0", {"rss_bytes": 1.0})
 
 
+def test_shipped_grafana_dashboard_is_generated_and_drills_down() -> None:
+    """miles/tracking/grafana/miles.json is what ``python -m miles.tracking.dashboard`` writes today: one row
+    per metric family, every panel on the ``$datasource`` and filtered by ``$run``."""
+    assert dashboard.SHIPPED.read_text() == dashboard.render(), "run python -m miles.tracking.dashboard"
+    board = json.loads(dashboard.SHIPPED.read_text())
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert rows == [title for title, _ in dashboard.ROWS] and len(rows) >= 9
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert {p["type"] for p in panels} == {"timeseries", "heatmap"}
+    for p in panels:
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+        assert all('run=~"$run"' in t["expr"] for t in p["targets"]), p["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert set(variables) == {"datasource", "run", "model", "engine", "actor"}
+    assert all(v["includeAll"] and v["multi"] for name, v in variables.items() if name != "datasource")
+
+
 def test_exporter_port_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="tracking.prometheus_port"):
         Exporter(70000, {"run": "r"})
@@ -206,6 +224,7 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
         )
     found: dict[str, list] = {}
     rules: list[dict] = []
+    empty_panels: list[tuple[str, str]] = []
 
     def on_metrics(metrics: dict[str, float], step: int) -> None:
         """At step 2 (step 1's distributions are logged after its metrics), wait (up to 30 s) until Prometheus
@@ -221,6 +240,20 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         rules.extend(r for g in _get(api, "/api/v1/rules")["data"]["groups"] for r in g["rules"])
+        # every query of the shipped Grafana dashboard, its variables set to this run (or all)
+        values = {
+            "$__rate_interval": "30s",
+            "$run": "watched",
+            "$model": run.model.flavor,
+            "$engine": ".*",
+            "$actor": ".*",
+        }
+        for title, query in dashboard.panel_queries():
+            for var, value in values.items():
+                query = query.replace(var, value)
+            assert "$" not in query, query
+            if not _query(api, query):
+                empty_panels.append((title, query))
 
     try:
         deadline = time.monotonic() + 30
@@ -235,10 +268,12 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
                 time.sleep(0.2)
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
         run = validate(
-            {
+            {  # asynchronous and with a KL term: the dashboard's staleness and KL panels have series too
                 "seed": 0,
                 "trainer": {"num_steps": 2, "eval_every": 0},
-                "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
+                "schedule": {"name": "one_step_off", "max_staleness": 1},
+                "placement": {"name": "disaggregated"},
+                "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4, "kl_coef": 0.01},
                 "task": {"num_eval_prompts": 4},
                 "tracking": {
                     "uri": uri,
@@ -259,6 +294,7 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
     assert float(found["request latency histogram"][0]["value"][1]) > 0
     assert {r["metric"]["engine"] for r in found["tokens generated"]} == {"0"}
     assert {r["metric"]["actor"] for r in found["memory per actor"]} == {"driver", "engine0", "trainer0"}
+    assert not empty_panels, f"dashboard queries without series: {empty_panels}"
     assert len(rules) >= 15 and all(r["health"] == "ok" for r in rules), [
         (r["name"], r.get("lastError")) for r in rules
     ]
