@@ -73,7 +73,7 @@ def main() -> int:
         job.join()
         time.sleep(3)  # a last scrape
         params = {
-            "g{}.{}".format(i, k): v
+            f"g{i}.{k}": v
             for i, q in enumerate(QUERIES)
             for k, v in (("expr", q), ("tab", "0"), ("range_input", "2m"))
         }
