@@ -264,3 +264,44 @@ def test_speculative_samples_follow_the_policy_and_a_wrong_rule_is_caught(
     assert _chi_square_p(eng, exact, seed=2) > 0.01
     monkeypatch.setattr(engine_spec, "speculative_accept", _wrong)
     assert _chi_square_p(eng, exact, seed=2, draws=5_000) < 1e-6
+
+
+def test_the_driver_builds_the_draft_and_the_rollout_reports_its_acceptance_rate(tmp_path: Path) -> None:
+    """The driver's draft build (``draft.model``: a flavor warm-started on the run's task like the policy;
+    here the policy's own flavor, so the same build and nearly every proposal accepted) feeds an engine
+    whose results become ``rollout/spec_accept_rate``."""
+    from miles.core.run import _draft_checkpoint, build_components
+    from miles.models.checkpoint import ensure_checkpoint
+    from miles.rollout.generate import spec_metadata
+    from miles.rollout.manager import sample_counts
+    from miles.types import Sample, Status
+
+    run = _run([DRAFT, "warm_start.steps=5", f"warm_start.cache_dir={tmp_path}"])
+    assert _draft_checkpoint(_run([]), tmp_path, None) is None  # no draft: nothing built
+    parts = build_components(run)
+    policy = ensure_checkpoint(run, parts["spec"], parts["task"])
+    draft = _draft_checkpoint(run, policy, parts["task"])
+    assert draft == policy  # same spec, task and seed: the cached build
+    eng = TorchEngine(str(policy), FP32, max_batch_size=8, draft_checkpoint_dir=str(draft), draft_k=3)
+    results = eng.generate(
+        [GenerateRequest(request_id="0", prompt_ids=(5, 6, 7, 8), n=8, seed=0)],
+        SamplingParams(max_new_tokens=8),
+    )
+    samples = [
+        Sample(
+            group_id=0,
+            index=r.index,
+            prompt_ids=[5, 6, 7, 8],
+            response_ids=list(r.response_ids),
+            rollout_logprobs=list(r.logprobs),
+            loss_mask=[1] * len(r.response_ids),
+            status=Status.COMPLETED,
+            weight_version=0,
+            metadata=spec_metadata(r),
+        )
+        for r in results
+    ]
+    metrics = sample_counts(samples)
+    assert metrics["rollout/spec_proposed"] == sum(r.spec_counts[0] for r in results) > 0  # type: ignore[index]
+    assert 0.9 < metrics["rollout/spec_accept_rate"] <= 1.0
+    assert "rollout/spec_accept_rate" not in sample_counts([])  # without a draft: no such metric
