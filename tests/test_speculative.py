@@ -150,7 +150,6 @@ def test_greedy_is_plain_greedy_under_continuous_batching(models: dict[str, Path
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
         proposed, accepted = (sum(r.spec_counts[i] for r in spec) for i in (0, 1))  # type: ignore[index]
         rates.append(accepted / proposed)
-    print("acceptance", rates)
     assert rates[0] > 0.1 and rates[1] < rates[0]  # the layer draft is a real draft; the test sees both paths
     assert plain[0].spec_counts is None
 
