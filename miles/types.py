@@ -85,6 +85,7 @@ class GenerateResult:
     top_logprobs: tuple | None = None  # per token: ((token_id, logprob), ...) most likely first
     routing: Any = field(default=None, compare=False)  # MoE: int16 tensor [T, moe_layers, top_k]
     prompt_routing: Any = field(default=None, compare=False)  # MoE: int16 [P - 1, moe_layers, top_k]
+    spec_counts: tuple[int, int] | None = field(default=None, compare=False)  # speculative: (proposed, accepted)
 
 
 @dataclass(kw_only=True)

@@ -51,9 +51,10 @@ import torch
 EOS_ID, PAD_ID = 2, 0
 
 
-def build_model(path: Path, eos_prob: float, seed: int = 0, max_positions: int | None = None) -> Path:
+def build_model(path: Path, eos_prob: float, seed: int = 0, max_positions: int | None = None,
+                num_layers: int | None = None) -> Path:
     """Save the tiny Qwen3 with the EOS offset (see the module docstring) to ``path``; ``max_positions``
-    overrides its ``max_position_embeddings`` (longer multi-turn contexts)."""
+    overrides its ``max_position_embeddings`` (longer multi-turn contexts), ``num_layers`` its depth."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from miles.models.checkpoint import TOKENIZER_VOCAB_SIZE
@@ -64,6 +65,9 @@ def build_model(path: Path, eos_prob: float, seed: int = 0, max_positions: int |
     config.eos_token_id, config.pad_token_id, config.bos_token_id = EOS_ID, PAD_ID, PAD_ID
     if max_positions is not None:
         config.max_position_embeddings = max_positions
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        config.layer_types = ["full_attention"] * num_layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -234,7 +238,14 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--speculative" in argv:  # its own workload and flags: miles.bench.speculative
+        from miles.bench.speculative import main as speculative
+
+        return speculative([a for a in argv if a != "--speculative"])
     p = argparse.ArgumentParser(prog="python -m miles.bench rollout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative rollout with against without a draft model (flags: --speculative --help)")
     p.add_argument("--batch-sizes", help="comma-separated rows per batch / engine slots (default 1,8,32,64)")
     p.add_argument("--max-new-tokens", type=int, help="cap on response tokens (default 128)")
     p.add_argument("--repeats", type=int, help="runs per side and batch size, median (default 3)")

@@ -526,6 +526,18 @@ class TenantConfig:
 
 
 @dataclass(**_frozen)
+class DraftConfig:
+    """Speculative rollout (``draft:``, docs/speculative.md): a small draft model proposes ``k`` tokens per
+    row that the policy verifies in one forward (exact speculative sampling in the torch engine)."""
+
+    model: ModelConfig | None = None
+    """The draft's model spec, built like ``model`` (``_target_``, ``flavor``, ``path``; a built flavor is
+    warm-started on the run's task like the policy); null: speculation off. Its tokenizer must be the policy's."""
+    k: int = 4
+    """Tokens the draft proposes per row and step (the policy verifies all ``k + 1`` positions at once)."""
+
+
+@dataclass(**_frozen)
 class MilesConfig:
     """The whole run."""
 
@@ -567,6 +579,8 @@ class MilesConfig:
     tenants: tuple[TenantConfig, ...] = ()
     """Multi-LoRA tenants (needs ``adapter=lora``): each trains its own adapter on its own task every
     step; empty: one policy on ``task``."""
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    """Speculative rollout's draft model (``draft.model``; null: off)."""
     hooks: tuple[TargetConfig, ...] = ()
     """Hook chain (:mod:`miles.hooks`): objects called in list order at named points of the loop
     (``on_run_start``, ``after_rollout``, ``after_reward``, ``before_train``, ``after_train``,

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from miles.config.draft import draft_problem, tokenizer_mismatch
 from miles.config.schema import (
     GROUP_SCHEMAS,
     HOOK_OPTIONAL_KEY,
@@ -235,6 +236,14 @@ def check_semantics(run: MilesConfig) -> None:
     _check_schedule(run)
     _check_adapter(run)
     _check_tenants(run)
+    if (problem := draft_problem(run)) is not None:
+        raise ConfigError(problem)
+
+
+def check_draft_tokenizer(policy_dir: str | Path, draft_dir: str | Path) -> None:
+    """Refuse a draft checkpoint whose vocabulary is not the policy's (:func:`miles.config.draft.tokenizer_mismatch`)."""
+    if (problem := tokenizer_mismatch(policy_dir, draft_dir)) is not None:
+        raise ConfigError(problem)
 
 
 def _check_cluster(run: MilesConfig) -> None:

@@ -178,6 +178,7 @@ def run_job(
 
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
+    draft_checkpoint = _draft_checkpoint(run, checkpoint, base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     fingerprint = resume.fingerprint(checkpoint, tokenizer)
     if run.trainer.resume_from is not None:  # another model shape or tokenizer: refused before Ray starts
@@ -197,6 +198,9 @@ def run_job(
         reward = RewardRunner(run.task.reward, allow=run.plugins.allow, timeout_s=run.task.reward_timeout_s,  # workers
                               num_workers=run.task.reward_num_workers, kind=run.task.reward_kind)  # start now
         eval_reward = _eval_runner(run.task, run.plugins.allow, "task")
+        if draft_checkpoint is not None:  # every engine (and every replacement) loads the draft beside the policy
+            plan = dataclasses.replace(plan, engine_kwargs={**plan.engine_kwargs, "draft_k": run.draft.k,
+                                                            "draft_checkpoint_dir": str(draft_checkpoint)})
         actors = create_actors(plan, run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s); the engines %s%s", time.perf_counter() - t_start,
                  len(actors.engines), len(actors.trainers), plan.engine_memory,
@@ -301,3 +305,20 @@ def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, f
             fn(metrics, step)
 
     return call
+
+
+def _draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
+    """The draft model's checkpoint (``draft.model``: its path, or a build of its flavor warm-started on the
+    run's task like the policy), refused when its vocabulary is not the policy's; None without a draft."""
+    if run.draft.model is None:
+        return None
+    from miles.config.validate import check_draft_tokenizer
+    from miles.models.checkpoint import ensure_checkpoint
+
+    m = run.draft.model
+    node = TargetConfig(target=m.target, kwargs={"flavor": m.flavor, "path": m.path})
+    spec = _user_input("draft.model", lambda: build(node, allow=run.plugins.allow, key="draft.model._target_"))
+    path = ensure_checkpoint(dataclasses.replace(run, model=m), spec, task)
+    check_draft_tokenizer(policy_checkpoint, path)
+    log.info("speculative rollout: draft %s (%s), %d token(s) proposed per step", m.flavor, path, run.draft.k)
+    return Path(path)

@@ -45,6 +45,7 @@ class EngineEmission:
     _arange: Tensor
     _eos: Tensor
     _cache: SlotCache
+    draft: Any  # miles.rollout.speculative.DraftModel, or None
     _prefix: PrefixStore
     _routers: list[torch.nn.Module]
     _cv: threading.Condition
@@ -162,6 +163,8 @@ class EngineEmission:
             for t in self._st.values():
                 t[dst] = t[src]
             self._cache.move(dst, src)
+            if self.draft is not None:
+                self.draft.cache.move(dst, src)
             for d, s in zip(holes, movers, strict=True):
                 self._rows[d] = self._rows[s]
         for s in range(keep, n):
@@ -194,6 +197,7 @@ class EngineEmission:
             token_versions=tuple(st["out_ver"][slot, :n].tolist()), finish_reason=reason, top_logprobs=top,
             routing=st["route"][slot, :n].cpu().clone() if self._routers else None,
             prompt_routing=row.prompt_route if self._routers else None,
+            spec_counts=(int(st["spec_prop"][slot]), int(st["spec_acc"][slot])) if self.draft is not None else None,
         )
 
     @staticmethod

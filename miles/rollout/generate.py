@@ -64,9 +64,18 @@ def samples_from_results(
             weight_version=r.weight_version, label=problem.label, response_text=text,
             routing=routes_of(r),
             token_versions=list(r.token_versions) or [r.weight_version] * len(r.response_ids),
+            metadata=spec_metadata(r),
         )
         for r, text in zip(results, texts, strict=True)
     ]
+
+
+def spec_metadata(r: GenerateResult) -> dict[str, Any]:
+    """``{"counts": {"spec_proposed": n, "spec_accepted": m}}`` for a result of a speculative engine (the
+    draft tokens it proposed and the policy accepted; summed into ``rollout/spec_*``), else ``{}``."""
+    if r.spec_counts is None:
+        return {}
+    return {"counts": {"spec_proposed": r.spec_counts[0], "spec_accepted": r.spec_counts[1]}}
 
 
 def routes_of(r: GenerateResult) -> Any:

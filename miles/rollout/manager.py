@@ -411,12 +411,14 @@ def _fn_name(fn: Any) -> str:
 
 def sample_counts(samples: Sequence[Sample]) -> dict[str, float]:
     """Sums of the samples' ``metadata["counts"]`` as ``rollout/<name>``; with tool calls also
-    ``rollout/agent/tool_success_rate`` (calls that returned without error / calls). Empty when no
-    sample has counts."""
+    ``rollout/agent/tool_success_rate`` (calls that returned without error / calls), and with speculative
+    rollout ``rollout/spec_accept_rate`` (draft tokens accepted / proposed). Empty when no sample has counts."""
     total: Counter[str] = Counter()
     for s in samples:
         total.update(s.metadata.get("counts", {}))
     out = {f"rollout/{k}": float(v) for k, v in sorted(total.items())}
     if total["agent/tool_calls"]:
         out["rollout/agent/tool_success_rate"] = total["agent/tool_calls_ok"] / total["agent/tool_calls"]
+    if total["spec_proposed"]:  # speculative rollout: draft tokens the policy accepted / proposed
+        out["rollout/spec_accept_rate"] = total["spec_accepted"] / total["spec_proposed"]
     return out

@@ -43,7 +43,8 @@ class SlotCache(Cache):
     ``capacity``, keeping the contents). Before each forward the engine sets the mode:
     ``prefill(dst, src)``: prompt row ``src[i]`` is written into slot ``dst[i]`` at indices
     ``[0, T)`` and attention runs over the prompts alone; ``decode(arange, pos, kv_len)``: slot
-    ``b < len(arange)`` gets its new K/V at index ``pos[b]`` and attends to indices ``[0, kv_len)``;
+    ``b < len(arange)`` gets its new K/V at index ``pos[b]`` (its ``T`` new K/V at ``pos[b] .. pos[b] + T - 1``
+    when a speculative step verifies several tokens at once) and attends to indices ``[0, kv_len)``;
     ``extend(dst, src, start, prefixes, kv_len)``: prompt row ``src[i]`` continues a stored prefix
     (:mod:`miles.rollout.prefix_cache`) in slot ``dst[i]``: the prefix's K/V fill indices
     ``[0, start)``, the row's new K/V go to ``[start, start + T)``, and attention runs over the first
@@ -107,10 +108,15 @@ class SlotCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[Tensor, Tensor]:
         k, v = self._layer(layer_idx, key_states)
-        if self._decode:  # key_states: [B, kv_heads, 1, head_dim]
-            k[self._arange, :, self._pos] = key_states[:, :, 0]
-            v[self._arange, :, self._pos] = value_states[:, :, 0]
-            b = key_states.shape[0]
+        if self._decode:  # key_states: [B, kv_heads, T, head_dim], T = 1 but for speculative verification
+            b, t = key_states.shape[0], key_states.shape[2]
+            if t == 1:
+                k[self._arange, :, self._pos] = key_states[:, :, 0]
+                v[self._arange, :, self._pos] = value_states[:, :, 0]
+            else:  # row b's tokens at indices pos[b] .. pos[b] + T - 1
+                idx = self._pos[:, None] + torch.arange(t, device=self._pos.device)[None]
+                k[self._arange[:, None], :, idx] = key_states.transpose(1, 2)
+                v[self._arange[:, None], :, idx] = value_states.transpose(1, 2)
             return k[:b, :, : self._kv_len], v[:b, :, : self._kv_len]
         t = key_states.shape[2]
         if self._extend is not None:

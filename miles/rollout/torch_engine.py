@@ -90,7 +90,8 @@ that forward (routing replay, :mod:`miles.train.routing_replay`).
 This module holds construction, the public API, the scheduler loop, admission, prefill and decode.
 The class's other parts are its bases: request checks and row construction in
 :mod:`miles.rollout.engine_intake`, sampling, stops and results in :mod:`miles.rollout.engine_emit`,
-weight updates and memory release in :mod:`miles.rollout.engine_weights`; the per-row records in
+weight updates and memory release in :mod:`miles.rollout.engine_weights`; speculative decode steps
+(with a draft model) in :mod:`miles.rollout.engine_spec`; the per-row records in
 :mod:`miles.rollout.engine_rows`.
 """
 
@@ -117,10 +118,12 @@ from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.engine_emit import EngineEmission
 from miles.rollout.engine_intake import EngineIntake
 from miles.rollout.engine_rows import _Row
+from miles.rollout.engine_spec import EngineSpeculation
 from miles.rollout.engine_weights import EngineWeights
 from miles.rollout.prefix_cache import PrefixEntry, PrefixStore
 from miles.rollout.requests import eos_ids
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches, pow2_at_least
+from miles.rollout.speculative import DraftModel
 from miles.tracking.memory import process_memory
 from miles.tracking.profiler import Profiled
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
@@ -130,7 +133,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profiled):
+class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation, Reusable, Profiled):
     """Generates with per-token log-probs by continuous batching; receives weights between steps.
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
@@ -139,7 +142,10 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
     ``adapter`` (``kind: lora``): hold one LoRA adapter per name of ``adapter_names`` on the base
     weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``); ``prefix_cache_tokens``:
     keep the K/V of finished completions of requests with a ``session_id``, up to this many tokens, and
-    prefill a later turn of the session from where they end (:mod:`miles.rollout.prefix_cache`; 0: off).
+    prefill a later turn of the session from where they end (:mod:`miles.rollout.prefix_cache`; 0: off);
+    ``draft_checkpoint_dir``: a draft model (same vocabulary) that proposes ``draft_k`` tokens per row and
+    decode step, verified by the policy in one forward (exact speculative sampling,
+    :mod:`miles.rollout.engine_spec`; None: off).
     """
 
     reports_token_versions = True
@@ -161,6 +167,8 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
         adapter: AdapterConfig | None = None,
         adapter_names: tuple[str, ...] = ("default",),
         prefix_cache_tokens: int = 0,
+        draft_checkpoint_dir: str | None = None,
+        draft_k: int = 4,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -180,6 +188,12 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
                              + ("capture_routing (a reused prefix has no recorded routes)" if capture_routing
                                 else "precision.true_on_policy (it prefills every prompt whole)")
                              + "; set rollout.engine.prefix_cache_tokens=0")
+        if draft_checkpoint_dir is not None and (capture_routing or precision.true_on_policy or adapter is not None
+                                                 and adapter.kind != "none" or not 1 <= draft_k <= 16):
+            raise ValueError("a draft model (speculative rollout) needs capture_routing=false, "
+                             "precision.true_on_policy=false, no adapter and 1 <= draft_k <= 16; found "
+                             f"capture_routing={capture_routing}, true_on_policy={precision.true_on_policy}, "
+                             f"adapter={adapter and adapter.kind}, draft_k={draft_k}")
         if admit_batch is not None and not 1 <= admit_batch <= max_batch_size:
             raise ValueError(f"admit_batch must be in [1, max_batch_size={max_batch_size}], got {admit_batch}")
         # While rows are running, admit only once this many slots are free (or every waiting row fits):
@@ -232,6 +246,14 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)
 
         self._prefix = PrefixStore(prefix_cache_tokens)
+        self.draft_k = draft_k
+        self.draft = None
+        if draft_checkpoint_dir is not None:
+            self.draft = DraftModel(str(draft_checkpoint_dir), self.dtype, self.device, max_batch_size)
+            if self.draft.vocab_size != self.vocab_size:
+                raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size} tokens, {draft_checkpoint_dir}) is "
+                                 f"not the policy's ({self.vocab_size}, {self.checkpoint_dir}); build the draft "
+                                 "with the policy's tokenizer")
         self._alloc_slots()
         self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
         with torch.no_grad():
@@ -358,6 +380,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
             "noise": torch.zeros(s, self.noise_chunk, v, device=self.device),
             "out_tok": torch.zeros(s, 0, **long), "out_lp": torch.zeros(s, 0, device=self.device),
             "out_ver": torch.zeros(s, 0, **long),
+            "prev": torch.zeros(s, **long), "spec_prop": torch.zeros(s, **long), "spec_acc": torch.zeros(s, **long),
             "top_v": torch.zeros(s, 0, 0, device=self.device), "top_i": torch.zeros(s, 0, 0, **long),
             "route": torch.zeros(s, 0, len(self._routers), self._router_top_k(), dtype=torch.int16,
                                  device=self.device),
@@ -391,7 +414,13 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
         self._grow("top_v", 2, max(r.sampling.logprobs_top_k for r in rows))
         self._grow("top_i", 2, self._st["top_v"].shape[2])
         self._grow("stop", 1, max(len(r.sampling.stop_token_ids) for r in rows), fill=-1)  # -1: no stop
-        self._cache.reserve(self._n + len(rows), need_len, self.max_positions)
+        if self.draft is None:
+            self._cache.reserve(self._n + len(rows), need_len, self.max_positions)
+            return
+        # a speculative round writes up to draft_k positions past a row's last token
+        extra = self.draft_k + 1
+        for cache in (self._cache, self.draft.cache):
+            cache.reserve(self._n + len(rows), need_len + extra, self.max_positions and self.max_positions + extra)
 
     # ---- scheduler thread ---------------------------------------------------------------------
 
@@ -420,7 +449,9 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
 
     def _step(self) -> None:
         self._admit()
-        if self._n:
+        if self._n and self.draft is not None:
+            self._finish_rows(self._spec_decode())
+        elif self._n:
             self._decode()
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
@@ -509,6 +540,8 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable, Profile
         hidden = self._forward(ids.to(self.device), mask, position_ids, [g[0] for g in groups])
         last = lens_t - 1
         logits = self._head(hidden[torch.arange(u, device=self.device), last], [g[0] for g in groups])[src]
+        if self.draft is not None:
+            self._draft_prefill([tuple(g[0].request.prompt_ids) for g in groups], lo, hi, src)
         routing = None
         if self._routers:  # per layer [u * t, k] -> [u, t, layers, k]
             routes = torch.stack([r.view(u, t, -1) for r in self._step_routing], 2)

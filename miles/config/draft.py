@@ -1,0 +1,101 @@
+"""Checks of the ``draft:`` node (speculative rollout, docs/speculative.md), before Ray starts and again
+once the draft's checkpoint exists.
+
+A draft can only propose tokens the policy reads the same way: :func:`tokenizer_mismatch` compares
+the two checkpoints' vocabularies (``config.json``'s ``vocab_size`` and, where both have one, the token
+-> id table of ``tokenizer.json``) and names both when they differ. Speculation runs in the torch engine only:
+:data:`SGLANG_REFUSAL` says why SGLang's own speculative decoding is not used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from miles.config.schema import MilesConfig
+
+MAX_DRAFT_K = 16
+"""Upper bound of ``draft.k``: the verify forward is ``k + 1`` positions per row."""
+
+SGLANG_REFUSAL = (
+    "SGLang's own speculative decoding (EAGLE / standalone draft, sglang 0.5.23) builds its draft attention "
+    "from a fixed list of backends (flashinfer, triton, fa3, intel_amx, ...); on CPU only intel_amx is there, "
+    "which needs sgl-kernel's CPU kernels (not on PyPI, source build only), and torch_native, the backend SGLang "
+    "runs with on CPU here, is not in the list ('EAGLE is not supported in decode attention backend "
+    "torch_native'). miles does not drive it on GPU either (untested). Speculative rollout runs in the torch "
+    "engine: use rollout=torch, or set draft.model=null"
+)
+
+
+def draft_problem(run: MilesConfig) -> str | None:
+    """What makes the ``draft:`` settings impossible, naming the key; None when they can work (always when
+    ``draft.model`` is null and ``draft.k`` is in range)."""
+    d = run.draft
+    if not 1 <= d.k <= MAX_DRAFT_K:
+        return f"draft.k: must be in [1, {MAX_DRAFT_K}], found {d.k}"
+    if d.model is None:
+        return None
+    if run.rollout.engine.target.endswith("sglang_engine.SGLangEngine"):
+        return f"draft.model with rollout.engine={run.rollout.engine.target}: {SGLANG_REFUSAL}"
+    if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
+        return (
+            f"draft.model: speculative rollout needs the torch engine "
+            f"(miles.rollout.torch_engine.TorchEngine), found {run.rollout.engine.target}"
+        )
+    why = {
+        "precision.true_on_policy=true": (
+            run.precision.true_on_policy,
+            "it generates one row at a time with the "
+            "trainer's kernels, not through the batched path that verifies drafts",
+        ),
+        "algo.routing_replay=rollout": (
+            run.algo.routing_replay == "rollout",
+            "routes are recorded per decode step; a verify forward covers several tokens",
+        ),
+        f"adapter={run.adapter.kind}": (
+            run.adapter.kind != "none",
+            "verifying drafts under LoRA adapters is not implemented",
+        ),
+    }
+    for setting, (on, reason) in why.items():
+        if on:
+            return f"draft.model cannot be combined with {setting}: {reason}; set draft.model=null"
+    if d.model.path is not None:
+        if not Path(d.model.path).expanduser().joinpath("config.json").is_file():
+            return f"draft.model.path: no config.json in {d.model.path!r}; point it at an HF checkpoint directory"
+        if run.model.path is not None:
+            return tokenizer_mismatch(run.model.path, d.model.path)
+    return None
+
+
+def _vocab(path: Path) -> tuple[int | None, dict[str, Any] | None]:
+    """``config.json``'s ``vocab_size`` and ``tokenizer.json``'s token -> id table (with added tokens), each
+    None when absent."""
+    size = None
+    if (path / "config.json").is_file():
+        size = json.loads((path / "config.json").read_text()).get("vocab_size")
+    table = None
+    if (path / "tokenizer.json").is_file():
+        tok = json.loads((path / "tokenizer.json").read_text())
+        table = dict((tok.get("model") or {}).get("vocab") or {})
+        table.update({t["content"]: t["id"] for t in tok.get("added_tokens") or []})
+    return size, table
+
+
+def tokenizer_mismatch(policy_dir: str | Path, draft_dir: str | Path) -> str | None:
+    """Why the draft's vocabulary is not the policy's, naming both checkpoints; None when they match."""
+    p, d = Path(policy_dir).expanduser(), Path(draft_dir).expanduser()
+    (p_size, p_table), (d_size, d_table) = _vocab(p), _vocab(d)
+    problem = None
+    if p_size != d_size:
+        problem = f"vocab_size {p_size} (policy) != {d_size} (draft)"
+    elif p_table is not None and d_table is not None and p_table != d_table:
+        differ = sorted(k for k in p_table.keys() | d_table.keys() if p_table.get(k) != d_table.get(k))
+        problem = f"their tokenizer.json tables differ in {len(differ)} token(s), e.g. {differ[:5]}"
+    if problem is None:
+        return None
+    return (
+        f"draft.model: the draft's tokenizer ({d}) does not match the policy's ({p}): {problem}. "
+        "A draft must propose the policy's token ids: build it with the policy's tokenizer"
+    )

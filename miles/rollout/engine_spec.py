@@ -1,0 +1,220 @@
+"""Speculative decode steps of :class:`miles.rollout.torch_engine.TorchEngine` (``draft_checkpoint_dir``).
+
+With a draft (:class:`miles.rollout.speculative.DraftModel`), a decode step over the ``b`` occupied slots
+is one speculative round instead of one token:
+
+1. The draft proposes ``k`` tokens per row, sampling each from its own filtered, temperature-scaled
+   distribution ``q``: a first forward over the row's last two tokens (positions ``pos - 1, pos``: it
+   refills the one position the draft skipped when the round before accepted everything), then
+   ``k - 1`` one-token forwards through its own slot cache.
+2. The policy scores the current token and the ``k`` proposals in one forward (``k + 1`` positions per
+   row, written into its cache at ``pos .. pos + k``, each attending to the indices up to its own).
+3. :func:`miles.rollout.speculative.speculative_accept` keeps ``a`` proposals and one more token
+   (resampled or bonus): ``a + 1`` tokens per row, cut at the first EOS / stop token / stop string and at
+   ``max_new_tokens``. Each gets its log-prob under the policy (``log_softmax(z / T)``, unfiltered), as
+   without a draft.
+4. Rewinding is implicit: a row's position moves only past the tokens it kept. K/V written for rejected
+   proposals (in both caches) lie past it, are never attended to (attention reads indices up to each
+   query's position) and are overwritten by the next round before anything reads them.
+
+Random numbers come from each row's own generator (its seed): per round one ``[k + 1, V + 1]`` draw of
+``Exp(1)`` gives the draft's sampling noise (rows ``0 .. k - 1``), the final token's (row ``k``) and the
+acceptance uniforms (``exp(-E)`` of column ``V``). A row's tokens therefore depend on its seed and the
+weights, not on its neighbours; they differ from a run without the draft (other draws), while their
+distribution is the same. Per completion the engine counts proposed and accepted tokens
+(``GenerateResult.spec_counts``), from which the rollout reports ``rollout/spec_accept_rate``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles.rollout.engine_rows import _Row
+from miles.rollout.sampling import filter_logits_rows
+from miles.rollout.slot_cache import SlotCache
+from miles.rollout.speculative import DraftModel, speculative_accept
+
+
+class EngineSpeculation:
+    """Speculative decode rounds; a base of :class:`~miles.rollout.torch_engine.TorchEngine`, whose
+    constructor sets the attributes below."""
+
+    draft: DraftModel | None
+    draft_k: int
+    vocab_size: int
+    device: torch.device
+    _version: int
+    _st: dict[str, Tensor]
+    _rows: list[_Row | None]
+    _n: int
+    _count: Counter[str]
+    _arange: Tensor
+    _positions: Tensor
+    _eos: Tensor
+    _cache: SlotCache
+    _lm_head: Any
+    _forward: Callable[[Tensor, Tensor, Tensor, list[_Row]], Tensor]  # TorchEngine's
+    _hit_stop_text: Callable[[int], bool]  # EngineEmission's
+
+    def _draft_prefill(self, prompts: list[tuple[int, ...]], lo: int, hi: int, src: Tensor) -> None:
+        """The draft's K/V of whole prompts (one per prompt row; slots ``[lo, hi)`` take ``prompts[src[i]]``)."""
+        assert self.draft is not None
+        lens = [len(p) for p in prompts]
+        u, t = len(prompts), max(lens)
+        ids = torch.zeros((u, t), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : lens[i]] = torch.tensor(p, dtype=torch.long)
+        lens_t = torch.tensor(lens, device=self.device)
+        positions = self._positions[:t]
+        mask = (
+            (positions[None, :] <= positions[:, None])[None]
+            & (positions[None, None, :] < lens_t[:, None, None])
+        )[:, None]
+        self.draft.cache.prefill(self._arange[lo:hi], src)
+        self.draft.forward(ids.to(self.device), mask, positions.expand(u, t))
+        self._st["prev"][lo:hi] = ids.to(self.device)[src, (lens_t - 1)[src]]
+        self._st["spec_prop"][lo:hi] = 0
+        self._st["spec_acc"][lo:hi] = 0
+
+    def _round_noise(self, b: int, k: int) -> tuple[Tensor, Tensor]:
+        """Each row's draws for one round: ``-log E`` [b, k + 1, V] and uniforms [b, k] (zeros / ones for
+        greedy rows, which use neither)."""
+        v = self.vocab_size
+        e = torch.ones(b, k + 1, v + 1)
+        for i in range(b):
+            gen = self._rows[i].generator  # type: ignore[union-attr]
+            if gen is not None:
+                e[i].exponential_(generator=gen)
+        e = e.to(self.device)
+        tiny = torch.finfo(e.dtype).tiny
+        gumbel = -e[:, :, :v].clamp_min(tiny).log()
+        uniform = torch.exp(-e[:, :k, v])
+        return gumbel, uniform
+
+    def _filtered(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        """``filter(z / T)`` per row (logits [b, V]), as plain sampling races on."""
+        scaled = logits / temp[:, None] if self._count["temp"] else logits
+        return filter_logits_rows(scaled, top_k, top_p) if self._count["filter"] else scaled
+
+    def _spec_decode(self) -> list[tuple[int, str]]:
+        """One speculative round for every occupied slot; returns the rows that stopped."""
+        assert self.draft is not None
+        b, st, k, v = self._n, self._st, self.draft_k, self.vocab_size
+        arange = self._arange[:b]
+        pos, tok, prev = st["pos"][:b], st["tok"][:b], st["prev"][:b]
+        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
+        gumbel, uniform = self._round_noise(b, k)
+        top = int(pos.max())
+        # 1. draft proposals
+        dc = self.draft.cache
+        qpos = pos[:, None] + torch.tensor([-1, 0], device=self.device)[None]
+        dc.decode(arange, pos - 1, top + 1)
+        mask = (self._positions[: top + 1][None, None, :] <= qpos[:, :, None])[:, None]
+        hidden = self.draft.forward(torch.stack([prev, tok], 1), mask, qpos)[:, -1]
+        proposals, q = [], []
+        for j in range(k):
+            z = self._filtered(self.draft.logits(hidden), temp, top_k, top_p)
+            logq = z.log_softmax(dim=-1)
+            d = (logq + gumbel[:, j]).argmax(dim=-1)
+            if self._count["greedy"]:
+                d = torch.where(greedy, z.argmax(dim=-1), d)
+            proposals.append(d)
+            q.append(logq.exp())
+            if j < k - 1:
+                p_j = pos + 1 + j
+                dc.decode(arange, p_j, top + 2 + j)
+                mask = (self._positions[: top + 2 + j][None, :] <= p_j[:, None])[:, None, None, :]
+                hidden = self.draft.forward(d[:, None], mask, p_j[:, None])[:, -1]
+        draft = torch.stack(proposals, 1)  # [b, k]
+        # 2. the policy over the current token and the proposals
+        ids = torch.cat([tok[:, None], draft], 1)
+        vpos = pos[:, None] + torch.arange(k + 1, device=self.device)[None]
+        kv_len = top + k + 1
+        self._cache.decode(arange, pos, kv_len)
+        mask = (self._positions[:kv_len][None, None, :] <= vpos[:, :, None])[:, None]
+        hidden = self._forward(ids, mask, vpos, self._rows[:b])  # type: ignore[arg-type]
+        logits = self._lm_head(hidden).float()  # [b, k + 1, V]
+        scaled = logits / temp[:, None, None] if self._count["temp"] else logits
+        logp = scaled.log_softmax(dim=-1)
+        flat = self._filtered(
+            logits.reshape(b * (k + 1), v),
+            temp.repeat_interleave(k + 1),
+            top_k.repeat_interleave(k + 1),
+            top_p.repeat_interleave(k + 1),
+        )
+        p = flat.view(b, k + 1, v).softmax(dim=-1)
+        # 3. accept / reject, then the rows' tokens
+        accepted, tokens = speculative_accept(
+            p,
+            torch.stack(q, 1),
+            draft,
+            uniform,
+            gumbel[:, k],
+            greedy if self._count["greedy"] else None,
+            logits.argmax(dim=-1) if self._count["greedy"] else None,
+        )
+        st["spec_prop"][:b] += k
+        st["spec_acc"][:b] += accepted
+        return self._emit_many(b, tokens, accepted + 1, logp)
+
+    def _emit_many(self, b: int, tokens: Tensor, count: Tensor, logp: Tensor) -> list[tuple[int, str]]:
+        """Record up to ``count[i]`` tokens ``tokens[i]`` of slot ``i < b`` (cut at a stop and at
+        ``max_new_tokens``) with their log-probs from ``logp`` [b, k + 1, V]; returns the stopped rows."""
+        st, width = self._st, tokens.shape[1]
+        arange, cols = self._arange[:b], torch.arange(width, device=self.device)
+        ngen = st["ngen"][:b]
+        stop_at = torch.isin(tokens, self._eos)
+        if self._count["stop_ids"]:
+            stop_at |= (tokens[:, :, None] == st["stop"][:b, None, :]).any(dim=2)
+        stop_at &= cols[None] < count[:, None]
+        first = torch.where(stop_at.any(dim=1), stop_at.int().argmax(dim=1) + 1, width)
+        n = torch.minimum(torch.minimum(count, first), st["max_new"][:b] - ngen)
+        if self._count["stop_text"]:
+            n = self._cut_at_stop_text(b, tokens, n)
+        keep = cols[None] < n[:, None]
+        rows, idx = arange[:, None].expand(b, width)[keep], (ngen[:, None] + cols[None])[keep]
+        st["out_tok"][rows, idx] = tokens[keep]
+        st["out_lp"][rows, idx] = logp.gather(-1, tokens[..., None])[..., 0][keep]
+        st["out_ver"][rows, idx] = self._version
+        if self._count["top_logprobs"]:
+            top_v, top_i = logp.topk(st["top_v"].shape[2], dim=-1)
+            st["top_v"][rows, idx], st["top_i"][rows, idx] = top_v[keep], top_i[keep]
+        last = tokens[arange, n - 1]
+        before = torch.where(n >= 2, tokens[arange, (n - 2).clamp_min(0)], st["tok"][:b])
+        st["prev"][:b], st["tok"][:b] = before, last
+        st["pos"][:b] += n
+        ngen += n
+        # reason codes as in _emit: 1 eos, 2 stop token, 3 length, 4 stop string (first that applies)
+        code = torch.where(ngen >= st["max_new"][:b], 3, 0)
+        if self._count["stop_ids"]:
+            code = torch.where((last[:, None] == st["stop"][:b]).any(dim=1), 2, code)
+        code = torch.where(torch.isin(last, self._eos), 1, code)
+        names = ("", "eos", "stop_token", "length")
+        stopped = [(i, names[c]) for i, c in enumerate(code.tolist()) if c]
+        if self._count["stop_text"]:
+            done = {s for s, _ in stopped}
+            stopped += [(s, "stop_string") for s in range(b) if s not in done and self._hit_stop_text(s)]
+        return stopped
+
+    def _cut_at_stop_text(self, b: int, tokens: Tensor, n: Tensor) -> Tensor:
+        """``n`` cut after the first token whose text completes a stop string (rows with stop strings)."""
+        st = self._st
+        n = n.clone()
+        for i in range(b):
+            row = self._rows[i]
+            if row is None or not row.sampling.stop:
+                continue
+            base = int(st["ngen"][i])
+            for j in range(int(n[i])):
+                st["out_tok"][i, base + j] = tokens[i, j]
+                st["ngen"][i] = base + j + 1
+                if self._hit_stop_text(i):
+                    n[i] = j + 1
+                    break
+            st["ngen"][i] = base
+        return n
