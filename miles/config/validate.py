@@ -224,6 +224,8 @@ def check_semantics(run: MilesConfig) -> None:
         raise ConfigError(f"precision.tis_clip: must be >= 1 (or null to disable), found {run.precision.tis_clip}")
     if run.model.path is not None and not Path(run.model.path).expanduser().joinpath("config.json").is_file():
         raise ConfigError(f"model.path: no config.json in {run.model.path!r}; point it at an HF checkpoint directory")
+    if any(s < 1 for s in run.tracking.timeline_steps):
+        raise ConfigError(f"tracking.timeline_steps: steps count from 1, found {list(run.tracking.timeline_steps)}")
     _check_precision(run)
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)

@@ -212,6 +212,12 @@ def run_job(
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
+        if run.tracking.timeline_steps:
+            from miles.core.timeline import StepTimeline
+
+            ctx.timeline = StepTimeline(run.tracking.timeline_steps,
+                                        lambda: [*rollout.live_engines, *actors.trainers, *actors.critics],
+                                        [reward], _timeline_sink(run, tracker))
         if (off := trainer_recovery_off(run)) is not None:
             log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)
         elif run.trainer.max_failures:
@@ -287,6 +293,21 @@ def _tenant_tasks(run: MilesConfig) -> list[Any]:
         _user_input(f"tenants[{i}].task", lambda t=t, task=task: task.eval_problems(t.task.num_eval_prompts), DataError)
         out.append(task)
     return out
+
+
+def _timeline_sink(run: MilesConfig, tracker: Any) -> Callable[[dict[str, Any]], None]:
+    """Where a step's timeline goes: ``tracking.timeline_dir`` if set, and the tracker's artifacts."""
+    from miles.tracking import timeline
+
+    def sink(trace: dict[str, Any]) -> None:
+        if run.tracking.timeline_dir is not None:
+            paths = timeline.write(trace, Path(run.tracking.timeline_dir))
+            log.info("timeline of step %d: %s", trace["otherData"]["step"], ", ".join(map(str, paths)))
+        log_timeline = getattr(tracker, "log_timeline", None)
+        if log_timeline is not None:
+            log_timeline(trace)
+
+    return sink
 
 
 def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, float], int], None]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.schema import MilesConfig, TrackingConfig
+from miles.tracking import timeline
 from miles.tracking.outbox import Outbox, RunSpec
 from miles.tracking.plots import History, write_plots
 from miles.tracking.snapshot import REDACTED, Launch, is_secret_key, write_snapshot
@@ -167,6 +168,13 @@ class MlflowTracker:
                 out |= {f"{key}/p{q}": v for q, v in self.history.add_distribution(key, vals, step).items()}
         if out:
             self.log_metrics(out, step)
+
+    def log_timeline(self, trace: Mapping[str, Any]) -> None:
+        """A step's timeline (:mod:`miles.tracking.timeline`) as artifacts: ``timeline/step_<N>.json`` and
+        ``plots/timeline_step_<N>.png``; returns once they are written locally (the upload is queued)."""
+        dest = self._tmp / f"timeline-{trace['otherData']['step']}"
+        timeline.write(dict(trace), dest)
+        self._outbox.put_artifacts(dest)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Plots and the metrics history as artifacts, then end the run (waiting at most ``tracking.flush_timeout_s``)."""
