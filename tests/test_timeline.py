@@ -65,7 +65,7 @@ def test_timeline_steps_must_count_from_one() -> None:
 
 
 def test_timeline_of_a_real_step(ray_cluster, tmp_path: Path) -> None:
-    """A real run with ``tracking.timeline_steps=[2]``: step 2's trace has spans of the driver, the engine,
+    """A real 3-step run with ``tracking.timeline_steps=[2]``: step 2's trace has spans of the driver, the engine,
     the trainer ranks and the reward workers, in the order of the loop and inside the driver's phases;
     it is an MLflow artifact with its Gantt PNG, and also written to ``tracking.timeline_dir``."""
     from mlflow.tracking import MlflowClient
@@ -76,7 +76,7 @@ def test_timeline_of_a_real_step(ray_cluster, tmp_path: Path) -> None:
     run = validate(
         {
             "seed": 0,
-            "trainer": {"num_steps": 2, "eval_every": 0},
+            "trainer": {"num_steps": 3, "eval_every": 0},  # step 2: no eval in it
             "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
             "task": {"num_eval_prompts": 4, "reward_num_workers": 2},
             "placement": {"trainer_world_size": 2},
