@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n{_usage()}", file=sys.stderr)
         return 2
+    if name == "rollout" and "--speculative" in rest:  # its own workload and flags: miles.bench.speculative
+        name, rest = "speculative", [a for a in rest if a != "--speculative"]
     module = importlib.import_module(f"miles.bench.{name}")
     return int(module.main(rest) or 0)
 

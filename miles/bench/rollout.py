@@ -239,13 +239,10 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--speculative" in argv:  # its own workload and flags: miles.bench.speculative
-        from miles.bench.speculative import main as speculative
-
-        return speculative([a for a in argv if a != "--speculative"])
     p = argparse.ArgumentParser(prog="python -m miles.bench rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--speculative", action="store_true",
-                   help="speculative rollout with against without a draft model (flags: --speculative --help)")
+                   help="speculative rollout with against without a draft model (its own flags: "
+                        "python -m miles.bench rollout --speculative --help; miles.bench.speculative)")
     p.add_argument("--batch-sizes", help="comma-separated rows per batch / engine slots (default 1,8,32,64)")
     p.add_argument("--max-new-tokens", type=int, help="cap on response tokens (default 128)")
     p.add_argument("--repeats", type=int, help="runs per side and batch size, median (default 3)")
@@ -257,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="seconds, for tests: defaults become batch sizes 1,4, 16 new tokens, 1 repeat, 2 rows/batch")
     args = p.parse_args(argv)
+    if args.speculative:  # dispatched by miles.bench.__main__ before this parser sees it
+        p.error("--speculative runs miles.bench.speculative: python -m miles.bench rollout --speculative")
     defaults = (("1,4", 16, 1, 2) if args.quick else ("1,8,32,64", 128, 3, 4))
     for name, value in zip(("batch_sizes", "max_new_tokens", "repeats", "rows_per_batch"), defaults, strict=True):
         if getattr(args, name) is None:

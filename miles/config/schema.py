@@ -405,6 +405,13 @@ class TrackingConfig:
     prometheus_port: int | None = None
     """Serve live metrics for Prometheus at ``http://127.0.0.1:<port>/metrics`` while the run goes on
     (docs/observability.md); 0 takes a free port (printed at start); None: no exporter."""
+    timeline_steps: tuple[int, ...] = ()
+    """Steps whose timeline is recorded: every actor's busy spans as a Chrome trace
+    (``timeline/step_<N>.json``) and a Gantt chart (``plots/timeline_step_<N>.png``), MLflow artifacts
+    (:mod:`miles.tracking.timeline`, docs/observability.md); empty: none, and no actor is wrapped."""
+    timeline_dir: str | None = None
+    """Also write the timelines of ``timeline_steps`` into this directory (with ``tracking=none`` the
+    only place they go); None: MLflow artifacts only."""
 
 
 @dataclass(**_frozen)

@@ -229,6 +229,8 @@ def check_semantics(run: MilesConfig) -> None:
     bad = [s for s in run.profile.steps if not 1 <= s <= run.trainer.num_steps]
     if bad:
         raise ConfigError(f"profile.steps: {bad} not among the train steps 1..{run.trainer.num_steps} (trainer.num_steps)")
+    if any(s < 1 for s in run.tracking.timeline_steps):
+        raise ConfigError(f"tracking.timeline_steps: steps count from 1, found {list(run.tracking.timeline_steps)}")
     _check_precision(run)
     _check_checkpointing(run)
     _check_algo_trainer_sync(run)

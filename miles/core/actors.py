@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.config import MilesConfig, RankConfig, locate
 from miles.core.cluster import bundle_nodes, rendezvous, reserve
 from miles.core.plan import Plan, Slot
+from miles.tracking.timeline import timed_class
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,11 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
         engines = kept.engines
         pending = [e.reinit.remote(*a, **kw) for e, (a, kw) in zip(engines, engine_args, strict=True)]
     else:
-        engines = [_new_engine(plan, groups, i, args) for i, args in enumerate(engine_args)]
+        engines = [_new_engine(plan, groups, i, args, timed=_timed(run)) for i, args in enumerate(engine_args)]
         pending = []
-    trainers = [_place(trainer_cls, slot, groups).remote(**kw)
+    trainers = [_place(trainer_cls, slot, groups, track=_track("trainer rank", slot, run)).remote(**kw)
                 for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
-    critics = [_place(locate(plan.critic_class), slot, groups).remote(**kw)
+    critics = [_place(locate(plan.critic_class), slot, groups, track=_track("critic rank", slot, run)).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics,
                     stores=stores)
@@ -133,7 +134,7 @@ def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir:
     at once; it is up when its ``health`` answers. ``actors.engines`` holds it from now on."""
     ray.kill(actors.engines[index], no_restart=True)
     actors.engines[index] = _new_engine(actors.plan, actors.placement_groups, index,
-                                        _engine_args(actors.plan, run, checkpoint_dir)[index])
+                                        _engine_args(actors.plan, run, checkpoint_dir)[index], timed=_timed(run))
     return actors.engines[index]
 
 
@@ -148,26 +149,43 @@ def restart_trainers(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> N
     plan = actors.plan
     _, trainer_args, critic_args, stores = _constructor_args(plan, run, checkpoint_dir)
     trainer_cls = locate(plan.trainer_class)
-    actors.trainers[:] = [_place(trainer_cls, slot, actors.placement_groups).remote(**kw)
+    actors.trainers[:] = [_place(trainer_cls, slot, actors.placement_groups,
+                                 track=_track("trainer rank", slot, run)).remote(**kw)
                           for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
-    actors.critics[:] = [_place(locate(plan.critic_class), slot, actors.placement_groups).remote(**kw)
+    actors.critics[:] = [_place(locate(plan.critic_class), slot, actors.placement_groups,
+                                track=_track("critic rank", slot, run)).remote(**kw)
                          for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors.stores[:] = stores  # the old stores close with their last reference
     ray.get([t.__ray_ready__.remote() for t in actors.trainers + actors.critics])
 
 
-def _place(cls: Any, slot: Slot, groups: Sequence[Any], **options: Any) -> Any:
-    """``cls`` as a Ray actor class bound to ``slot``'s bundle, CPUs, GPUs and environment."""
+def _timed(run: MilesConfig) -> bool:
+    """Whether the actors record their calls for per-step timelines (``tracking.timeline_steps``)."""
+    return bool(run.tracking.timeline_steps)
+
+
+def _track(kind: str, slot: Slot, run: MilesConfig) -> str | None:
+    """The timeline track of the actor of ``slot`` (e.g. ``"trainer rank 0"``), or None: not timed."""
+    return f"{kind} {slot.index}" if _timed(run) else None
+
+
+def _place(cls: Any, slot: Slot, groups: Sequence[Any], track: str | None = None, **options: Any) -> Any:
+    """``cls`` as a Ray actor class bound to ``slot``'s bundle, CPUs, GPUs and environment; with ``track``,
+    its calls are recorded for per-step timelines (:func:`miles.tracking.timeline.timed_class`)."""
+    if track is not None:
+        cls = timed_class(cls, track)
     return ray.remote(cls).options(
         num_cpus=slot.cpus, num_gpus=slot.gpus, runtime_env={"env_vars": dict(slot.env)},
         scheduling_strategy=PlacementGroupSchedulingStrategy(groups[slot.pool], placement_group_bundle_index=slot.bundle),
         **options)
 
 
-def _new_engine(plan: Plan, groups: Sequence[Any], index: int, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-    """Engine ``index`` of ``plan`` on its bundle, constructed with ``args`` (one of :func:`_engine_args`)."""
+def _new_engine(plan: Plan, groups: Sequence[Any], index: int, args: tuple[tuple[Any, ...], dict[str, Any]],
+                timed: bool = False) -> Any:
+    """Engine ``index`` of ``plan`` on its bundle, constructed with ``args`` (one of :func:`_engine_args`);
+    ``timed``: its calls are recorded for per-step timelines."""
     args, kwargs = args
-    return _place(locate(plan.engine_class), plan.engines[index], groups,
+    return _place(locate(plan.engine_class), plan.engines[index], groups, track=f"engine {index}" if timed else None,
                   max_concurrency=ENGINE_MAX_CONCURRENCY).remote(*args, **kwargs)
 
 

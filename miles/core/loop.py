@@ -51,6 +51,7 @@ from miles.core.step import (
     save_checkpoint,
 )
 from miles.rollout.dispatch import AllEnginesDeadError
+from miles.tracking.timeline import span
 from miles.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     the next group id."""
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
     begin_profile(ctx, step)
+    if ctx.timeline is not None:  # tracking.timeline_steps: every actor's busy spans in this step
+        ctx.timeline.begin(step)
     t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
 
     # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
@@ -117,7 +120,8 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
             seed=run.seed * 1_000_003 + first, first_group_id=first)
 
     try:
-        groups, metrics = collect()
+        with span("rollout"):
+            groups, metrics = collect()
     except AllEnginesDeadError:  # every engine died in this rollout: with recovery, new ones and again
         if ctx.recovery is None:
             raise
@@ -132,12 +136,14 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     t1 = time.perf_counter()
 
     # 3-4. advantages and the train step
-    metrics, samples = learn(ctx, step, groups, metrics)
+    with span("learn"):
+        metrics, samples = learn(ctx, step, groups, metrics)
     ctx.ledger.settle_batch(groups)
     t2 = time.perf_counter()
 
     # 5. sync: the engines still in rotation sample from the new weights from now on
-    metrics |= push_weights(ctx, step)
+    with span("sync"):
+        metrics |= push_weights(ctx, step)
     hooks.after_weight_sync(step, step)
     t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
     end_profile(ctx, step)
@@ -145,7 +151,8 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
     last = step == run.trainer.num_steps or hooks.stop_reason is not None
     if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
-        evaluated = evaluate(ctx, eval_set)
+        with span("eval"):
+            evaluated = evaluate(ctx, eval_set)
         hooks.after_eval(step, evaluated)
         metrics |= evaluated
     metrics |= {
@@ -154,13 +161,17 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     } | engine_busy_metrics(busy0, busy3) | hooks.pop_metrics()
     if ctx.trainer_recovery is not None:
         metrics |= ctx.trainer_recovery.metrics()
-    ctx.log_metrics(metrics, step)
-    if ctx.log_distributions is not None:
-        ctx.log_distributions({"train/reward": [s.reward for s in samples],
-                               "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
+    with span("log"):
+        ctx.log_metrics(metrics, step)
+        if ctx.log_distributions is not None:
+            ctx.log_distributions({"train/reward": [s.reward for s in samples],
+                                   "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
     every = run.trainer.save_every
     if every and (step % every == 0 or step == run.trainer.num_steps or hooks.stop_reason is not None):
-        save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
+        with span("checkpoint"):
+            save_checkpoint(ctx, step, rng.getstate(), next_group_id, ctx.ledger.state())
+    if ctx.timeline is not None:
+        ctx.timeline.end(step)
     return metrics, next_group_id
 
 

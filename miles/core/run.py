@@ -222,6 +222,12 @@ def run_job(
 
             ctx.profiler = StepProfiler(run.profile.steps, Path(run.profile.dir) / default_run_name(run),
                                         tracker.log_artifacts)
+        if run.tracking.timeline_steps:
+            from miles.core.timeline import StepTimeline
+
+            ctx.timeline = StepTimeline(run.tracking.timeline_steps,
+                                        lambda: [*rollout.live_engines, *actors.trainers, *actors.critics],
+                                        [reward], _timeline_sink(run, tracker))
         if (off := trainer_recovery_off(run)) is not None:
             log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)
         elif run.trainer.max_failures:
@@ -297,6 +303,21 @@ def _tenant_tasks(run: MilesConfig) -> list[Any]:
         _user_input(f"tenants[{i}].task", lambda t=t, task=task: task.eval_problems(t.task.num_eval_prompts), DataError)
         out.append(task)
     return out
+
+
+def _timeline_sink(run: MilesConfig, tracker: Any) -> Callable[[dict[str, Any]], None]:
+    """Where a step's timeline goes: ``tracking.timeline_dir`` if set, and the tracker's artifacts."""
+    from miles.tracking import timeline
+
+    def sink(trace: dict[str, Any]) -> None:
+        if run.tracking.timeline_dir is not None:
+            paths = timeline.write(trace, Path(run.tracking.timeline_dir))
+            log.info("timeline of step %d: %s", trace["otherData"]["step"], ", ".join(map(str, paths)))
+        log_timeline = getattr(tracker, "log_timeline", None)
+        if log_timeline is not None:
+            log_timeline(trace)
+
+    return sink
 
 
 def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, float], int], None]:

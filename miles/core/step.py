@@ -26,9 +26,11 @@ from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
 from miles.core.profiling import StepProfiler, step_actors
 from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery
+from miles.core.timeline import StepTimeline
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
 from miles.tracking.memory import actor_metrics, process_memory, rank_memory
+from miles.tracking.timeline import span
 from miles.types import SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
 
@@ -75,6 +77,8 @@ class LoopContext:
     """The run checkpoint written last in this run, or the one it resumed from; None: none yet."""
     profiler: StepProfiler | None = None
     """``profile.steps``: records torch profiler traces of chosen steps (:mod:`miles.core.profiling`)."""
+    timeline: StepTimeline | None = None
+    """Records the steps of ``tracking.timeline_steps`` (:mod:`miles.core.timeline`); None: none."""
 
 
 def begin_profile(ctx: LoopContext, step: int) -> None:
@@ -103,14 +107,16 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         metrics |= shape_overlong(groups, run)
     hooks.after_reward(step, groups)  # the rewards are final: advantages come from them
     gae = algo.estimator == "gae"
-    metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
+    with span("advantages"):
+        metrics |= assign_advantages(groups, torch.zeros_like if gae else ctx.advantage_fn)
     samples = [s for g in groups for s in g]
     if len(samples) % (algo.num_minibatches * run.placement.trainer_world_size):
         raise RuntimeError(
             f"step {step}: the rollout returned {len(samples)} samples, which do not split into "
             f"algo.num_minibatches ({algo.num_minibatches}) x placement.trainer_world_size "
             f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
-    batch = TrainBatch.from_samples(samples)
+    with span("batch"):
+        batch = TrainBatch.from_samples(samples)
     if gae:
         values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
         batch.token_advantages, returns = gae_from_lists(
@@ -127,8 +133,9 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     offloading = dict(zip(live, offloading, strict=True)) if offloading else {}
     try:
         if metrics["train/trainable_samples"] > 0:
-            batch = ray.put(batch)
-            ranks = ray.get([t.train_step.remote(batch) for t in ctx.trainers])
+            with span("train_step"):
+                batch = ray.put(batch)
+                ranks = ray.get([t.train_step.remote(batch) for t in ctx.trainers])
             metrics |= ranks[0] | rank_memory(ranks)  # the same metrics on every rank, but each rank's own memory
             if gae:
                 metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
@@ -137,7 +144,8 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
             log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
     finally:  # also when a trainer rank died: its recovery pushes weights to engines done releasing memory
-        ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
+        with span("offload_wait"):
+            ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
     count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples
@@ -292,7 +300,9 @@ def engine_busy(engines: Sequence[Any]) -> dict[int, EngineReading]:
     """The :class:`EngineReading` of each engine by engine id (``health()``); engines that do not report
     their busy time (or do not answer in 10 s) are left out."""
     out = {}
-    for ref in [e.health.remote() for e in engines]:
+    with span("engine_busy"):
+        refs = [e.health.remote() for e in engines]
+    for ref in refs:
         try:
             h = ray.get(ref, timeout=10)
         except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation

@@ -133,8 +133,11 @@ class RewardRunner:
             # first, and "cannot find context for 'loky'" in a process that has not imported loky
             mp.set_start_method("spawn", force=True)
         self._ctx = mp.get_context("spawn")
-        self._workers: list[_Worker] = [_Worker(self._ctx, self._spec, startup_timeout_s)
-                                        for _ in range(self.num_workers)]
+        self.spans: deque[tuple[str, float, float, int]] = deque(maxlen=4096)
+        """``(worker, start, end, calls)`` of the last chunks scored, on the wall clock (``time.time()``), for
+        per-step timelines (:mod:`miles.tracking.timeline`); worker ``"inline"`` is this process."""
+        self._workers: list[_Worker] = [_Worker(self._ctx, self._spec, startup_timeout_s, self.spans, i)
+                                        for i in range(self.num_workers)]
         self.num_crashes = self.num_restarts = 0
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
 
@@ -192,7 +195,9 @@ class RewardRunner:
                 return []
             if self.isolation == "inline":
                 fn, extras = self._inline()
+                t0 = time.time()
                 results = [_worker.call(fn, self.kind, (r, label, _extras(it, extras))) for r, label, it in units]
+                self.spans.append(("inline", t0, time.time(), len(units)))
             else:
                 try:
                     results = self._run_isolated(units, sizes)
@@ -308,7 +313,8 @@ class RewardRunner:
     def _replace(self, w: _Worker) -> None:
         w.kill()
         self.num_restarts += 1
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self._spec, self.startup_timeout_s)
+        i = self._workers.index(w)
+        self._workers[i] = _Worker(self._ctx, self._spec, self.startup_timeout_s, self.spans, i)
 
     def _await_start(self, w: _Worker) -> None:
         while not w.ready:
@@ -341,7 +347,9 @@ def _extras(item: RewardItem, wanted: tuple[str, ...]) -> dict[str, Any]:
 class _Worker:
     """One worker process and the chunk it is working on (parent-side bookkeeping)."""
 
-    def __init__(self, ctx: Any, spec: tuple, startup_timeout_s: float) -> None:
+    def __init__(self, ctx: Any, spec: tuple, startup_timeout_s: float,
+                 spans: deque[tuple[str, float, float, int]], index: int) -> None:
+        self.spans, self.name, self.started = spans, str(index), 0.0
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker.main, args=(child, *spec), daemon=True, name="miles-reward")
         self.proc.start()
@@ -361,11 +369,13 @@ class _Worker:
         self.job_id += 1
         self.job, self.position = units, 0
         self.deadline = time.monotonic() + timeout_s
+        self.started = time.time()
 
     def advance(self, n: int, deadline_s: float) -> None:
         assert self.job is not None
         self.position += n
         if self.position == len(self.job):
+            self.spans.append((self.name, self.started, time.time(), len(self.job)))
             self.job, self.deadline = None, math.inf
         else:
             self.deadline = time.monotonic() + deadline_s

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.schema import MilesConfig, TrackingConfig
+from miles.tracking import timeline
 from miles.tracking.outbox import Outbox, RunSpec
 from miles.tracking.plots import History, write_plots
 from miles.tracking.snapshot import REDACTED, Launch, is_secret_key, write_snapshot
@@ -172,6 +173,13 @@ class MlflowTracker:
         """Upload the files of ``local_dir`` under ``artifact_path`` (in the background; ``local_dir`` must
         stay until the run ends)."""
         self._outbox.put_artifacts(local_dir, artifact_path)
+
+    def log_timeline(self, trace: Mapping[str, Any]) -> None:
+        """A step's timeline (:mod:`miles.tracking.timeline`) as artifacts: ``timeline/step_<N>.json`` and
+        ``plots/timeline_step_<N>.png``; returns once they are written locally (the upload is queued)."""
+        dest = self._tmp / f"timeline-{trace['otherData']['step']}"
+        timeline.write(dict(trace), dest)
+        self._outbox.put_artifacts(dest)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Plots and the metrics history as artifacts, then end the run (waiting at most ``tracking.flush_timeout_s``)."""
