@@ -176,7 +176,9 @@ class EngineEmission:
         ids = tuple(row.request.prompt_ids) + result.response_ids[:-1]
         k, v = self._cache.read(slot, len(ids))
         key = session_key(row.request.session_id, row.request.n, row.index)  # type: ignore[arg-type]
-        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter))
+        imgs = row.request.images
+        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter,
+                                          images=imgs.digests if imgs is not None else ()))
 
     def _result(self, slot: int, reason: str) -> GenerateResult:
         row, st = self._rows[slot], self._st
