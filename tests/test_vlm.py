@@ -210,3 +210,47 @@ def test_trainer_logprobs_equal_the_engines_on_mixed_image_batches(vl) -> None:
         moved = {k for k, v in t.model.named_parameters() if not torch.equal(v, before[k])}
     assert moved and all(not k.startswith("model.visual.") for k in moved)  # freeze_vision: the tower stays
     assert any(k.startswith("model.language_model.") for k in moved)
+
+
+def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path) -> None:
+    import base64
+    import json
+
+    from miles.tasks.dataset import DatasetTask
+
+    pics = _pictures()
+    (tmp_path / "a.png").write_bytes(pics[0])
+    (tmp_path / "junk.png").write_bytes(b"not a picture")
+    uri = "data:image/png;base64," + base64.b64encode(pics[1]).decode()
+    rows = [{"q": f"q{i}", "a": "left", "img": ["a.png", uri] if i % 2 else "a.png"} for i in range(40)]
+
+    def write(name: str, rows: list[dict]) -> str:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    task = DatasetTask(path=write("ok.jsonl", rows), prompt_key="q", label_key="a", image_key="img")
+    prob = task.train_problems[0]
+    assert prob.images[0] == pics[0] and all(len(p.images) in (1, 2) for p in task.train_problems)
+    assert len(task.sft_examples(3, random.Random(0))[0]) == 3
+    # same prompt, other picture: two problems (the split and de-duplication key on the images too)
+    from miles.tasks.dataset import DatasetProblem
+
+    assert (
+        DatasetProblem("same", "x", images=(pics[0],)).key
+        != DatasetProblem("same", "x", images=(pics[1],)).key
+    )
+    bad = {"missing": "nope.png", "junk": "junk.png"}
+    for name, img in bad.items():
+        path = write(f"{name}.jsonl", [*rows[:2], {"q": "z", "a": "l", "img": ["a.png", img]}])
+        msg = rf"{name}\.jsonl:line 3: field 'img'\[1\]: " + (
+            "image file .*nope.png' does not exist" if name == "missing" else "unreadable image"
+        )
+        with pytest.raises(ValueError, match=msg):
+            DatasetTask(path=path, prompt_key="q", label_key="a", image_key="img")
+    with pytest.raises(ValueError, match=r"line 1: field 'img': missing or null"):
+        DatasetTask(
+            path=write("null.jsonl", [{"q": "z", "a": "l", "img": None}] + rows),
+            prompt_key="q",
+            label_key="a",
+            image_key="img",
+        )
