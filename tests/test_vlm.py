@@ -254,3 +254,53 @@ def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path)
             label_key="a",
             image_key="img",
         )
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        (
+            {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "shared_prompt_forward": False}},
+            "only the FSDP trainer trains vision-language models",
+        ),
+        (
+            {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLangEngine"}}},
+            "only the torch engine serves image prompts",
+        ),
+        ({"adapter": {"kind": "lora"}}, "adapter=lora: LoRA adapters are not wired for the vision tower"),
+        (
+            {"precision": {"name": "bf16", "train_dtype": "bfloat16", "rollout_dtype": "bfloat16"}},
+            "tested in fp32 only",
+        ),
+        (
+            {
+                "schedule": {"name": "one_step_off", "max_staleness": 1},
+                "placement": {"name": "disaggregated"},
+            },
+            "async schedules are not wired for image samples",
+        ),
+        (
+            {"rollout": {"generate_fn": {"_target_": "miles.agent.rollout.tool_loop", "_partial_": True}}},
+            "only single_turn passes a problem's images",
+        ),
+    ],
+)
+def test_vlm_runs_refuse_what_they_do_not_support_before_ray(
+    tmp_path: Path, override: dict, reason: str
+) -> None:
+    from miles.config import ConfigError
+    from miles.core.run import build_components
+
+    with pytest.raises(ConfigError, match=reason):
+        build_components(_run(tmp_path, **override))
+
+
+def test_image_tasks_need_a_vision_model_and_freeze_vision_a_vision_tower(tmp_path: Path) -> None:
+    from miles.config import ConfigError
+    from miles.core.run import build_components
+
+    text = {"_target_": "miles.models.qwen3.qwen3_spec", "flavor": "tiny"}
+    with pytest.raises(ConfigError, match="its prompts carry images, but qwen3 is a text model"):
+        build_components(_run(tmp_path, model=text))
+    with pytest.raises(ConfigError, match="model.freeze_vision=true: qwen3 is a text model"):
+        build_components(validate({"model": {**text, "freeze_vision": True}}))
