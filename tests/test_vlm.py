@@ -13,7 +13,7 @@ from fsdp_ranks import local_trainer
 
 from miles.config.schema import PrecisionConfig
 from miles.config.validate import validate
-from miles.models.vision import Images, encode_image_prompt, mrope_positions
+from miles.models.vision import Images, encode_image_prompt, mrope_positions, sequence_positions
 from miles.tasks.images import BarsTask, ShapeCountTask
 from miles.types import GenerateRequest, SamplingParams, TrainBatch
 
@@ -111,7 +111,9 @@ def _requests(tok, proc) -> list[GenerateRequest]:
 def _hf_logprobs(model, request: GenerateRequest, response: tuple[int, ...]) -> list[float]:
     full = list(request.prompt_ids) + list(response)
     im = request.images
-    pos, _ = mrope_positions(full, None if im is None else im.grid_thw, model.config.image_token_id, 2)
+    pos = sequence_positions(
+        request.prompt_ids, len(response), None if im is None else im.grid_thw, model.config.image_token_id, 2
+    )
     kw = {} if im is None else {"pixel_values": im.pixel_values, "image_grid_thw": im.grid_thw}
     with torch.no_grad():
         logp = (
@@ -151,6 +153,16 @@ def test_engine_prefills_images_in_mixed_batches_and_keys_its_prefix_cache_on_th
         stats1 = engine.health()["prefix_cache"]
         (diff,) = engine.generate(turns[1:], SamplingParams(max_new_tokens=3))
         stats2 = engine.health()["prefix_cache"]
+        # a response is text: the vision tokens are never sampled, even from a flattened distribution
+        hot = engine.generate([reqs[0]], SamplingParams(max_new_tokens=8, temperature=20.0))
+        hot += engine.generate(
+            [
+                GenerateRequest(
+                    request_id="hot", prompt_ids=reqs[0].prompt_ids, images=reqs[0].images, n=16, seed=9
+                )
+            ],
+            SamplingParams(max_new_tokens=8, temperature=20.0),
+        )
         with pytest.raises(
             ValueError, match="request .bad.: mrope_positions: more image-token runs than images"
         ):
@@ -159,6 +171,9 @@ def test_engine_prefills_images_in_mixed_batches_and_keys_its_prefix_cache_on_th
             )
     finally:
         engine.close()
+    vision_ids = set(range(len(tok) - 3, len(tok)))  # the three vision tokens, added last
+    assert sum(len(o.response_ids) for o in hot) > 100
+    assert not vision_ids & {t for o in hot for t in o.response_ids}
     assert stats1["hits"] == stats0["hits"] + 1 and stats2["hits"] == stats1["hits"]  # other picture: a miss
     assert stats2["misses"] == stats1["misses"] + 1
     model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()

@@ -162,6 +162,19 @@ def encode_image_prompt(
     return tuple(expanded), imgs
 
 
+def sequence_positions(
+    prompt: Sequence[int], num_response: int, grid_thw: torch.Tensor | None, image_token_id: int, merge: int
+) -> torch.Tensor:
+    """mRoPE positions [3, P + R] of a prompt and its ``num_response`` generated tokens.
+
+    Response tokens are text whatever their id (a policy may sample the image placeholder): token ``t``
+    after the prompt sits at ``P + t + delta`` in all three streams, as the engine's decode steps put it.
+    """
+    pos, delta = mrope_positions(prompt, grid_thw, image_token_id, merge)
+    tail = torch.arange(len(prompt), len(prompt) + num_response) + delta
+    return torch.cat([pos, tail.expand(3, num_response)], dim=1)
+
+
 def mrope_positions(
     ids: Sequence[int], grid_thw: torch.Tensor | None, image_token_id: int, merge: int
 ) -> tuple[torch.Tensor, int]:

@@ -50,6 +50,10 @@ class EngineEmission:
     _cv: threading.Condition
     _waiting: deque[_Row]
 
+
+    _never_sample: Tensor | None = None
+    """Token ids never sampled (a VLM's vision tokens), or None."""
+
     def _exact_result(self, row: _Row) -> GenerateResult:
         """One completion through :func:`miles.precision.on_policy.generate_exact` (``true_on_policy``)."""
         sp = row.sampling
@@ -86,6 +90,8 @@ class EngineEmission:
         refill: list[int] = []  # rows (from lo) whose noise chunk is spent
         if count["sampled"]:
             z = filter_logits_rows(scaled, st["top_k"][sl], st["top_p"][sl]) if count["filter"] else scaled
+            if self._never_sample is not None:  # a VLM's vision tokens: filtered out like top-k, logp unchanged
+                z = z.index_fill(1, self._never_sample, float("-inf"))
             nidx = st["nidx"][sl]
             gumbel = st["noise"][rows, nidx]  # -log E: [B, V]
             if count["greedy"]:
@@ -97,7 +103,8 @@ class EngineEmission:
                 refill = spent.nonzero()[:, 0].tolist()
                 nidx.remainder_(self.noise_chunk)
         else:
-            tok = logits.argmax(dim=-1)
+            z = logits if self._never_sample is None else logits.index_fill(1, self._never_sample, float("-inf"))
+            tok = z.argmax(dim=-1)
         ngen = st["ngen"][sl]
         st["out_tok"][rows, ngen] = tok
         st["out_lp"][rows, ngen] = logp.gather(1, tok[:, None])[:, 0]

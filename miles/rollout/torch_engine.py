@@ -203,9 +203,15 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, Reusable):
         text_cfg = cfg.get_text_config()
         self.vocab_size = int(text_cfg.vocab_size)
         self.max_positions = getattr(text_cfg, "max_position_embeddings", None)
+        # a VLM never samples its vision tokens (a response is text); they are filtered out like top-k, so
+        # the reported log-probs stay those of the whole distribution, as the trainer computes them
+        self._never_sample: Tensor | None = None
         if self.vision:  # image tokens, the merge size of mRoPE positions
             self._image_token = int(cfg.image_token_id)
             self._merge = int(cfg.vision_config.spatial_merge_size)
+            vision_ids = {getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                          "vision_end_token_id")}
+            self._never_sample = torch.tensor(sorted(i for i in vision_ids if i is not None), device=self.device)
         # Noise chunk: a row draws Exp(1) noise for this many steps at once (fixed per vocabulary, so a
         # row's draws never depend on the batch); about 64k floats per draw.
         self.noise_chunk = max(1, min(16, 65536 // self.vocab_size))

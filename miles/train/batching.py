@@ -123,12 +123,12 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0, vision: tuple[int, int] | N
     if batch.images is not None and any(x is not None for x in batch.images):
         if vision is None:
             raise ValueError("pad_batch: the batch carries images, but the model is a text-only model")
-        from miles.models.vision import cat_images, mrope_positions
+        from miles.models.vision import cat_images, sequence_positions
 
         position_ids = torch.arange(seq_len).expand(3, n, seq_len).clone()
         for i, (p, r, im) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.images, strict=True)):
             grid = im.grid_thw if im is not None else None
-            position_ids[:, i, : len(p) + len(r)] = mrope_positions(list(p) + list(r), grid, *vision)[0]
+            position_ids[:, i, : len(p) + len(r)] = sequence_positions(p, len(r), grid, *vision)
         pixels = cat_images(batch.images)
     return PaddedBatch(
         input_ids=input_ids,
