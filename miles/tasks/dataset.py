@@ -196,8 +196,6 @@ def load_rows(
 
 def _images(file: Path, kind: str, index: int, key: str, value: Any) -> tuple[bytes, ...]:
     """A row's images as bytes, each opened once to check it; errors name the file, the row and the field."""
-    from miles.models.vision import load_image
-
     if value is None:
         raise ValueError(_bad(file, kind, index, key, "an image or a list of images", None))
     out = []
@@ -219,9 +217,22 @@ def _images(file: Path, kind: str, index: int, key: str, value: Any) -> tuple[by
             item = p.read_bytes()
         if not isinstance(item, bytes | bytearray):
             raise ValueError(f"{where}: expected an image path or bytes, found {type(item).__name__}")
-        load_image(bytes(item), where=where)
+        _open_image(bytes(item), where)
         out.append(bytes(item))
     return tuple(out)
+
+
+def _open_image(data: bytes, where: str) -> None:
+    """Decode ``data`` once with Pillow; ``ValueError`` naming ``where`` if it is not a readable image."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{where}: unreadable image ({e})") from None
 
 
 def _bad(file: Path, kind: str, index: int, key: str, expected: str, found: Any) -> str:
