@@ -62,6 +62,9 @@ class GenerateRequest:
     under :func:`session_key` ``(session_id, n, i)``: an engine with a prefix cache keeps its KV under
     that key and reuses it for a later prompt of the same key that starts with its tokens, and the
     engine pool sends a later request with that key to the engine that produced it."""
+    images: Any = field(default=None, compare=False)
+    """:class:`miles.models.vision.Images` of the prompt's image-placeholder runs, in order (a
+    vision-language model); None: a text-only prompt."""
 
 
 def session_key(session_id: str, n: int, index: int) -> str:
@@ -117,6 +120,8 @@ class Sample:
     ``weight_version`` (a generate function that does not set them)."""
     adapter: str | None = None
     """The LoRA adapter that generated it and that it trains (a tenant's); None: the policy's only one."""
+    images: Any = None
+    """:class:`miles.models.vision.Images` of its prompt (a vision-language model), None: text only."""
 
     @property
     def oldest_version(self) -> int:
@@ -147,6 +152,8 @@ class TrainBatch:
     """Per sample :attr:`Sample.routing` (MoE routes of the rollout), when every sample has them."""
     adapters: list[str] | None = None
     """Per sample :attr:`Sample.adapter` (multi-LoRA tenants: the adapter each sample trains), when set."""
+    images: list[Any] | None = None
+    """Per sample :attr:`Sample.images` (None for a text-only row), when any sample has images."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -168,6 +175,7 @@ class TrainBatch:
             advantages=[s.advantage for s in samples],
             routing=[s.routing for s in samples] if samples and all(s.routing is not None for s in samples) else None,
             adapters=[s.adapter for s in samples] if samples and all(s.adapter is not None for s in samples) else None,
+            images=[s.images for s in samples] if any(s.images is not None for s in samples) else None,
         )
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:

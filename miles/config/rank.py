@@ -41,10 +41,14 @@ class RankConfig:
     """``schedule.behaviour_is_clip`` under an async schedule (decoupled PPO's behaviour weight); None under
     ``sync``."""
 
+    freeze_vision: bool = False
+    """``model.freeze_vision``: a vision-language model's vision tower and merger get no updates."""
+
     @classmethod
     def of(cls, run: MilesConfig) -> RankConfig:
         """The ranks' part of ``run`` (a config :func:`miles.config.validate` returned)."""
         return cls(seed=run.seed, trainer=run.trainer, algo=run.algo, precision=run.precision, adapter=run.adapter,
                    allow=run.plugins.allow, model_path=run.model.path, temperature=run.rollout.temperature,
                    max_new_tokens=run.rollout.max_new_tokens,
-                   behaviour_is_clip=None if run.schedule.name == "sync" else run.schedule.behaviour_is_clip)
+                   behaviour_is_clip=None if run.schedule.name == "sync" else run.schedule.behaviour_is_clip,
+                   freeze_vision=run.model.freeze_vision)

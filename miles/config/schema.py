@@ -48,6 +48,8 @@ class ModelConfig:
     """Named size of the spec (``tiny`` builds offline on CPU)."""
     path: str | None = None
     """HF checkpoint directory; when set its ``config.json`` wins over the flavor."""
+    freeze_vision: bool = False
+    """A vision-language model's vision tower and merger stay as built (not trained); text models refuse true."""
 
 
 @dataclass(**_frozen)

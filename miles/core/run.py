@@ -69,6 +69,7 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
         raise ConfigError(f"precision.true_on_policy=true: {spec.name} is an MoE model, whose per-expert GEMMs change "
                           "shape with the tokens routed to them, so engine and trainer cannot match bit for bit "
                           "(tests/test_true_on_policy.py); use a dense model, or algo.routing_replay=rollout")
+    check_vision(run, spec, parts["task"])
     if run.algo.routing_replay != "off" and not spec.is_moe:
         raise ConfigError(f"algo.routing_replay={run.algo.routing_replay}: {spec.name} is a dense model (no MoE "
                           "routers to replay); use model=qwen3_moe or algo.routing_replay=off")
@@ -100,6 +101,58 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"algo.policy_loss: {e}") from None
     return parts
+
+
+VISION_ENGINE = "miles.rollout.torch_engine.TorchEngine"
+VISION_TRAINER = "miles.train.fsdp.FSDPTrainer"
+
+
+def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
+    """Refuse, before Ray starts, what a vision-language run does not support (and image tasks on text models)."""
+    has_images = bool(getattr(next(iter(task.eval_problems(1)), None), "images", None))
+    if not spec.extra.get("vision"):
+        if run.model.freeze_vision:
+            raise ConfigError(f"model.freeze_vision=true: {spec.name} is a text model (no vision tower); "
+                              "set it on a vision-language model (model=qwen_vl) only")
+        if has_images:
+            raise ConfigError(f"task {run.task.name}: its prompts carry images, but {spec.name} is a text model; "
+                              "use a vision-language model, e.g. model=qwen_vl")
+        return
+    p = run.precision
+    refusals = [
+        (run.rollout.engine.target != VISION_ENGINE,
+         f"rollout.engine={run.rollout.engine.target}: only the torch engine serves image prompts (the SGLang "
+         "engine is refused: see docs/vlm.md); use rollout=torch"),
+        (run.trainer.target != VISION_TRAINER,
+         f"trainer={run.trainer.target}: only the FSDP trainer trains vision-language models (the Megatron trainer "
+         "maps qwen3 and qwen3_moe only); use trainer=fsdp"),
+        (run.adapter.kind != "none", "adapter=lora: LoRA adapters are not wired for the vision tower and merger; "
+         "use adapter=none (or model.freeze_vision=true to train the language model only)"),
+        (p.train_dtype != "float32" or p.rollout_dtype != "float32" or p.rollout_quant != "none"
+         or p.train_quant != "none" or p.true_on_policy,
+         f"precision={p.name}: vision-language runs are tested in fp32 only (engine and trainer log-probs agree "
+         "there); use precision=fp32"),
+        (run.schedule.name != "sync", f"schedule={run.schedule.name}: async schedules are not wired for image "
+         "samples (the buffer does not carry pixels); use schedule=sync"),
+        (run.algo.estimator == "gae", "algo.estimator=gae: the PPO critic is a text-only value model; use a "
+         "group estimator (algo=grpo, ...)"),
+        (run.rollout.generate_fn.target != "miles.rollout.generate.single_turn",
+         f"rollout.generate_fn={run.rollout.generate_fn.target}: only single_turn passes a problem's images to "
+         "the engine; multi-turn and agent generate functions would drop them"),
+        (bool(run.tenants), "tenants: multi-tenant runs are not wired for vision-language models"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"model={spec.name} (a vision-language model): {why}")
+
+
+def _image_processor(spec: Any, checkpoint: Any) -> Any:
+    """A vision-language checkpoint's image processor (prompts with images are encoded with it), else None."""
+    if not spec.extra.get("vision"):
+        return None
+    from miles.models.vision_build import load_image_processor
+
+    return load_image_processor(checkpoint)
 
 
 def _eval_runner(task: Any, allow: Any, key: str) -> Any:
@@ -208,7 +261,8 @@ def run_job(
         transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=plan.placement,
                                    device=plan.device)
         rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
-                                 generate_fn=parts["generate_fn"], filters=parts["filters"])
+                                 generate_fn=parts["generate_fn"], filters=parts["filters"],
+                                 image_processor=_image_processor(parts["spec"], checkpoint))
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=rollout, trainers=actors.trainers, engines=actors.engines,
             advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,

@@ -130,6 +130,14 @@ def _build(run: MilesConfig, spec: ModelSpec, task, out: Path) -> None:
 
     t0 = time.perf_counter()
     tokenizer = train_tokenizer(task.corpus(), TOKENIZER_VOCAB_SIZE)
+    if spec.extra.get("vision"):
+        from miles.models.vision_build import build_vision_checkpoint
+
+        metrics = build_vision_checkpoint(run, spec, task, out, tokenizer)
+        (out / "miles_build.json").write_text(json.dumps({"key": checkpoint_key(run, spec), **metrics}, indent=2))
+        log.info("built %s/%s checkpoint in %.1fs (warm start %s)", spec.name, spec.flavor,
+                 time.perf_counter() - t0, metrics)
+        return
     config = copy.deepcopy(spec.hf_config)
     config.vocab_size = len(tokenizer)
     config.eos_token_id = tokenizer.eos_token_id

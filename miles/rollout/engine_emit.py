@@ -51,6 +51,10 @@ class EngineEmission:
     _cv: threading.Condition
     _waiting: deque[_Row]
 
+
+    _never_sample: Tensor | None = None
+    """Token ids never sampled (a VLM's vision tokens), or None."""
+
     def _exact_result(self, row: _Row) -> GenerateResult:
         """One completion through :func:`miles.precision.on_policy.generate_exact` (``true_on_policy``)."""
         sp = row.sampling
@@ -87,6 +91,8 @@ class EngineEmission:
         refill: list[int] = []  # rows (from lo) whose noise chunk is spent
         if count["sampled"]:
             z = filter_logits_rows(scaled, st["top_k"][sl], st["top_p"][sl]) if count["filter"] else scaled
+            if self._never_sample is not None:  # a VLM's vision tokens: filtered out like top-k, logp unchanged
+                z = z.index_fill(1, self._never_sample, float("-inf"))
             nidx = st["nidx"][sl]
             gumbel = st["noise"][rows, nidx]  # -log E: [B, V]
             if count["greedy"]:
@@ -98,7 +104,8 @@ class EngineEmission:
                 refill = spent.nonzero()[:, 0].tolist()
                 nidx.remainder_(self.noise_chunk)
         else:
-            tok = logits.argmax(dim=-1)
+            z = logits if self._never_sample is None else logits.index_fill(1, self._never_sample, float("-inf"))
+            tok = z.argmax(dim=-1)
         ngen = st["ngen"][sl]
         st["out_tok"][rows, ngen] = tok
         st["out_lp"][rows, ngen] = logp.gather(1, tok[:, None])[:, 0]
@@ -179,7 +186,9 @@ class EngineEmission:
         ids = tuple(row.request.prompt_ids) + result.response_ids[:-1]
         k, v = self._cache.read(slot, len(ids))
         key = session_key(row.request.session_id, row.request.n, row.index)  # type: ignore[arg-type]
-        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter))
+        imgs = row.request.images
+        self._prefix.put(key, PrefixEntry(ids=ids, k=k, v=v, version=self._version, adapter=row.request.adapter,
+                                          images=imgs.digests if imgs is not None else ()))
 
     def _result(self, slot: int, reason: str) -> GenerateResult:
         row, st = self._rows[slot], self._st

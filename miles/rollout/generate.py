@@ -31,6 +31,7 @@ class GenerateContext:
     """The run's HF tokenizer (decode for rewards and logs; never re-encode engine output)."""
     _generate: Callable[[GenerateRequest, SamplingParams | None], Awaitable[list[GenerateResult]]]
     _encode: Callable[[str], tuple[int, ...]]
+    _encode_images: Callable[[str, tuple], tuple[tuple[int, ...], Any]] | None = None
 
     async def engine_generate(
         self, request: GenerateRequest, sampling: SamplingParams | None = None
@@ -47,13 +48,24 @@ class GenerateContext:
         """Chat-templated ids of one user turn plus the assistant header (cached per prompt text)."""
         return self._encode(prompt)
 
+    def encode_problem(self, problem: Problem) -> tuple[tuple[int, ...], Any]:
+        """Prompt ids and images (:class:`miles.models.vision.Images`, None without) of a problem: its
+        ``images`` attribute (pictures as bytes, paths or PIL images) becomes placeholder tokens + pixels."""
+        images = tuple(getattr(problem, "images", None) or ())
+        if not images:
+            return self.encode(problem.prompt), None
+        if self._encode_images is None:
+            raise ValueError("this rollout cannot encode images (no image processor)")
+        return self._encode_images(problem.prompt, images)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens skipped (what rewards see)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def samples_from_results(
-    ctx: GenerateContext, problem: Problem, prompt_ids: Sequence[int], results: Sequence[GenerateResult]
+    ctx: GenerateContext, problem: Problem, prompt_ids: Sequence[int], results: Sequence[GenerateResult],
+    images: Any = None,
 ) -> list[Sample]:
     """One :class:`Sample` per engine result (loss mask all ones: every token came from the policy)."""
     texts = ctx.tokenizer.batch_decode([list(r.response_ids) for r in results], skip_special_tokens=True)
@@ -63,7 +75,7 @@ def samples_from_results(
             rollout_logprobs=list(r.logprobs), loss_mask=[1] * len(r.response_ids), status=r.status,
             weight_version=r.weight_version, label=problem.label, response_text=text,
             routing=routes_of(r),
-            token_versions=list(r.token_versions) or [r.weight_version] * len(r.response_ids),
+            token_versions=list(r.token_versions) or [r.weight_version] * len(r.response_ids), images=images,
             metadata=spec_metadata(r),
         )
         for r, text in zip(results, texts, strict=True)
@@ -89,6 +101,7 @@ def routes_of(r: GenerateResult) -> Any:
 
 async def single_turn(ctx: GenerateContext, problem: Problem, sampling: SamplingParams) -> list[Sample]:
     """The prompt as one user turn, ``ctx.n`` completions from one request (one shared prefill)."""
-    prompt_ids = ctx.encode(problem.prompt)
-    request = GenerateRequest(request_id=str(ctx.group_id), prompt_ids=prompt_ids, n=ctx.n, seed=ctx.seed)
-    return samples_from_results(ctx, problem, prompt_ids, await ctx.engine_generate(request, sampling))
+    prompt_ids, images = ctx.encode_problem(problem)
+    request = GenerateRequest(request_id=str(ctx.group_id), prompt_ids=prompt_ids, n=ctx.n, seed=ctx.seed,
+                              images=images)
+    return samples_from_results(ctx, problem, prompt_ids, await ctx.engine_generate(request, sampling), images)

@@ -121,13 +121,15 @@ class RolloutManager:
         filters: Sequence[Callable[[Sequence[Sample]], tuple[bool, str]]] = (),
         adapter: str | None = None,
         prompt_template: str = "{prompt}",
+        image_processor: Any = None,
     ) -> None:
         for name, runner in (("reward", reward), ("eval_reward", eval_reward)):
             if (runner is not None or name == "reward") and getattr(runner, "kind", None) not in ("sample", "group"):
                 raise TypeError(
                     f"RolloutManager: {name} must be a miles.rewards.RewardRunner, found {type(runner).__name__}; "
                     "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self._image_cache: dict = {}  # processed pictures by their bytes
         self.reward, self.eval_reward = reward, eval_reward
         self.cfg = config or RolloutConfig()
         self.generate_fn = generate_fn
@@ -188,6 +190,16 @@ class RolloutManager:
             self._prompt_cache[prompt] = ids
         return ids
 
+    def encode_images(self, prompt: str, images: tuple) -> tuple[tuple[int, ...], Any]:
+        """Prompt ids and :class:`miles.models.vision.Images` of a prompt with pictures (a vision-language model)."""
+        if self.image_processor is None:
+            raise ValueError(f"a problem with {len(images)} image(s), but the model is a text-only model; use a "
+                             "vision-language model (model=qwen_vl)")
+        from miles.models.vision import encode_image_prompt
+
+        text = self.prompt_template.replace("{prompt}", prompt)
+        return encode_image_prompt(self.tokenizer, self.image_processor, text, images, cache=self._image_cache)
+
     async def generate_group(
         self, fn: Callable[..., Any], problem: Problem, n: int, sampling: SamplingParams, *, group_id: int,
         seed: int, dispatch: Session | None = None,
@@ -204,7 +216,7 @@ class RolloutManager:
                 return await dispatch.generate(request, sampling)
 
         ctx = GenerateContext(group_id=group_id, n=n, seed=seed, tokenizer=self.tokenizer,
-                              _generate=generate, _encode=self.encode)
+                              _generate=generate, _encode=self.encode, _encode_images=self.encode_images)
         samples = await fn(ctx, problem, sampling)
         if self.adapter is not None and isinstance(samples, list):
             for s in samples:

@@ -29,6 +29,9 @@ class PrefixEntry:
     v: tuple[Tensor, ...]
     version: int
     adapter: str | None
+    images: tuple[str, ...] = ()
+    """Digests of the images whose placeholder tokens are among ``ids``, in order: a later prompt reuses
+    the entry only if its own first images have these digests (equal ids, other pictures: a miss)."""
 
 
 class PrefixStore:
@@ -48,16 +51,17 @@ class PrefixStore:
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    def lookup(self, key: str | None, prompt: tuple[int, ...], version: int, adapter: str | None
-               ) -> PrefixEntry | None:
+    def lookup(self, key: str | None, prompt: tuple[int, ...], version: int, adapter: str | None,
+               images: tuple[str, ...] = ()) -> PrefixEntry | None:
         """The entry under ``key`` if ``prompt`` extends its ids by at least one token, under the same
-        weight version and adapter; counts the hit or miss (no key: not counted)."""
+        weight version and adapter, and ``images`` (the prompt's image digests) start with the entry's;
+        counts the hit or miss (no key: not counted)."""
         if key is None or not self.enabled:
             return None
         entry = self._entries.get(key)
         n = len(entry.ids) if entry is not None else 0
         if (entry is None or entry.version != version or entry.adapter != adapter or n >= len(prompt)
-                or prompt[:n] != entry.ids):
+                or prompt[:n] != entry.ids or images[: len(entry.images)] != entry.images):
             self.misses += 1
             return None
         self._entries.move_to_end(key)

@@ -170,7 +170,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
         draft_checkpoint_dir: str | None = None,
         draft_k: int = 4,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from miles.models.vision import is_vision_config, load_model
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -203,22 +203,37 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
         self.checkpoint_dir, self.precision, self.engine_id = str(checkpoint_dir), precision, engine_id
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.dtype, self.device = _DTYPES[precision.rollout_dtype], torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(self.checkpoint_dir, dtype=self.dtype,
-                                                     attn_implementation="sdpa")
+        model = load_model(self.checkpoint_dir, self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self.vision = is_vision_config(model.config)
+        if self.vision and (adapter is not None and adapter.kind != "none" or capture_routing
+                            or precision.true_on_policy or precision.rollout_quant != "none"):
+            raise ValueError(f"engine: {checkpoint_dir} is a vision-language model; the torch engine serves it "
+                             "without LoRA adapters, routing capture, true on-policy and rollout quantization")
         apply_rollout_quant(self.model, precision)
         cfg, gen_cfg = self.model.config, self.model.generation_config
         self.eos_ids = eos_ids(checkpoint_dir, getattr(gen_cfg, "eos_token_id", None),
                                getattr(cfg, "eos_token_id", None))
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
-        self.vocab_size = int(cfg.vocab_size)
-        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        text_cfg = cfg.get_text_config()
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.max_positions = getattr(text_cfg, "max_position_embeddings", None)
+        # a VLM never samples its vision tokens (a response is text); they are filtered out like top-k, so
+        # the reported log-probs stay those of the whole distribution, as the trainer computes them
+        self._never_sample: Tensor | None = None
+        if self.vision:  # image tokens, the merge size of mRoPE positions
+            self._image_token = int(cfg.image_token_id)
+            self._merge = int(cfg.vision_config.spatial_merge_size)
+            vision_ids = {getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                          "vision_end_token_id")}
+            self._never_sample = torch.tensor(sorted(i for i in vision_ids if i is not None), device=self.device)
         # Noise chunk: a row draws Exp(1) noise for this many steps at once (fixed per vocabulary, so a
         # row's draws never depend on the batch); about 64k floats per draw.
         self.noise_chunk = max(1, min(16, 65536 // self.vocab_size))
         self._version = 0
-        self._base = self.model.base_model
+        # a vision-language model: the decoder alone (image features are merged into its input embeddings)
+        self._base = self.model.model.language_model if self.vision else self.model.base_model
         self._lm_head = self.model.get_output_embeddings()
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns).
         params = inspect.signature(self._base.forward).parameters
@@ -285,6 +300,8 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
         until every completion is done (aborted ones come back with status ``ABORTED``).
         """
         self._check_usable("generate")
+        for r in requests:
+            self._check_images(r)
         job, rows = self._intake(requests, sampling)
         if not rows:
             return []
@@ -375,6 +392,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
             "tok": torch.zeros(s, **long), "pos": torch.zeros(s, **long), "ngen": torch.zeros(s, **long),
             "max_new": torch.ones(s, **long), "top_k": torch.zeros(s, **long),
             "nidx": torch.zeros(s, **long), "stop": torch.full((s, 1), -1, **long),
+            "delta": torch.zeros(s, **long),  # mRoPE: position of cache index t is t + delta
             "temp": torch.ones(s, device=self.device), "top_p": torch.ones(s, device=self.device),
             "greedy": torch.zeros(s, dtype=torch.bool, device=self.device),
             "noise": torch.zeros(s, self.noise_chunk, v, device=self.device),
@@ -502,7 +520,8 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
         for g in groups:
             req = g[0].request
             self._prefix.prompt_tokens += len(req.prompt_ids)
-            hits.append(self._prefix.lookup(req.session_id, req.prompt_ids, self._version, req.adapter))
+            hits.append(self._prefix.lookup(req.session_id, req.prompt_ids, self._version, req.adapter,
+                                            req.images.digests if req.images is not None else ()))
         for reuse in (False, True):
             part = [(g, h) for g, h in zip(groups, hits, strict=True) if (h is not None) == reuse]
             if part:
@@ -537,7 +556,11 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
                     & (positions[None, None, :] < lens_t[:, None, None]))[:, None]
             self._cache.prefill(self._arange[lo:hi], src)
             position_ids = positions.expand(u, t)
-        hidden = self._forward(ids.to(self.device), mask, position_ids, [g[0] for g in groups])
+        embeds = None
+        if self.vision:
+            embeds, position_ids, deltas = self._vision_inputs(groups, start, lens, ids.to(self.device))
+            self._st["delta"][lo:hi] = deltas[src]
+        hidden = self._forward(ids.to(self.device), mask, position_ids, [g[0] for g in groups], embeds)
         last = lens_t - 1
         logits = self._head(hidden[torch.arange(u, device=self.device), last], [g[0] for g in groups])[src]
         if self.draft is not None:
@@ -568,6 +591,7 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
                 st["stop"][lo + i, : len(sp.stop_token_ids)] = torch.tensor(sp.stop_token_ids, device=dev)
         st["pos"][lo:hi] = prompt_lens
         st["ngen"][lo:hi] = 0
+        st["delta"][lo:hi] = 0
         st["nidx"][lo:hi] = 0
         for i, r in enumerate(rows):
             if r.generator is not None:
@@ -576,9 +600,14 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
             self._count.update(r.features)
         self._n = hi
 
-    def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row]) -> Tensor:
+    def _forward(self, ids: Tensor, mask: Tensor, position_ids: Tensor, rows: list[_Row],
+                 embeds: Tensor | None = None) -> Tensor:
         """Base model forward through the slot cache: final-normed hidden states [B, T, D]; batch row
-        ``i`` uses ``rows[i]``'s adapter when the engine holds adapters."""
+        ``i`` uses ``rows[i]``'s adapter when the engine holds adapters. ``embeds`` (a vision-language
+        model's prefill): input embeddings with the image features in place, used instead of ``ids``."""
+        if embeds is not None:
+            return self._base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                              **{self._cache_kwarg: self._cache}).last_hidden_state
         with self._adapters_of(rows):
             return self._run_model(self._fast is not None, ids, mask, position_ids, self._cache)
 
@@ -614,11 +643,65 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
         arange = self._arange[:b]
         self._cache.decode(arange, pos, kv_len)
         mask = (self._positions[:kv_len][None, :] <= pos[:, None])[:, None, None, :]
-        hidden = self._forward(st["tok"][:b, None], mask, pos[:, None], self._rows[:b])  # type: ignore[arg-type]
+        position_ids = pos[:, None] + st["delta"][:b, None] if self.vision else pos[:, None]
+        hidden = self._forward(st["tok"][:b, None], mask, position_ids, self._rows[:b])  # type: ignore[arg-type]
         logits = self._head(hidden[:, -1], self._rows[:b])  # type: ignore[arg-type]
         routing = torch.stack(self._step_routing, 1) if self._routers else None  # [b, layers, k]
         pos += 1
         self._finish_rows(self._emit(0, b, logits, routing))
+
+    # ---- images ------------------------------------------------------------------------------
+
+    def _check_images(self, r: GenerateRequest) -> None:
+        """A request's images fit its prompt: one placeholder run per image, of the image's token count."""
+        if r.images is None:
+            if self.vision and self._image_token in r.prompt_ids:
+                raise ValueError(f"request {r.request_id!r}: its prompt holds image tokens but it carries no images")
+            return
+        if not self.vision:
+            raise ValueError(f"request {r.request_id!r} carries images, but {self.checkpoint_dir} is a text-only "
+                             f"{self.model.config.model_type!r} model")
+        from miles.models.vision import mrope_positions
+
+        try:
+            mrope_positions(r.prompt_ids, r.images.grid_thw, self._image_token, self._merge)
+        except ValueError as e:
+            raise ValueError(f"request {r.request_id!r}: {e}") from None
+        runs = sum(1 for i, t in enumerate(r.prompt_ids)
+                   if t == self._image_token and (i == 0 or r.prompt_ids[i - 1] != t))
+        if runs != len(r.images):
+            raise ValueError(f"request {r.request_id!r}: {runs} image-token runs in the prompt, {len(r.images)} images")
+
+    def _vision_inputs(self, groups: list[list[_Row]], start: list[int], lens: list[int], ids: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+        """Input embeddings [u, t, D] (image features at the image tokens), mRoPE positions [3, u, t] and
+        each prompt's position delta [u] for the prefill of ``groups``' prompts from ``start``."""
+        from miles.models.vision import cat_images, mrope_positions
+
+        u, t = ids.shape
+        embeds = self._base.embed_tokens(ids)
+        positions = torch.arange(t, device=self.device).expand(3, u, t).clone()
+        deltas = torch.zeros(u, dtype=torch.long, device=self.device)
+        reqs = [g[0].request for g in groups]
+        pixels = cat_images([r.images for r in reqs])
+        feats: list[Tensor] = []
+        if pixels is not None:
+            out = self.model.model.get_image_features(pixels[0].to(self.device, self.dtype), pixels[1].to(self.device))
+            feats = list(out.pooler_output)  # per image [tokens, D]
+        k = 0
+        for i, r in enumerate(reqs):
+            grid = r.images.grid_thw if r.images is not None else None
+            pos, delta = mrope_positions(r.prompt_ids, grid, self._image_token, self._merge)
+            positions[:, i, : lens[i]] = pos[:, start[i]: start[i] + lens[i]].to(self.device)
+            deltas[i] = delta
+            if grid is None:
+                continue
+            mine = torch.cat(feats[k: k + len(r.images)])
+            k += len(r.images)
+            before = sum(1 for x in r.prompt_ids[: start[i]] if x == self._image_token)  # in a reused prefix
+            where = ids[i, : lens[i]] == self._image_token
+            embeds[i, : lens[i]][where] = mine[before:].to(embeds.dtype)
+        return embeds, positions, deltas
 
     # ---- MoE routing --------------------------------------------------------------------------
 

@@ -15,10 +15,19 @@ are already fully formatted sets ``chat_template: false``; the task exposes it a
 
 Every malformed row fails loading with the file, the row (the 1-based line for JSON Lines) and the
 field: a line that is not JSON, a row that is not an object, a missing or null field, a wrong type.
+
+Images (``image_key``, for a vision-language model): the field holds one image or a list of them, each
+a file path (relative paths are read from the data file's directory), raw bytes (a Parquet binary
+column, or a ``{"bytes": ...}`` struct as Hugging Face image columns store them) or a
+``data:image/...;base64,`` string. Every image is opened when the file loads: a missing or unreadable
+one fails with the file, the row and the field. Two rows with the same prompt and other pictures are
+different problems (the held-out split and de-duplication key on the prompt and the images' bytes).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import random
@@ -43,6 +52,14 @@ class DatasetProblem:
     label: Any
     response: str | None = None
     chat_template: bool = True
+    images: tuple[bytes, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """What makes the problem distinct: the prompt, and the images' bytes when it has images."""
+        if not self.images:
+            return self.prompt
+        return self.prompt + "\x00" + hashlib.sha256(b"".join(self.images)).hexdigest()
 
 
 class DatasetTask:
@@ -60,22 +77,23 @@ class DatasetTask:
         eval_seed: int = 12345,
         format: Literal["auto", "json", "parquet"] = "auto",
         chat_template: bool = True,
+        image_key: str | None = None,
     ) -> None:
         self.chat_template = chat_template
         keys = dict(prompt_key=prompt_key, label_key=label_key, response_key=response_key,
-                    file_format=format, chat_template=chat_template)
+                    file_format=format, chat_template=chat_template, image_key=image_key)
         rows = load_rows(path, **keys)
         if heldout_path is not None:
             heldout = load_rows(heldout_path, **keys)
-            held = {p.prompt for p in heldout}
-            train = [p for p in rows if p.prompt not in held]
+            held = {p.key for p in heldout}
+            train = [p for p in rows if p.key not in held]
             if len(train) < len(rows):
                 log.info("task: dropped %d training rows whose prompt is in %s", len(rows) - len(train), heldout_path)
         else:
             if not 0.0 < heldout_fraction < 1.0:
                 raise ValueError(f"heldout_fraction: must be in (0, 1), found {heldout_fraction}")
-            heldout = [p for p in rows if in_heldout(p.prompt, eval_seed, heldout_fraction)]
-            train = [p for p in rows if not in_heldout(p.prompt, eval_seed, heldout_fraction)]
+            heldout = [p for p in rows if in_heldout(p.key, eval_seed, heldout_fraction)]
+            train = [p for p in rows if not in_heldout(p.key, eval_seed, heldout_fraction)]
         if not train:
             raise ValueError(f"path: no training rows left in {path} after the held-out split "
                              f"({len(rows)} rows, {len(heldout)} held out); add rows or lower heldout_fraction")
@@ -107,17 +125,18 @@ class DatasetTask:
         responses = [p.response if p.response is not None else str(p.label) for p in problems]
         return [p.prompt for p in problems] + responses + ["0123456789"]
 
-    def sft_examples(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
-        """``n`` (prompt, response) pairs from the training split."""
-        return [(p.prompt, self.reference_response(p)) for p in self.sample(n, rng)]
+    def sft_examples(self, n: int, rng: random.Random) -> list[tuple]:
+        """``n`` (prompt, response) pairs from the training split; (prompt, response, images) with images."""
+        return [(p.prompt, self.reference_response(p), p.images) if p.images else (p.prompt, self.reference_response(p))
+                for p in self.sample(n, rng)]
 
 
 def _distinct(problems: list[DatasetProblem]) -> list[DatasetProblem]:
     seen: set[str] = set()
     out = []
     for p in problems:
-        if p.prompt not in seen:
-            seen.add(p.prompt)
+        if p.key not in seen:
+            seen.add(p.key)
             out.append(p)
     return out
 
@@ -130,6 +149,7 @@ def load_rows(
     response_key: str | None = None,
     file_format: Literal["auto", "json", "parquet"] = "auto",
     chat_template: bool = True,
+    image_key: str | None = None,
 ) -> list[DatasetProblem]:
     """Every row of ``path`` as a :class:`DatasetProblem`; a malformed row raises ``ValueError`` naming
     the file, the row (line for JSON Lines) and the field."""
@@ -149,7 +169,8 @@ def load_rows(
         if kind == "json":
             _scan_json_lines(file, prompt_key, label_key, response_key)
         raise ValueError(f"{file}: could not be loaded as {kind}: {e} ({e.__cause__ or ''})") from e
-    fields = {"prompt": prompt_key, "label": label_key} | ({"response": response_key} if response_key else {})
+    fields = ({"prompt": prompt_key, "label": label_key} | ({"response": response_key} if response_key else {})
+              | ({"images": image_key} if image_key else {}))
     columns = {}
     for role, key in fields.items():
         if key not in ds.column_names:
@@ -165,11 +186,53 @@ def load_rows(
                 raise ValueError(_bad(file, kind, i, fields[role], "a string", row[role]))
         if row["label"] is None:
             raise ValueError(_bad(file, kind, i, label_key, "a value", None))
+        images = _images(file, kind, i, image_key, row["images"]) if image_key else ()
         problems.append(DatasetProblem(prompt=row["prompt"], label=row["label"], response=row.get("response"),
-                                       chat_template=chat_template))
+                                       chat_template=chat_template, images=images))
     if not problems:
         raise ValueError(f"{file}: no rows")
     return problems
+
+
+def _images(file: Path, kind: str, index: int, key: str, value: Any) -> tuple[bytes, ...]:
+    """A row's images as bytes, each opened once to check it; errors name the file, the row and the field."""
+    if value is None:
+        raise ValueError(_bad(file, kind, index, key, "an image or a list of images", None))
+    out = []
+    items = value if isinstance(value, list) else [value]
+    for j, item in enumerate(items):
+        where = f"{_where(file, kind, index)}: field {key!r}" + (f"[{j}]" if isinstance(value, list) else "")
+        if isinstance(item, dict):  # a Hugging Face image struct
+            item = item.get("bytes") or item.get("path")
+        if isinstance(item, str) and item.startswith("data:image/") and ";base64," in item:
+            try:
+                item = base64.b64decode(item.split(";base64,", 1)[1], validate=True)
+            except ValueError:
+                raise ValueError(f"{where}: a data URI whose base64 does not decode") from None
+        elif isinstance(item, str):
+            p = Path(item).expanduser()
+            p = p if p.is_absolute() else file.parent / p
+            if not p.is_file():
+                raise ValueError(f"{where}: image file {str(p)!r} does not exist")
+            item = p.read_bytes()
+        if not isinstance(item, bytes | bytearray):
+            raise ValueError(f"{where}: expected an image path or bytes, found {type(item).__name__}")
+        _open_image(bytes(item), where)
+        out.append(bytes(item))
+    return tuple(out)
+
+
+def _open_image(data: bytes, where: str) -> None:
+    """Decode ``data`` once with Pillow; ``ValueError`` naming ``where`` if it is not a readable image."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{where}: unreadable image ({e})") from None
 
 
 def _bad(file: Path, kind: str, index: int, key: str, expected: str, found: Any) -> str:

@@ -49,6 +49,8 @@ class PaddedBatch:
     prompt_index: torch.Tensor  # [B] int64: which distinct prompt row i has (0 .. U-1, first-seen order)
     prompt_rows: torch.Tensor  # [U] int64: the first row with each distinct prompt
     routes: torch.Tensor | None = None  # [B, L, moe_layers, top_k] int64 rollout MoE routes, -1 where none
+    pixel_values: torch.Tensor | None = None  # [N_patches, D] fp32: the rows' images, in row order
+    image_grid_thw: torch.Tensor | None = None  # [n_images, 3] int64, in row order
 
     @property
     def num_prompts(self) -> int:
@@ -61,8 +63,13 @@ class PaddedBatch:
         return PaddedBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
-def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
-    """Pad a TrainBatch into tensors on CPU. Raises ValueError on inconsistent samples."""
+def pad_batch(batch: TrainBatch, *, pad_id: int = 0, vision: tuple[int, int] | None = None) -> PaddedBatch:
+    """Pad a TrainBatch into tensors on CPU. Raises ValueError on inconsistent samples.
+
+    ``vision`` (a vision-language model: ``(image_token_id, spatial_merge_size)``): a batch with images
+    gets their pixel values and grids concatenated in row order and mRoPE ``position_ids [3, B, L]``
+    (:func:`miles.models.vision.mrope_positions`; text-only rows count up in all three).
+    """
     n = len(batch)
     if n == 0:
         raise ValueError("pad_batch: the batch is empty")
@@ -111,10 +118,24 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0) -> PaddedBatch:
         if u == len(prompt_rows):
             prompt_rows.append(i)
         prompt_index.append(u)
+    position_ids = torch.arange(seq_len).expand(n, seq_len).contiguous()
+    pixels = None
+    if batch.images is not None and any(x is not None for x in batch.images):
+        if vision is None:
+            raise ValueError("pad_batch: the batch carries images, but the model is a text-only model")
+        from miles.models.vision import cat_images, sequence_positions
+
+        position_ids = torch.arange(seq_len).expand(3, n, seq_len).clone()
+        for i, (p, r, im) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.images, strict=True)):
+            grid = im.grid_thw if im is not None else None
+            position_ids[:, i, : len(p) + len(r)] = sequence_positions(p, len(r), grid, *vision)
+        pixels = cat_images(batch.images)
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=torch.arange(seq_len).expand(n, seq_len).contiguous(),
+        position_ids=position_ids,
+        pixel_values=None if pixels is None else pixels[0],
+        image_grid_thw=None if pixels is None else pixels[1],
         logit_index=logit_index,
         targets=targets,
         response_mask=response_mask,

@@ -134,7 +134,7 @@ class FSDPTrainer(FSDPRank):
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, checkpoint_dir: str,
                  config: RankConfig, num_threads: int = 0, device: str = "cpu",
                  adapter_names: tuple[str, ...] = ("default",)) -> None:
-        from transformers import AutoModelForCausalLM
+        from miles.models.vision import is_vision_config, load_model
 
         t = config.trainer  # ranges and combinations were checked by miles.config.validate
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
@@ -153,8 +153,10 @@ class FSDPTrainer(FSDPRank):
         self.adapter_names: tuple[str, ...] = adapter_names if config.adapter.kind == "lora" else ()
 
         def load_sharded(trainable: bool) -> torch.nn.Module:
-            model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
+            model = load_model(checkpoint_dir, torch.float32).to(self.device)
             model.eval()
+            if config.freeze_vision and is_vision_config(model.config):
+                model.model.visual.requires_grad_(False)
             quantize_train_forward(model, config.precision)  # precision.train_quant: QAT through an STE
             if trainable and self.adapter_names:  # after the QAT wrap: the base layers serve quantized, adapters not
                 torch.manual_seed(config.seed)  # the same adapter init on every rank
@@ -165,6 +167,10 @@ class FSDPTrainer(FSDPRank):
 
         self.model = load_sharded(trainable=True)
         self.pad_id = pad_token_id(self.model.config)
+        mcfg = self.model.config
+        # a vision-language model: batches with images get their pixels and mRoPE positions (pad_batch)
+        self.vision = ((int(mcfg.image_token_id), int(mcfg.vision_config.spatial_merge_size))
+                       if is_vision_config(mcfg) else None)
         self.ref_model = None
         if config.algo.kl_coef > 0:
             self.ref_model = load_sharded(trainable=False)
@@ -222,6 +228,8 @@ class FSDPTrainer(FSDPRank):
                 for i, (n_p, n_r) in enumerate(zip(p.prompt_lengths.tolist(), p.response_lengths, strict=True))])
         first = int(p.logit_index[:, 0].min()) if self.keeps_logits else 0
         kwargs = {"logits_to_keep": p.input_ids.shape[1] - first} if first > 0 else {}
+        if p.pixel_values is not None:
+            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
         out = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
                     use_cache=False, **kwargs)
         return response_logits(out.logits, (p.logit_index - first).clamp(min=0))
@@ -266,7 +274,7 @@ class FSDPTrainer(FSDPRank):
         budget = self.config.trainer.max_tokens_per_microbatch
         # a batch carrying rollout routes runs whole sequences (routes are per position of prompt + response)
         share = self.cache_kw is not None and all(
-            s.routing is None and worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
+            s.routing is None and s.images is None and worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
         share = bool(self._all_reduce(torch.tensor([int(share)], device=self.device), op=dist.ReduceOp.MIN))
         # the tokens each row puts through its pass: the response alone when the prompts are shared
         lengths = [[len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]
@@ -276,7 +284,8 @@ class FSDPTrainer(FSDPRank):
         out = []
         for s, n, k in zip(shards, lengths, need, strict=True):
             groups = split_microbatches(n, budget, k)
-            plan = _Plan(micro=[pad_batch(s.select(g), pad_id=self.pad_id).to(self.device) for g in groups])
+            plan = _Plan(micro=[pad_batch(s.select(g), pad_id=self.pad_id, vision=self.vision).to(self.device)
+                                for g in groups])
             if share:
                 plan.prompts, of = distinct_prompts(s.prompt_ids)
                 plan.prompt_of = [torch.tensor([of[i] for i in g], device=self.device) for g in groups]
