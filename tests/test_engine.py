@@ -105,9 +105,9 @@ def _spy_forward(eng: TorchEngine) -> list[torch.Tensor]:
     calls: list[torch.Tensor] = []
     forward = eng._forward
 
-    def spy(ids, mask, position_ids, rows):
+    def spy(ids, mask, position_ids, rows, *rest):  # rest: a vision model's input embeddings
         calls.append(position_ids.clone())
-        return forward(ids, mask, position_ids, rows)
+        return forward(ids, mask, position_ids, rows, *rest)
 
     eng._forward = spy
     return calls
