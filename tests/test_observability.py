@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles.config import ConfigError, validate
+from miles.config.validate import ray_dashboard_installed
 from miles.tracking import dashboard
 from miles.tracking.memory import actor_metrics, process_memory, split_key
 from miles.tracking.mlflow_tracker import ConsoleTracker, make_tracker
@@ -321,15 +322,25 @@ def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
     assert active() is None
 
 
-def test_ray_dashboard_is_one_key_and_listens_on_loopback_only() -> None:
-    """``cluster.dashboard_port`` starts the local cluster with Ray's dashboard on 127.0.0.1 (in a child
-    process: the tests' own cluster runs without one); bad values and a joined cluster are refused."""
+def test_ray_dashboard_key_is_checked_and_needs_its_extra() -> None:
+    """``cluster.dashboard_port``: bad values and a joined cluster are refused; without Ray's dashboard
+    packages (the ``dashboard`` extra) the key is refused naming the extra."""
     with pytest.raises(ConfigError, match="cluster.dashboard_port: expected a port"):
         validate({"cluster": {"dashboard_port": 0}})
+    assert validate({}).cluster.dashboard_port is None
+    if not ray_dashboard_installed():
+        with pytest.raises(ConfigError, match=r"pip install 'miles\[dashboard\]'"):
+            validate({"cluster": {"dashboard_port": 8265}})
+        return
     with pytest.raises(ConfigError, match="has its own"):
         validate({"cluster": {"dashboard_port": 8265, "address": "10.0.0.1:6379"}})
-    assert validate({}).cluster.dashboard_port is None
 
+
+@pytest.mark.dashboard
+@pytest.mark.skipif(not ray_dashboard_installed(), reason="needs Ray's dashboard: pip install -e '.[dashboard]'")
+def test_ray_dashboard_is_one_key_and_listens_on_loopback_only() -> None:
+    """``cluster.dashboard_port`` starts the local cluster with Ray's dashboard on 127.0.0.1 (in a child
+    process: the tests' own cluster runs without one), guarded by Ray's cluster token."""
     port = _free_port()
     child = (
         "import json, pathlib, sys, time, urllib.error, urllib.request, psutil, ray\n"

@@ -248,12 +248,22 @@ def check_draft_tokenizer(policy_dir: str | Path, draft_dir: str | Path) -> None
         raise ConfigError(problem)
 
 
+def ray_dashboard_installed() -> bool:
+    """Whether Ray's dashboard packages (``ray[default]``: miles' ``dashboard`` extra) are importable."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("aiohttp", "aiohttp_cors", "opencensus"))
+
+
 def _check_cluster(run: MilesConfig) -> None:
     port = run.cluster.dashboard_port
     if port is None:
         return
     if not 1 <= port <= 65535:
         raise ConfigError(f"cluster.dashboard_port: expected a port in 1..65535 or null (off), found {port}")
+    if not ray_dashboard_installed():
+        raise ConfigError(f"cluster.dashboard_port={port}: Ray's dashboard is not installed here; pip install "
+                          "'miles[dashboard]' (ray[default]), or leave the key null")
     if run.cluster.address is not None:
         raise ConfigError(f"cluster.dashboard_port={port}: miles starts the dashboard only with a cluster it starts; "
                           f"the cluster at cluster.address={run.cluster.address!r} has its own (ray start "

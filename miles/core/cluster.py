@@ -23,6 +23,7 @@ from ray.util.placement_group import (
 
 from miles.config import ConfigError
 from miles.config.schema import ClusterConfig
+from miles.config.validate import ray_dashboard_installed
 from miles.core.plan import HINT, Plan, describe_request
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ def start_ray(cluster: ClusterConfig, *, keep: bool = False) -> bool:
     else:
         dashboard = {} if cluster.dashboard_port is None else {"dashboard_host": "127.0.0.1",
                                                                 "dashboard_port": cluster.dashboard_port}
+        if dashboard and not ray_dashboard_installed():
+            raise ConfigError(f"cluster.dashboard_port={cluster.dashboard_port}: Ray's dashboard is not installed "
+                              "here; pip install 'miles[dashboard]' (ray[default]), or leave the key null")
         ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=bool(dashboard),
                  runtime_env={"env_vars": env}, logging_level=logging.WARNING, **dashboard)
         if dashboard:
