@@ -85,7 +85,9 @@ class EngineWeights:
                 self._reacquire()
             t_copy = time.perf_counter()
             for k, v in state_dict.items():
-                self._weights[k].copy_(v)  # casts to the engine dtype and device
+                # casts to the engine dtype and device; detached, so that a transport's tensor type (shm's
+                # arriving chunks) handles the copy rather than Parameter's
+                self._weights[k].detach().copy_(v)
             t1 = time.perf_counter()
             apply_rollout_quant(self.model, self.precision)
             self._version = int(version)
@@ -124,7 +126,7 @@ class EngineWeights:
             t_copy = time.perf_counter()
             for n, sd in sent.items():
                 for k, v in sd.items():
-                    self._adapters[n][k].copy_(v)
+                    self._adapters[n][k].detach().copy_(v)
             self._version = int(version)
             self._prefix.clear()
             return time.perf_counter() - t_copy

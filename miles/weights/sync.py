@@ -20,7 +20,7 @@ transport (broadcast) runs them at the same time.
 | ``object_store``| ``ray.put`` on rank 0, ``ray.get`` per engine | anywhere (default)                    |
 | ``broadcast``  | gloo/NCCL group {rank 0, engines}, in buckets  | anywhere the ranks can reach the driver |
 | ``disk``       | safetensors in an atomically renamed directory | one node, or a shared filesystem      |
-| ``shm``        | one ``/dev/shm`` segment, written once per step | engines on rank 0's node only        |
+| ``shm``        | ``/dev/shm`` segment, loaded as it is written  | engines on rank 0's node only        |
 | ``ipc``        | CUDA IPC handle to one flat GPU buffer         | colocated on one GPU (untested so far) |
 """
 
