@@ -211,7 +211,8 @@ def test_layout_computes_what_fsdp_computes(layouts: dict[str, dict[str, Any]], 
         else:
             torch.testing.assert_close(got["grads"][k], want, atol=1e-6, rtol=1e-5, msg=k)
     m, want = got["metrics"][0], ref.metrics
-    assert got["metrics"][1] == m, "every rank must return the same metrics"
+    shared = [{k: v for k, v in r.items() if not k.startswith("mem/")} for r in got["metrics"]]
+    assert shared[1] == shared[0], "every rank must return the same metrics"  # each rank's own memory (mem/trainer<rank>/...) aside
     assert set(m) == set(want)
     for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/kl", "train/entropy", "train/tis_clip_frac",
               "moe/route_agreement", "moe/replayed_route_share"):
