@@ -13,12 +13,12 @@ from fsdp_ranks import Group, hf_model_from, rl_batch
 from miles.config.validate import validate
 
 
-@pytest.fixture(scope="module")
-
 def _shared(metrics: dict[str, float]) -> dict[str, float]:
     """A rank's train-step metrics without its own process memory (``mem/trainer<rank>/*``)."""
     return {k: v for k, v in metrics.items() if not k.startswith("mem/")}
 
+
+@pytest.fixture(scope="module")
 def hf_model(tiny_qwen3_dir: Path) -> torch.nn.Module:
     return hf_model_from(tiny_qwen3_dir)
 
@@ -81,7 +81,7 @@ def test_bf16_train_step(ray_cluster, tiny_qwen3_dir: Path, hf_model: torch.nn.M
     two = Group(ray_cluster, 2, tiny_qwen3_dir, run)
     try:
         ma, mb = two.call("train_step", batch)
-        assert ma == mb
+        assert _shared(ma) == _shared(mb)
         assert all(math.isfinite(v) for v in ma.values()), ma
         assert ma["train/nonfinite_skipped"] == 0
         # bf16 compute vs the fp32 rollout log-probs: a visible but small mismatch
