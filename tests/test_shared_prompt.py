@@ -191,7 +191,8 @@ def test_ranks_agree_on_sharing_when_only_one_could(ray_cluster, tiny_qwen3_dir:
     distinct = dataclasses.replace(pairs, prompt_ids=prompts,
                                    rollout_logprobs=hf_logprobs(model, prompts, pairs.response_ids))
     batch = TrainBatch(**{f.name: getattr(grouped, f.name) + getattr(distinct, f.name)
-                          for f in dataclasses.fields(TrainBatch) if f.name not in ("token_advantages", "routing", "adapters")})
+                          for f in dataclasses.fields(TrainBatch)
+                          if f.name not in ("token_advantages", "routing", "adapters", "images")})
     run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0}})
     with local_trainer(tiny_qwen3_dir, _with_trainer(run, shared_prompt_forward=False)) as t:
         want = t.compute_gradients(batch)
