@@ -237,6 +237,17 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
     }
 
 
+def parse_batch_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--batch-sizes`` (comma-separated, each >= 1), or the parser's error naming the flag."""
+    try:
+        batch_sizes = [int(b) for b in text.split(",") if b]
+    except ValueError:
+        p.error(f"--batch-sizes: expected comma-separated integers, got {text!r}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        p.error(f"--batch-sizes: each must be >= 1, got {text!r}")
+    return batch_sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m miles.bench rollout", description=__doc__.split("\n\n")[0])
@@ -260,12 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in zip(("batch_sizes", "max_new_tokens", "repeats", "rows_per_batch"), defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    except ValueError:
-        p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
-    if not batch_sizes or min(batch_sizes) < 1:
-        p.error(f"--batch-sizes: each must be >= 1, got {args.batch_sizes!r}")
+    batch_sizes = parse_batch_sizes(p, args.batch_sizes)
     if not 1 <= args.max_new_tokens <= 200:
         p.error(f"--max-new-tokens: must be in [1, 200] (the tiny model has 256 positions), got {args.max_new_tokens}")
     if args.repeats < 1 or args.rows_per_batch < 1:

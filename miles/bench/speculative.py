@@ -223,12 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.requests, args.max_new_tokens, args.repeats = "4", 8, 16, 1
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    except ValueError:
-        p.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
-    if not batch_sizes or min(batch_sizes) < 1:
-        p.error(f"--batch-sizes: each must be >= 1, got {args.batch_sizes!r}")
+    from miles.bench.rollout import parse_batch_sizes
+
+    batch_sizes = parse_batch_sizes(p, args.batch_sizes)
     if not 1 <= args.max_new_tokens <= 200:
         p.error(
             f"--max-new-tokens: must be in [1, 200] (the model has 256 positions), got {args.max_new_tokens}"
