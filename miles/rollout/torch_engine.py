@@ -91,7 +91,8 @@ This module holds construction, the public API, the scheduler loop, admission, p
 The class's other parts are its bases: request checks and row construction in
 :mod:`miles.rollout.engine_intake`, sampling, stops and results in :mod:`miles.rollout.engine_emit`,
 weight updates and memory release in :mod:`miles.rollout.engine_weights`; speculative decode steps
-(with a draft model) in :mod:`miles.rollout.engine_spec`; the per-row records in
+(with a draft model) in :mod:`miles.rollout.engine_spec`; image prefill (vision-language models) in
+:mod:`miles.rollout.engine_vision`; the per-row records in
 :mod:`miles.rollout.engine_rows`.
 """
 
