@@ -185,3 +185,81 @@ def test_a_changed_shard_or_metadata_is_refused_before_unpickling(
         (metadata / "shards" / ".metadata").read_bytes()
     )  # the payload is live: reading it would show
     assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"tp": 2},
+        {"tp": 2, "vocab_size": 95},  # the last TP rank's vocabulary rows are partly padding
+        {"pp": 2, "tie_word_embeddings": True},
+        {"ep": 2, "moe": True},
+        {"pp": 2, "ep": 2, "moe": True},
+    ],
+    ids=["tp2", "tp2_padded_vocab", "pp2_tied", "ep2", "pp2_ep2"],
+)
+def test_every_ranks_regions_tile_the_hf_tensors(sizes: dict[str, Any]) -> None:
+    """The regions every rank writes hold the HF tensors' values, together cover every element once (the last
+    stage's copy of tied embeddings aside), and read back into a rank's shard give that shard."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from miles.train.megatron.arch import Arch
+    from miles.train.megatron.load import hf_layout
+    from miles.train.megatron.mapping import Coords, entries, piece_shapes, shard, split_experts
+    from miles.train.megatron.sharded_state import layout
+
+    sizes = dict(sizes)
+    tp, pp, ep, moe = sizes.pop("tp", 1), sizes.pop("pp", 1), sizes.pop("ep", 1), sizes.pop("moe", False)
+    common = (
+        dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=False,
+        )
+        | sizes
+    )
+    config = (
+        Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        if moe
+        else Qwen3Config(**common)
+    )
+    arch = Arch.from_hf(config)
+    hf_shapes, _ = hf_layout(config)
+    torch.manual_seed(0)
+    hf = {n: torch.randn(s) for n, s in hf_shapes.items()}
+    pieces, shapes = split_experts(hf), piece_shapes(hf_shapes)
+    covered = {n: torch.zeros(s, dtype=torch.int64) for n, s in hf_shapes.items()}
+    padding = 0
+    for tp_rank in range(tp):
+        for pp_rank in range(pp):
+            for ep_rank in range(ep):
+                c = Coords(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep, ep_rank=ep_rank)
+                for e in entries(arch, c):
+                    local = shard(e, pieces, arch, tp, tp_rank)
+                    lay = layout(e, shapes, hf_shapes, arch, tp, tp_rank, torch.device("cpu"))
+                    regions = lay.scatter(local)
+                    for r, t in zip(lay.regions, regions, strict=True):
+                        where = tuple(slice(o, o + n) for o, n in zip(r.offsets, r.sizes, strict=True))
+                        assert torch.equal(hf[r.key][where], t), (e.local, r)
+                        if not e.tied_copy and (e.expert or ep_rank == 0):  # EP ranks share the dense layers
+                            covered[r.key][where] += 1
+                    back = torch.full_like(local, float("nan"))
+                    lay.gather(regions, back)
+                    padded = lay.index == 0  # vocabulary padding only: no HF element, left as it was
+                    padding += int(padded.sum())
+                    assert torch.equal(back[~padded], local[~padded]) and bool(
+                        torch.isnan(back[padded]).all()
+                    ), e
+    assert (padding > 0) == (common["vocab_size"] % tp != 0)
+    for n, count in covered.items():
+        if n == "lm_head.weight" and arch.tied_embeddings:
+            continue  # written as a copy of embed_tokens
+        copies = (
+            tp if n.endswith(("norm.weight", "mlp.gate.weight")) else 1
+        )  # whole on every TP rank: DCP keeps one
+        assert bool((count == copies).all()), (n, count.unique().tolist())
