@@ -27,7 +27,10 @@ from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import validate  # noqa: E402
 from miles.train.optim import read_train_tensors  # noqa: E402
 
-pytestmark = pytest.mark.megatron
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP in one process
+]
 
 
 def _run(**trainer: int) -> Any:
