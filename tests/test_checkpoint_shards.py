@@ -110,8 +110,8 @@ def test_two_ranks_write_their_own_shards_and_one_rank_loads_them(
 def test_the_megatron_trainer_resumes_from_fsdp_shards(
     two_ranks: Path, tiny_qwen3_dir: Path, tmp_path: Path
 ) -> None:
-    """The megatron trainer (which gathers on rank 0) loads the 2 FSDP ranks' shards and writes back the same
-    weights and AdamW state."""
+    """The megatron trainer (one rank; DCP reads the regions of its parameters) loads the 2 FSDP ranks' shards
+    and writes back the same weights and AdamW state."""
     pytest.importorskip("megatron.core")
     from fsdp_ranks import free_port
 

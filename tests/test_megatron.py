@@ -42,6 +42,7 @@ from miles.backends.contract import check_trainer, check_trainer_class  # noqa: 
 from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
+from miles.train.optim import read_train_tensors  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -466,12 +467,14 @@ def test_state_continues_exactly_and_is_fsdps_layout(layouts: Layouts, checkpoin
         names = {e["name"] for e in json.loads(gzip.decompress(trace))["traceEvents"] if e.get("ph") == "X"}
         assert "aten::mm" in names and any(n.startswith("autograd::engine::evaluate_function") for n in names), rank
         assert metrics[f"mem/trainer{rank}/rss_bytes"] > 0
-    # the FSDP trainer reads the state megatron wrote and writes the same tensors back (names, layout, values)
+    # the FSDP trainer (one rank) reads the sharded state megatron's two ranks wrote and writes the same tensors
+    # back (names, layout, values)
     with local_trainer(checkpoints["dense"], _run()) as fsdp:
         fsdp.load_state(str(directory))
         fsdp.save_state(str(tmp_path / "fsdp"))
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        ours, theirs = load_file(directory / name), load_file(tmp_path / "fsdp" / name)
+    assert json.loads((directory / "trainer_state.json").read_text())["format"] == 2
+    for ours, name in zip(read_train_tensors(directory), ("model.safetensors", "optimizer.safetensors"), strict=True):
+        theirs = load_file(tmp_path / "fsdp" / name)
         assert sorted(ours) == sorted(theirs), name
         assert len(ours) > 20
         for k in ours:

@@ -12,7 +12,7 @@ so a decaying schedule reaches ``r * lr`` at step ``S`` and stays there.
 
 Trainer state on disk (:func:`save_train_state`; written into ``<directory>.tmp``, renamed into place at
 the end; the policy trainer and the PPO critic write the same layouts). One rank (format 1, rank 0 writes;
-also the megatron trainer's, which gathers on rank 0)::
+also the megatron trainer's at one rank)::
 
     model.safetensors      full fp32 model state dict, HF parameter names
     optimizer.safetensors  ``state.<param name>.<key>`` for every per-parameter tensor (AdamW: step,
@@ -22,7 +22,8 @@ also the megatron trainer's, which gathers on rank 0)::
 More than one rank (format 2): ``trainer_state.json`` as above, and instead of the two safetensors files
 ``shards/``, where every rank writes its own part of the same tensors with ``torch.distributed.checkpoint``
 (:mod:`miles.train.shards`). Both formats load at any world size (:func:`load_train_state`), and
-:func:`read_train_tensors` reads either as full tensors (the megatron trainer resumes an FSDP run so).
+:func:`read_train_tensors` reads either as full tensors. The megatron trainer writes and reads both formats
+with the same names, so either trainer resumes the other's state.
 """
 
 from __future__ import annotations
@@ -163,6 +164,19 @@ def _save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: t
     model_sd = get_model_state_dict(model)
     shards.refuse_nonfinite(model_sd, directory, world_size=world_size)
     optim_sd = get_optimizer_state_dict(model, optimizer)
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in optim_sd["param_groups"]]
+    write_sharded_state(directory, shards.flat_tensors(model_sd, optim_sd), param_groups=groups,
+                        scheduler_state=scheduler.state_dict(), rank=rank, world_size=world_size)
+
+
+def write_sharded_state(directory: str | Path, tensors: dict[str, Any], *, param_groups: list[dict[str, Any]],
+                        scheduler_state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Collective. Format 2 from this rank's part of the state: ``tensors`` (keys as
+    :func:`miles.train.shards.flat_tensors`; sharded, or plain tensors DCP writes once) through DCP into
+    ``<directory>.tmp/shards``; rank 0 adds the manifest and ``trainer_state.json`` and renames the directory
+    into place. The FSDP trainer and the megatron trainer (:mod:`miles.train.megatron.state`) write so."""
+    from miles.train import shards
+
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -170,10 +184,9 @@ def _save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: t
         tmp.mkdir(parents=True)
     if world_size > 1:
         dist.barrier()
-    shards.write(tmp, shards.flat_tensors(model_sd, optim_sd), rank=rank, world_size=world_size)
+    shards.write(tmp, tensors, rank=rank, world_size=world_size)
     if rank == 0:
-        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in optim_sd["param_groups"]]
-        _write_meta(tmp, SHARDED_FORMAT, world_size, groups, scheduler.state_dict())
+        _write_meta(tmp, SHARDED_FORMAT, world_size, param_groups, scheduler_state)
         _publish(tmp, final)
     if world_size > 1:
         dist.barrier()

@@ -11,7 +11,8 @@ The FSDP trainer with more than one rank writes its state so (``trainer_state.js
 The tensors are ``model.<parameter>`` (the model's sharded state dict) and ``optimizer.state.<parameter>.<key>``
 (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``; a number in the optimizer state becomes a 0-d fp64 tensor).
 DCP reshards on load: a state written by W ranks loads at any world size (each rank reads the parts that
-overlap its own), and :func:`read_full` reads full tensors in one process (the megatron trainer's resume).
+overlap its own), and :func:`read_full` reads full tensors in one process (tests, tools).
+The megatron trainer writes and reads the same keys from its TP/PP/EP shards (:mod:`miles.train.megatron.state`).
 
 ``.metadata`` is a pickle. Before anything under ``shards/`` is read, every file there is checked against
 the manifest (:func:`verify`), so a changed or foreign ``.metadata`` is refused and never unpickled.

@@ -10,8 +10,8 @@ together), :mod:`.compat` (CPU redirects), :mod:`.model` (the ``GPTModel``), :mo
 safetensors files), :mod:`.logits` (vocab-parallel log-probs), :mod:`.grads` (global grad-norm
 clipping), :mod:`.quant` (quantization-aware forward), :mod:`.replay` (MoE routing replay),
 :mod:`.engine` (groups, passes, reductions), :mod:`.policy` (a rank's model, optimizer and train passes),
-:mod:`.state` (checkpoints), :mod:`.trainer` (the actor's API); LoRA
-(``adapter=lora``, tenants): :mod:`.lora_layout` (where each adapter tensor sits), :mod:`.lora`
+:mod:`.state` and :mod:`.sharded_state` (checkpoints; each rank writes its own shard), :mod:`.trainer` (the
+actor's API); LoRA (``adapter=lora``, tenants): :mod:`.lora_layout` (where each adapter tensor sits), :mod:`.lora`
 (adapters on the parallel linears), :mod:`.tenants` (train step per adapter), :mod:`.lora_state`
 (sync, export, checkpoints).
 """
