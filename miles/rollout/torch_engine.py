@@ -576,7 +576,11 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
                 prompt_route = routes[i, : lens[i] - 1].to(torch.int16).cpu()
                 for r in g:
                     r.prompt_route = prompt_route
-        self._finish_rows(self._emit(lo, hi, logits, routing))
+        stopped = self._emit(lo, hi, logits, routing)
+        now = time.perf_counter()  # the rows' first tokens are sampled (their time to first token)
+        for r in rows:
+            r.ttft_s = now - r.received
+        self._finish_rows(stopped)
 
     def _set_rows(self, lo: int, rows: list[_Row], prompt_lens: Tensor) -> None:
         """Write the rows' options into slots ``[lo, lo + len(rows))`` and mark them occupied."""
