@@ -44,6 +44,9 @@ its ``stop`` strings (``"stop_string"``; the tokenizer is loaded from the
 checkpoint) -- all three ``COMPLETED``, the stopping token kept with its
 log-prob -- or after ``max_new_tokens`` (``"length"``, ``TRUNCATED``).
 
+Time to first token: each result's ``ttft_s`` is the seconds from its ``generate`` call's arrival to the
+end of the prefill that sampled its first token (for ``true_on_policy``, to its first sampled token).
+
 Control (all safe to call while ``generate`` calls are in flight; each runs on
 the scheduler thread between two steps, never during a forward):
 
