@@ -89,6 +89,8 @@ class GenerateResult:
     routing: Any = field(default=None, compare=False)  # MoE: int16 tensor [T, moe_layers, top_k]
     prompt_routing: Any = field(default=None, compare=False)  # MoE: int16 [P - 1, moe_layers, top_k]
     spec_counts: tuple[int, int] | None = field(default=None, compare=False)  # speculative: (proposed, accepted)
+    ttft_s: float | None = field(default=None, compare=False)
+    """Seconds from the engine receiving the call to this completion's first token; None when it has none."""
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,7 @@ from miles.config import RankConfig
 from miles.config.schema import AdapterConfig, PrecisionConfig
 from miles.config.validate import ConfigError, validate
 from miles.rollout.torch_engine import TorchEngine
+from miles.tracking import prometheus
 from miles.train.fsdp import FSDPTrainer
 from miles.types import GenerateRequest, SamplingParams
 
@@ -222,7 +223,7 @@ def test_tenants_train_their_own_adapters_and_a_broken_reward_stops_only_its_ten
     parity = {"_target_": "plugin_rewards.length_parity", "_partial_": True}
     raises = {"_target_": "plugin_rewards.always_raises", "_partial_": True}
     cfg = {
-        "seed": 1, "tracking": {"backend": "none"}, "plugins": {"allow": ["plugin_rewards."]},
+        "seed": 1, "tracking": {"backend": "none", "prometheus_port": 0}, "plugins": {"allow": ["plugin_rewards."]},
         "warm_start": {"steps": 20}, "trainer": {"num_steps": 3, "eval_every": 0},
         "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
         "adapter": {"kind": "lora", "rank": 4, "alpha": 8.0, "export_dir": str(tmp_path / "adapters")},
@@ -234,10 +235,29 @@ def test_tenants_train_their_own_adapters_and_a_broken_reward_stops_only_its_ten
         ],
     }
     seen: dict[int, dict] = {}
-    final = run_job(validate(cfg), resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, m))
+    served: dict[str, list] = {}
+
+    def on_metrics(m: dict, step: int) -> None:
+        seen[step] = m
+        if step == 3:  # what Prometheus would scrape now (step 2's distributions are in)
+            from prometheus_client import generate_latest
+            from prometheus_client.parser import text_string_to_metric_families
+
+            text = generate_latest(prometheus.active().registry).decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    served.setdefault(sample.name, []).append(sample.labels.get("tenant"))
+
+    final = run_job(validate(cfg), resolved_yaml="", overrides=[], on_metrics=on_metrics)
     assert sorted(seen) == [0, 1, 2, 3]
+    # per tenant: MLflow keys, and the tenant label on its reward distribution and request latencies
+    assert {"ok", "broken"} <= set(served["miles_rollout_request_latency_seconds_count"])
+    assert {"ok", "broken"} <= set(served["miles_rollout_time_to_first_token_seconds_count"])
+    assert served["miles_train_reward_p50"] == ["ok"]  # every sample of 'broken' failed: it has no reward
+    assert {"ok", "broken"} <= set(served["miles_rollout_request_latency_s_p50"])
     for step in (1, 2, 3):
         m = seen[step]
+        assert m["tenant/ok/rollout/time_to_first_token_s/p50"] <= m["tenant/ok/rollout/request_latency_s/p50"]
         assert m["tenant/ok/train/num_tokens"] > 0 and m["tenant/broken/train/num_tokens"] == 0
         assert m["tenant/broken/rollout/failed"] == 16 and m["tenant/ok/rollout/failed"] == 0
         assert m["weight_sync/bytes"] > 0

@@ -132,7 +132,9 @@ def test_shipped_grafana_dashboard_is_generated_and_drills_down() -> None:
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
         assert all('run=~"$run"' in t["expr"] for t in p["targets"]), p["title"]
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert set(variables) == {"datasource", "run", "model", "engine", "actor"}
+    assert set(variables) == {"datasource", "run", "model", "engine", "actor", "tenant"}
+    titles = {p["title"] for p in panels}
+    assert {"Time to first token quantiles", "Tool call failures per step"} <= titles and "Agent tool calls" in rows
     assert all(v["includeAll"] and v["multi"] for name, v in variables.items() if name != "datasource")
 
 
@@ -190,6 +192,10 @@ EXPECTED = {
     "queued": "miles_rollout_requests_queued",
     "engines": "miles_rollout_engines_in_rotation == 1",
     "latency quantile to MLflow": "miles_rollout_request_latency_s_p99",
+    "time to first token histogram": "histogram_quantile(0.9, sum by (le) "
+    "(miles_rollout_time_to_first_token_seconds_bucket)) > 0",
+    "time to first token quantile to MLflow": "miles_rollout_time_to_first_token_s_p99",
+    "agent tool calls": "miles_rollout_agent_tool_calls",
     "reward distribution": "miles_train_reward_p50",
     "driver memory": 'process_resident_memory_bytes{job="miles"}',
     "memory per actor": 'miles_mem_rss_bytes{actor=~"driver|engine0|trainer0"} > 0',
@@ -200,7 +206,8 @@ EXPECTED = {
 @pytest.mark.skipif(_NO_PROMETHEUS, reason=_WHY)
 def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
     """A real Prometheus scrapes a real run's exporter; its HTTP API returns miles' series, the alert rules
-    load and evaluate on them, and MLflow gets the request latency quantiles of every step."""
+    load and evaluate on them, and MLflow gets the request latency and time-to-first-token quantiles of
+    every step."""
     from mlflow.tracking import MlflowClient
 
     from miles.core.run import run_job
@@ -248,6 +255,7 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
             "$model": run.model.flavor,
             "$engine": ".*",
             "$actor": ".*",
+            "$tenant": ".*",
         }
         for title, query in dashboard.panel_queries():
             for var, value in values.items():
@@ -275,6 +283,15 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
                 "schedule": {"name": "one_step_off", "max_staleness": 1},
                 "placement": {"name": "disaggregated"},
                 "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4, "kl_coef": 0.01},
+                # a tool-using generate function: the dashboard's agent row has series too
+                "rollout": {
+                    "generate_fn": {
+                        "_target_": "miles.agent.rollout.tool_loop",
+                        "_partial_": True,
+                        "max_turns": 2,
+                        "tools": [{"_target_": "miles.agent.calculator.Calculator", "timeout_s": 1.0}],
+                    }
+                },
                 "task": {"num_eval_prompts": 4},
                 "tracking": {
                     "uri": uri,
@@ -302,14 +319,14 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
 
     client = MlflowClient(uri)
     run_id = client.search_runs([client.get_experiment_by_name("observe").experiment_id])[0].info.run_id
-    for q in ("p50", "p90", "p99"):
-        history = client.get_metric_history(run_id, f"rollout/request_latency_s/{q}")
-        assert sorted(m.step for m in history) == [1, 2], q
-    p = {
-        q: client.get_metric_history(run_id, f"rollout/request_latency_s/{q}")[0].value
-        for q in ("p50", "p90", "p99")
-    }
-    assert 0 < p["p50"] <= p["p90"] <= p["p99"], p
+    for key in ("request_latency_s", "time_to_first_token_s"):
+        for q in ("p50", "p90", "p99"):
+            history = client.get_metric_history(run_id, f"rollout/{key}/{q}")
+            assert sorted(m.step for m in history) == [1, 2], (key, q)
+        p = {
+            q: client.get_metric_history(run_id, f"rollout/{key}/{q}")[0].value for q in ("p50", "p90", "p99")
+        }
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
 
 
 def test_bench_observe_checks_its_arguments_and_times_a_scrape() -> None:
@@ -416,3 +433,57 @@ def test_profile_steps_record_the_trainer_and_engine_as_chrome_traces(ray_cluste
     run_id = client.search_runs([client.get_experiment_by_name("profiled").experiment_id])[0].info.run_id
     logged = {a.path for a in client.list_artifacts(run_id, "profile/step_2")}
     assert logged == {"profile/step_2/trainer0.json.gz", "profile/step_2/engine0.json.gz"}
+
+
+def test_torch_engine_times_each_completions_first_token(tiny_qwen3_dir: Path) -> None:
+    """Every completion carries its time to first token, from the call's arrival to its prefill: within the
+    call's wall time, and for a request decoding many tokens before its answer; the same for the one-row
+    ``true_on_policy`` path. Requests' rows prefilled together share it."""
+    from miles.config.schema import PrecisionConfig
+    from miles.rollout.torch_engine import TorchEngine
+    from miles.types import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0)
+    requests = [GenerateRequest(request_id=f"r{i}", prompt_ids=(1, 2, 3 + i), n=2, seed=i) for i in range(2)]
+    for precision in (PrecisionConfig(), PrecisionConfig(true_on_policy=True)):
+        engine = TorchEngine(str(tiny_qwen3_dir), precision, seed=0, num_threads=1)
+        try:
+            t0 = time.perf_counter()
+            results = engine.generate(requests, sp)
+            wall = time.perf_counter() - t0
+        finally:
+            engine.close()
+        assert len(results) == 4 and all(r.ttft_s is not None and 0 < r.ttft_s <= wall for r in results), [
+            r.ttft_s for r in results
+        ]
+        if not precision.true_on_policy:  # one batched prefill for every row
+            assert len({r.ttft_s for r in results}) == 1
+
+
+def test_tenant_metrics_carry_a_tenant_label() -> None:
+    """``tenant/<name>/<key>`` is served in ``<key>``'s family with ``tenant="<name>"`` (reward distribution,
+    latency quantiles); the live latency and time-to-first-token histograms are labelled by the request's
+    tenant (empty without one)."""
+    exporter = Exporter(0, {"run": "r", "model": "tiny"})
+    try:
+        tracker = LiveTracker(ConsoleTracker(), exporter)
+        tracker.log_metrics(
+            {"rollout/request_latency_s/p50": 0.2, "tenant/a/rollout/request_latency_s/p50": 0.1,
+             "tenant/b-2/rollout/request_latency_s/p50": 0.3, "tenant/a/rollout/time_to_first_token_s/p50": 0.05},
+            step=1,
+        )
+        tracker.log_distributions({"tenant/a/train/reward": [0.0, 1.0], "tenant/b-2/train/reward": [0.5]}, step=1)
+        exporter.rollout.answered(0, 0.5, 7, 0.125, "a")
+        exporter.rollout.answered(0, 0.25, 3, None, "")
+        got = _scrape(exporter.url)
+        p50 = {s.labels.get("tenant"): s.value for s in got["miles_rollout_request_latency_s_p50"]}
+        assert p50 == {None: 0.2, "a": 0.1, "b-2": 0.3}
+        assert [(s.labels["tenant"], s.value) for s in got["miles_rollout_time_to_first_token_s_p50"]] == [("a", 0.05)]
+        rewards = {s.labels["tenant"]: s.value for s in got["miles_train_reward_p100"]}
+        assert rewards == {"a": 1.0, "b-2": 0.5} and not any(k.startswith("miles_tenant_") for k in got)
+        count = {s.labels["tenant"]: s.value for s in got["miles_rollout_request_latency_seconds_count"]}
+        assert count == {"a": 1.0, "": 1.0}
+        first = {s.labels["tenant"]: s.value for s in got["miles_rollout_time_to_first_token_seconds_sum"]}
+        assert first == {"a": 0.125, "": 0.0}  # the second request's engine gave no first-token time
+    finally:
+        exporter.close()

@@ -226,7 +226,12 @@ def test_sglang_engine_meets_the_engine_contract(serving, built) -> None:
 
 def test_greedy_tokens_and_logprobs_equal_the_torch_engines(serving, torch_engine) -> None:
     for i, prompt in enumerate(PROMPTS):
-        ours, ref = _greedy(serving, prompt, rid=f"p{i}"), _greedy(torch_engine, prompt, rid=f"p{i}")
+        t0 = time.perf_counter()
+        ours = _greedy(serving, prompt, rid=f"p{i}")
+        wall = time.perf_counter() - t0
+        ref = _greedy(torch_engine, prompt, rid=f"p{i}")
+        # both time the first token (SGLang's first_token_latency plus the engine's wait before its post)
+        assert ours.ttft_s is not None and 0 < ours.ttft_s < wall and ref.ttft_s is not None, (ours.ttft_s, wall)
         assert ours.response_ids == ref.response_ids, (prompt, ours.response_ids, ref.response_ids)
         assert _max_diff(ours.logprobs, ref.logprobs) <= LOGPROB_ATOL
         assert (ours.status, ours.finish_reason) == (ref.status, ref.finish_reason)
@@ -334,6 +339,7 @@ def test_a_weight_update_mid_generation_continues_each_row_on_the_new_weights(ra
         assert 0 < k < n_tokens and a.token_versions == (v,) * k + (v + 1,) * (n_tokens - k)
         assert (a.status, a.finish_reason, len(a.response_ids), a.weight_version) == (
             Status.TRUNCATED, "length", n_tokens, v + 1)
+        assert a.ttft_s is not None and a.ttft_s > 0  # that of its first piece
         assert a.response_ids[:k] == reference.response_ids[:k]  # the old weights' tokens ...
         assert _max_diff(a.logprobs[:k], reference.logprobs[:k]) <= LOGPROB_ATOL
         rest = _greedy(engine, prompt + a.response_ids[:k], n_tokens - k, rid="rest")  # ... then the new ones'

@@ -40,7 +40,8 @@ sums them into ``rollout/agent/*`` metrics (:func:`miles.rollout.manager.sample_
 ``tool_calls`` (calls whose response the policy got, malformed ones included), ``tool_calls_ok``
 (those that returned without error), ``tool_unknown_tool`` / ``tool_timeout`` / ``tool_raised`` /
 ``tool_too_many``, ``template_drift``, ``template_rewrites`` and ``tool_success_rate``
-(``tool_calls_ok / tool_calls``), ``turn_failures``. The calls of a turn at ``max_turns`` are not run; those of a
+(``tool_calls_ok / tool_calls``), ``turn_failures``; every count but ``tool_success_rate`` is there every step, 0
+included (:data:`COUNTS`). The calls of a turn at ``max_turns`` are not run; those of a
 turn whose response is taken back (no room) ran but are not counted in ``tool_calls``.
 
 Template drift (see :mod:`miles.agent.session`) is counted per sample; with ``strict_template``
@@ -62,6 +63,11 @@ from miles.agent.tools import Tool, ToolOutcome, parse_tool_calls, run_call, sch
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
 from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status, session_key
+
+COUNTS = ("agent/turns", "agent/tool_calls", "agent/tool_calls_ok", "agent/tool_malformed", "agent/tool_unknown_tool",
+          "agent/tool_timeout", "agent/tool_raised", "agent/tool_too_many", "agent/template_drift",
+          "agent/template_rewrites", "agent/turn_failures")
+"""Every sample's counts, 0 included: each is a ``rollout/agent/*`` metric (and a Prometheus series) every step."""
 
 
 async def tool_loop(
@@ -100,7 +106,7 @@ class _Loop:
         self.max_turns, self.max_calls, self.max_context = max_turns, max_calls, max_context
 
     async def run(self, session: Session, result: GenerateResult, problem: Problem) -> Sample:
-        counts: Counter[str] = Counter()
+        counts: Counter[str] = Counter(dict.fromkeys(COUNTS, 0))
         text, failure = "", None
         while True:
             text = session.add_policy(result)

@@ -15,8 +15,10 @@ source, reward (any ``_target_``, in its own reward workers), prompt template an
    adapter; a tenant whose every sample failed (e.g. its reward raised) sits the step out while the
    others train.
 3. **Sync**: the adapters' tensors only, as one version.
-4. **Log**: each tenant's rollout, train and eval metrics under ``tenant/<name>/...``; evaluation on
-   each tenant's held-out prompts with its own adapter.
+4. **Log**: each tenant's rollout, train and eval metrics under ``tenant/<name>/...`` (its request latency
+   and time to first token quantiles among them), and its reward (scored samples) and response-length
+   distributions as ``tenant/<name>/train/reward`` and ``tenant/<name>/rollout/response_len``; evaluation
+   on each tenant's held-out prompts with its own adapter.
 
 Group ids (and so the ledger and the sampling seeds) are one sequence over all tenants.
 """
@@ -127,6 +129,7 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         t0 = time.perf_counter()
         groups: list[list[Any]] = []
         metrics = {}
+        spread: dict[str, list[float]] = {}  # per-sample values of each tenant, logged as distributions
         for t in tenants:  # 1-2. each tenant's rollout through its adapter, scored by its reward
             got, m = t.rollout.collect(
                 lambda k, t=t: t.task.sample(k, rng[t.name]), algo.num_prompts_per_step, algo.num_samples_per_prompt,
@@ -139,6 +142,8 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
             metrics |= {f"tenant/{t.name}/{k}": v for k, v in m.items()}
             samples = [s for g in got for s in g]
             scored = [s.reward for s in samples if s.failure is None]
+            spread[f"tenant/{t.name}/train/reward"] = scored
+            spread[f"tenant/{t.name}/rollout/response_len"] = [float(len(s.response_ids)) for s in samples]
             if scored:
                 metrics[f"tenant/{t.name}/train/reward_mean"] = sum(scored) / len(scored)
             if not scored:
@@ -162,6 +167,8 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         metrics |= {"perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0, "perf/train_s": t2 - t1,
                     "perf/sync_s": t3 - t2} | hooks.pop_metrics()
         ctx.log_metrics(metrics, step)
+        if ctx.log_distributions is not None:
+            ctx.log_distributions(spread, step)
         progress.update(step, metrics)
     progress.close()
     ctx.ledger.check_closed()

@@ -32,6 +32,8 @@ forward of L tokens per sequence (no batching): see ``python -m miles.bench prec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -67,9 +69,10 @@ def sequence_logits(model: nn.Module, ids: Tensor, prompt_len: int, max_new_toke
 
 @torch.no_grad()
 def generate_exact(model: nn.Module, prompt: list[int], *, max_new_tokens: int, temperature: float, greedy: bool,
-                   generator: torch.Generator | None, stop_ids: set[int], pad_id: int
-                   ) -> tuple[list[int], list[float], str]:
-    """Sample one completion with :func:`fixed_length_logits` at every step.
+                   generator: torch.Generator | None, stop_ids: set[int], pad_id: int,
+                   on_first_token: Callable[[], None] | None = None) -> tuple[list[int], list[float], str]:
+    """Sample one completion with :func:`fixed_length_logits` at every step (``on_first_token()`` is called
+    once the first token is sampled).
 
     Returns ``(tokens, log-probs of the temperature-scaled distribution, finish reason)``: ``"eos"``
     when a token in ``stop_ids`` was sampled (it is kept), else ``"length"``.
@@ -87,6 +90,8 @@ def generate_exact(model: nn.Module, prompt: list[int], *, max_new_tokens: int, 
         logps.append(float(token_logprobs(row[None], torch.tensor([tok], device=row.device),
                                           1.0 if greedy else temperature)[0]))
         tokens.append(tok)
+        if on_first_token is not None and len(tokens) == 1:
+            on_first_token()
         if tok in stop_ids:
             return tokens, logps, "eos"
     return tokens, logps, "length"

@@ -27,9 +27,13 @@
   every waiting request raises :class:`AllEnginesDeadError`.
 
 Every answered request's latency (from its arrival in the queue to its answer, retries included) is kept
-in ``EnginePool.latencies`` until the rollout manager reads them; with a Prometheus exporter running
-(:mod:`miles.tracking.prometheus`) queue depth, requests in flight, latencies and tokens are reported
-to it as they happen.
+in ``EnginePool.latencies``, and its time to first token in ``EnginePool.first_token_s``, until the rollout
+manager reads them. The time to first token is the request's wait before the call that answered it was sent
+(retries included) plus the engine's own measure, from receiving that call to the request's first token
+(:attr:`miles.types.GenerateResult.ttft_s`; the earliest of its ``n`` completions); the call's passage
+through Ray is not in it. With a Prometheus exporter running (:mod:`miles.tracking.prometheus`) queue
+depth, requests in flight, latencies, times to first token and tokens are reported to it as they happen,
+the latencies labelled by the request's adapter (a multi-LoRA tenant).
 
 Each call carries fresh request ids (``<id>@<n>``), so a late answer to an abandoned call can
 never be mistaken for its retry; results come back under the caller's ids, ordered by index.
@@ -89,6 +93,7 @@ class EnginePool:
         self.counts: Counter[str] = Counter()  # retried, timeouts, engines_lost, request_failures, affinity_*
         self.homes: OrderedDict[str, int] = OrderedDict()  # session key -> engine that produced it (LRU)
         self.latencies: list[float] = []  # seconds from arrival to answer of each answered request, until read
+        self.first_token_s: list[float] = []  # seconds from arrival to first token of each answered request
         self._wire_id = 0
 
     def session(self) -> Session:
@@ -286,6 +291,7 @@ class Session:
         wire = [replace(p.request, request_id=f"{p.request.request_id}@{pool.next_wire_id()}") for p in call]
         pool.dispatched[e] += len(call)
         timeout = pool.deadline_s(wire)
+        sent = time.perf_counter()
         try:
             ref = pool.engines[e].generate.remote(wire, call[0].sampling or SamplingParams())
             results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
@@ -306,14 +312,14 @@ class Session:
                 pool.mark_dead(e, err)
             self._retry_all(call, e, f"engine {e} raised {first_line(err)}")
         else:
-            self._deliver(e, call, wire, results)
+            self._deliver(e, call, wire, results, sent)
         finally:
             self.inflight[e] -= rows
             if self.live is not None:
                 self.live.inflight(e).dec(len(call))
             self._schedule()
 
-    def _deliver(self, e: int, call: list[_Pending], wire: list[GenerateRequest], results: list) -> None:
+    def _deliver(self, e: int, call: list[_Pending], wire: list[GenerateRequest], results: list, sent: float) -> None:
         by_id: dict[str, list[GenerateResult]] = {}
         for r in results:
             by_id.setdefault(r.request_id, []).append(r)
@@ -327,8 +333,13 @@ class Session:
                 self.pool.remember(p.request, e)
                 latency = time.perf_counter() - p.arrived
                 self.pool.latencies.append(latency)
+                firsts = [r.ttft_s for r in got if r.ttft_s is not None]
+                ttft = sent - p.arrived + min(firsts) if firsts else None
+                if ttft is not None:
+                    self.pool.first_token_s.append(ttft)
                 if self.live is not None:
-                    self.live.answered(e, latency, sum(len(r.response_ids) for r in got))
+                    self.live.answered(e, latency, sum(len(r.response_ids) for r in got), ttft,
+                                       p.request.adapter or "")
                 p.future.set_result([replace(r, request_id=p.request.request_id) for r in got])
         if by_id:
             log.error("engine %d returned results for requests it was not sent: %s", e, sorted(by_id))

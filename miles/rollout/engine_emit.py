@@ -11,6 +11,7 @@ results.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from typing import Any
 
@@ -62,15 +63,18 @@ class EngineEmission:
             raise ValueError("precision.true_on_policy=true samples from the full temperature-scaled distribution "
                              f"and stops on token ids only; got top_p={sp.top_p}, top_k={sp.top_k}, "
                              f"stop={sp.stop!r}, logprobs_top_k={sp.logprobs_top_k}")
+        def first_token() -> None:
+            row.ttft_s = time.perf_counter() - row.received
+
         tokens, logps, reason = generate_exact(
             self.model, list(row.request.prompt_ids), max_new_tokens=sp.max_new_tokens,
             temperature=sp.temperature, greedy=row.greedy, generator=row.generator,
-            stop_ids=set(self.eos_ids) | set(sp.stop_token_ids), pad_id=self.pad_id)
+            stop_ids=set(self.eos_ids) | set(sp.stop_token_ids), pad_id=self.pad_id, on_first_token=first_token)
         if reason == "eos" and tokens[-1] not in self.eos_ids:
             reason = "stop_token"
         return GenerateResult(request_id=row.request.request_id, index=row.index, response_ids=tuple(tokens),
                               logprobs=tuple(logps), status=Status.TRUNCATED if reason == "length" else Status.COMPLETED,
-                              weight_version=self._version, finish_reason=reason)
+                              weight_version=self._version, finish_reason=reason, ttft_s=row.ttft_s)
 
     def _draw_noise(self, slot: int, generator: torch.Generator) -> None:
         """The next ``noise_chunk`` steps of the row in ``slot``: ``-log E`` with ``E ~ Exp(1)``, [chunk, V]."""
@@ -207,6 +211,7 @@ class EngineEmission:
             routing=st["route"][slot, :n].cpu().clone() if self._routers else None,
             prompt_routing=row.prompt_route if self._routers else None,
             spec_counts=(int(st["spec_prop"][slot]), int(st["spec_acc"][slot])) if self.draft is not None else None,
+            ttft_s=row.ttft_s,
         )
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -51,8 +52,12 @@ class EngineIntake:
         if any(sp.stop for sp in params):
             self._get_tokenizer()
         job = _Job(results=[[None] * r.n for r in requests], remaining=sum(r.n for r in requests))
-        return job, [row for i, (r, sp) in enumerate(zip(requests, params, strict=True))
-                     for row in self._rows_for(job, i, r, sp)]
+        received = time.perf_counter()
+        rows = [row for i, (r, sp) in enumerate(zip(requests, params, strict=True))
+                for row in self._rows_for(job, i, r, sp)]
+        for row in rows:
+            row.received = received
+        return job, rows
 
     def _rows_for(self, job: _Job, i: int, r: GenerateRequest, sp: SamplingParams) -> list[_Row]:
         """The request's ``n`` rows, each with its generator (seeded from the request's seed and index)."""

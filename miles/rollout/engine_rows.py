@@ -39,6 +39,8 @@ class _Row:
     features: tuple[str, ...]  # per-row options the batched step must handle (see _emit)
     prompt_route: Tensor | None = None  # capture_routing: [P - 1, moe_layers, top_k] int16, set at prefill
     prefill_version: int = -1  # weight version of its prefill (a prefix is stored only if still current)
+    received: float = 0.0  # time.perf_counter() when its generate() call arrived
+    ttft_s: float | None = None  # seconds from ``received`` to its first token (set at its prefill)
 
 
 def _listing(names: list[str], limit: int = 10) -> str:

@@ -41,7 +41,7 @@ from miles.types import GenerateRequest, GenerateResult, Problem, Sample, Sampli
 
 log = logging.getLogger(__name__)
 
-LATENCY_QUANTILES = (50, 90, 99)  # rollout/request_latency_s/p50, p90, p99 per step
+LATENCY_QUANTILES = (50, 90, 99)  # rollout/request_latency_s/p50, p90, p99 per step (and time_to_first_token_s)
 GENERATED = (Status.COMPLETED, Status.TRUNCATED)
 
 
@@ -401,12 +401,15 @@ class RolloutManager:
         }
 
     def _latency_quantiles(self) -> dict[str, float]:
-        """``rollout/request_latency_s/p50, p90, p99`` over the requests answered since the last call."""
-        latencies, self.pool.latencies = self.pool.latencies, []
-        if not latencies:
-            return {}
-        q = quantiles(latencies, LATENCY_QUANTILES)
-        return {f"rollout/request_latency_s/p{p}": v for p, v in q.items()}
+        """``rollout/request_latency_s/p50, p90, p99`` and ``rollout/time_to_first_token_s/p50, p90, p99`` over
+        the requests answered since the last call."""
+        out: dict[str, float] = {}
+        for key, attr in (("request_latency_s", "latencies"), ("time_to_first_token_s", "first_token_s")):
+            values = getattr(self.pool, attr)
+            setattr(self.pool, attr, [])
+            if values:
+                out |= {f"rollout/{key}/p{p}": v for p, v in quantiles(values, LATENCY_QUANTILES).items()}
+        return out
 
     def _totals(self) -> Counter[str]:
         return self.counts + self.pool.counts

@@ -28,7 +28,8 @@ update, and joins the pieces itself:
   is recomputed under the new weights (the torch engine keeps the old weights' K/V of the prefix
   instead). The caller gets one result per row: the tokens and log-probs of every piece in order
   (each token's log-prob is the one it was sampled with), ``token_versions`` the version of each
-  piece per token, ``weight_version`` the version of the last piece. With routing capture the routes
+  piece per token, ``weight_version`` the version of the last piece, ``ttft_s`` the time to the first
+  token of its first piece with tokens (from the call's arrival). With routing capture the routes
   are those of the last piece's forward, which ran every earlier token as prompt on the new weights
   (miles reads no routes from an aborted piece; ``tests/test_sglang_lora_moe.py``). A piece whose
   abort came in the step that would have stopped it (its last token an EOS or stop id, or
@@ -92,6 +93,9 @@ class _Row:
     """Its latest piece, as SGLang answered it."""
     result: GenerateResult | None = None
     """Set when the row is finished."""
+    ttft_s: float | None = None
+    """Seconds from its call's arrival to its first token: the wait before the post that produced it plus
+    SGLang's ``first_token_latency`` of that post."""
 
     def body(self) -> tuple[list[int], dict[str, Any]]:
         """Input ids and SGLang sampling params of the row's next piece (a continuation after the first)."""
@@ -119,7 +123,7 @@ class _Row:
             logprobs=tuple(self.logprobs), status=status or piece.status, weight_version=piece.weight_version,
             token_versions=tuple(self.versions), finish_reason=reason or piece.finish_reason,
             top_logprobs=tuple(self.top) if self.sampling.logprobs_top_k else None, routing=routing,
-            prompt_routing=prompt_routing)
+            prompt_routing=prompt_routing, ttft_s=self.ttft_s)
 
     def stopped_by_last_token(self, ckpt: Checkpoint) -> tuple[Status, str] | None:
         """What SGLang would have finished an interrupted row with, had it not seen the abort first."""
@@ -142,6 +146,8 @@ class _Post:
     rids: list[str]
     version: int
     lora_paths: list[str | None] | None = None
+    sent: float = 0.0
+    """``time.perf_counter()`` when it was sent."""
     interrupted: bool = False
     """Set by a weight update: the rows that come back ``abort`` continue on the new weights."""
 
@@ -153,6 +159,8 @@ class _Call:
     rows: list[_Row]
     aborted: set[str] = field(default_factory=set)
     posting: bool = False
+    received: float = 0.0
+    """``time.perf_counter()`` when ``generate`` was called."""
 
     def open_requests(self) -> set[str]:
         return {row.request.request_id for row in self.rows if row.result is None}
@@ -190,12 +198,13 @@ class SGLangCalls:
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams | None = None
                  ) -> list[GenerateResult]:
         """Complete each request ``n`` times; results ordered by request then index (module docstring)."""
+        received = time.perf_counter()
         self._check_usable("generate")
         params = [check_request(r, sampling, self.limits) for r in requests]
         seeds = [request_seed(r, sp, self._seeds, self._cv) for r, sp in zip(requests, params, strict=True)]
         rows = [_Row(request=r, sampling=sp, index=j, seed=seed)
                 for r, sp, seed in zip(requests, params, seeds, strict=True) for j in range(r.n)]
-        call = _Call(rows=rows)
+        call = _Call(rows=rows, received=received)
         with self._cv:
             self._calls.add(call)
         try:
@@ -211,6 +220,8 @@ class SGLangCalls:
                                       version=post.version, routing=self.capture_routing,
                                       prompt_len=len(row.request.prompt_ids) + len(row.ids))
                     row.add(piece)
+                    if row.ttft_s is None and piece.ttft_s is not None:  # the first piece with tokens
+                        row.ttft_s = post.sent - call.received + piece.ttft_s
                     with self._cv:
                         by_user = row.request.request_id in call.aborted
                     if piece.status is not Status.ABORTED or by_user or not post.interrupted:
@@ -377,6 +388,7 @@ class SGLangCalls:
             body["return_routed_experts"] = True
         if post.lora_paths is not None:
             body["lora_path"] = post.lora_paths
+        post.sent = time.perf_counter()
         try:
             outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
         except (OSError, ServerHTTPError, ValueError) as e:

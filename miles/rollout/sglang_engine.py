@@ -12,6 +12,10 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
   they match ``log_softmax(logits / T)`` of a transformers forward to ~5e-7
   (``tests/test_sglang.py``).
+- Time to first token (``GenerateResult.ttft_s``): the server runs with ``--enable-metrics``, so each answer
+  carries ``meta_info.first_token_latency`` (from the server receiving the row to its prefill's end, by
+  SGLang's scheduler); the engine adds the row's wait between the call's arrival and its post. A row
+  continued after a weight update keeps that of its first piece with tokens.
 - Finish reasons: SGLang's ``stop`` on an EOS id -> ``eos``, on a ``stop_token_ids`` id ->
   ``stop_token`` (both ``COMPLETED``, the token kept); ``length`` -> ``TRUNCATED``; ``abort`` ->
   ``ABORTED`` with the tokens so far. Stop *strings* need SGLang's tokenizer, which the server does
@@ -269,7 +273,8 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
 
         py = find_python(python)
         args = ["--model-path", self.checkpoint_dir, "--device", device, "--dtype", precision.rollout_dtype,
-                "--skip-tokenizer-init", "--random-seed", str(seed), "--sleep-on-idle", "--weight-version", "0"]
+                "--skip-tokenizer-init", "--random-seed", str(seed), "--sleep-on-idle", "--weight-version", "0",
+                "--enable-metrics"]  # answers then carry meta_info.first_token_latency (the time to first token)
         backend = attention_backend or ("torch_native" if device == "cpu" else None)
         for flag, value in (("--attention-backend", backend), ("--max-total-tokens", max_total_tokens),
                             ("--max-running-requests", max_batch_size),

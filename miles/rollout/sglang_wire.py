@@ -129,7 +129,9 @@ def sampling_params(sp: SamplingParams, seed: int, index: int) -> dict[str, Any]
 
 def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, Any], ckpt: Checkpoint, *,
               version: int, routing: bool = False, prompt_len: int = 0) -> GenerateResult:
-    """One row of SGLang's answer -> a result. ``version``: reported when SGLang names none."""
+    """One row of SGLang's answer -> a result. ``version``: reported when SGLang names none; ``ttft_s``:
+    SGLang's ``meta_info.first_token_latency`` (seconds from the server receiving the row to its first token,
+    reported with ``--enable-metrics``), None without it or without tokens."""
     meta = out.get("meta_info") or {}
     ids = tuple(int(t) for t in out.get("output_ids") or ())
     logprobs = tuple(float(x[0]) for x in meta.get("output_token_logprobs") or ())
@@ -158,9 +160,11 @@ def to_result(request_id: str, index: int, sp: SamplingParams, out: dict[str, An
         pass
     prompt_routes, routes = (decode_routing(meta.get("routed_experts"), prompt_len, len(ids), ckpt)
                              if routing and status is not Status.ABORTED else (None, None))
+    first = meta.get("first_token_latency")  # the server's, from its receipt of the row (--enable-metrics)
     return GenerateResult(request_id=request_id, index=index, response_ids=ids, logprobs=logprobs, status=status,
                           weight_version=version, finish_reason=reason, top_logprobs=top, routing=routes,
-                          prompt_routing=prompt_routes)
+                          prompt_routing=prompt_routes,
+                          ttft_s=float(first) if isinstance(first, (int, float)) and ids else None)
 
 
 def decode_routing(raw: str | None, prompt_len: int, num_tokens: int,

@@ -44,6 +44,9 @@ its ``stop`` strings (``"stop_string"``; the tokenizer is loaded from the
 checkpoint) -- all three ``COMPLETED``, the stopping token kept with its
 log-prob -- or after ``max_new_tokens`` (``"length"``, ``TRUNCATED``).
 
+Time to first token: each result's ``ttft_s`` is the seconds from its ``generate`` call's arrival to the
+end of the prefill that sampled its first token (for ``true_on_policy``, to its first sampled token).
+
 Control (all safe to call while ``generate`` calls are in flight; each runs on
 the scheduler thread between two steps, never during a forward):
 
@@ -576,7 +579,11 @@ class TorchEngine(EngineIntake, EngineEmission, EngineWeights, EngineSpeculation
                 prompt_route = routes[i, : lens[i] - 1].to(torch.int16).cpu()
                 for r in g:
                     r.prompt_route = prompt_route
-        self._finish_rows(self._emit(lo, hi, logits, routing))
+        stopped = self._emit(lo, hi, logits, routing)
+        now = time.perf_counter()  # the rows' first tokens are sampled (their time to first token)
+        for r in rows:
+            r.ttft_s = now - r.received
+        self._finish_rows(stopped)
 
     def _set_rows(self, lo: int, rows: list[_Row], prompt_lens: Tensor) -> None:
         """Write the rows' options into slots ``[lo, lo + len(rows))`` and mark them occupied."""

@@ -2,8 +2,8 @@
 
 :data:`ROWS` says what the dashboard shows: one row per metric family of docs/observability.md, each
 panel a list of PromQL queries over the exporter's series (:mod:`miles.tracking.prometheus`). The
-variables ``$datasource``, ``$run``, ``$model``, ``$engine`` and ``$actor`` drill down to one run, one
-model, one engine or one process. :func:`build` turns the rows into the dashboard's JSON with the SDK's
+variables ``$datasource``, ``$run``, ``$model``, ``$engine``, ``$actor`` and ``$tenant`` drill down to one run,
+one model, one engine, one process or one multi-LoRA tenant. :func:`build` turns the rows into the dashboard's JSON with the SDK's
 builders; the file shipped at ``miles/tracking/grafana/miles.json`` is its output (provisioning-ready:
 point a Grafana file provider at the directory), and ``python -m miles.tracking.dashboard`` writes it
 again. tests/test_observability.py checks the file is current and runs every query against a real
@@ -23,6 +23,7 @@ UID = "miles-run"
 
 RUN = 'run=~"$run", model=~"$model"'
 ENGINE = RUN + ', engine=~"$engine"'
+TENANT = RUN + ', tenant=~"$tenant"'  # series without a tenant label match it too (All is .*)
 RATE = "[$__rate_interval]"
 
 
@@ -45,6 +46,16 @@ def _quantiles(key: str, qs: tuple[int, ...] = (10, 50, 90)) -> tuple[tuple[str,
     return tuple((f"miles_{key}_p{q}{{{RUN}}}", f"p{q}") for q in qs)
 
 
+def _histogram_quantiles(family: str) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (
+            f"histogram_quantile({q}, sum by (le) (rate({family}_bucket{{{TENANT}}}{RATE})))",
+            f"p{round(q * 100)}",
+        )
+        for q in (0.5, 0.9, 0.99)
+    )
+
+
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
         "Rollout latency",
@@ -54,7 +65,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "s",
                 _q(
                     (
-                        f"sum by (le) (rate(miles_rollout_request_latency_seconds_bucket{{{RUN}}}{RATE}))",
+                        f"sum by (le) (rate(miles_rollout_request_latency_seconds_bucket{{{TENANT}}}{RATE}))",
                         "{{le}}",
                     )
                 ),
@@ -64,18 +75,41 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Request latency quantiles",
                 "s",
-                tuple(
-                    (
-                        f"histogram_quantile({q}, sum by (le) (rate(miles_rollout_request_latency_seconds_bucket{{{RUN}}}{RATE})))",
-                        f"p{round(q * 100)}",
-                    )
-                    for q in (0.5, 0.9, 0.99)
-                ),
+                _histogram_quantiles("miles_rollout_request_latency_seconds"),
             ),
             Panel(
-                "Request latency per step (as MLflow has it)",
+                "Time to first token quantiles",
                 "s",
-                _quantiles("rollout_request_latency_s", (50, 90, 99)),
+                _histogram_quantiles("miles_rollout_time_to_first_token_seconds"),
+                description="From a request's arrival in the dispatcher's queue to its first token (the engine's "
+                "measure plus the wait before the call)",
+            ),
+            Panel(
+                "Request latency and time to first token per tenant (p90)",
+                "s",
+                tuple(
+                    (
+                        f"histogram_quantile(0.9, sum by (le, tenant) (rate({family}_bucket{{{TENANT}}}{RATE})))",
+                        f"{what} {{{{tenant}}}}",
+                    )
+                    for family, what in (
+                        ("miles_rollout_request_latency_seconds", "latency"),
+                        ("miles_rollout_time_to_first_token_seconds", "first token"),
+                    )
+                ),
+                description="Multi-LoRA tenants: one series each (the tenant label is empty without tenants)",
+            ),
+            Panel(
+                "Request latency and time to first token per step (as MLflow has it)",
+                "s",
+                tuple(
+                    (f"miles_rollout_{key}_p{q}{{{TENANT}}}", f"{what} p{q} {{{{tenant}}}}")
+                    for key, what in (
+                        ("request_latency_s", "latency"),
+                        ("time_to_first_token_s", "first token"),
+                    )
+                    for q in (50, 90, 99)
+                ),
             ),
         ),
     ),
@@ -112,7 +146,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
         "Rewards",
         (
-            Panel("Reward distribution", "short", _quantiles("train_reward", (0, 10, 50, 90, 100))),
+            Panel(
+                "Reward distribution (per tenant with tenants)",
+                "short",
+                tuple(
+                    (f"miles_train_reward_p{q}{{{TENANT}}}", f"p{q} {{{{tenant}}}}")
+                    for q in (0, 10, 50, 90, 100)
+                ),
+            ),
             Panel(
                 "Mean reward and held-out accuracy",
                 "short",
@@ -203,6 +244,46 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         ),
     ),
     (
+        "Agent tool calls",
+        (
+            Panel(
+                "Turns and tool calls per step",
+                "short",
+                _q(
+                    (f"miles_rollout_agent_turns{{{RUN}}}", "policy turns"),
+                    (f"miles_rollout_agent_tool_calls{{{RUN}}}", "tool calls"),
+                    (f"miles_rollout_agent_tool_calls_ok{{{RUN}}}", "returned without error"),
+                ),
+                description="Multi-turn generate functions (miles.agent.rollout.tool_loop): counts of the step's samples",
+            ),
+            Panel(
+                "Tool call failures per step",
+                "short",
+                _q(
+                    (
+                        f"miles_rollout_agent_tool_calls{{{RUN}}} - miles_rollout_agent_tool_calls_ok{{{RUN}}}",
+                        "failed calls",
+                    ),
+                    (
+                        f'{{__name__=~"miles_rollout_agent_tool_(malformed|unknown_tool|timeout|raised|too_many)", {RUN}}}',
+                        "{{__name__}}",
+                    ),
+                    (f"miles_rollout_agent_turn_failures{{{RUN}}}", "turns whose request failed"),
+                ),
+            ),
+            Panel(
+                "Tool call success rate",
+                "percentunit",
+                _q(
+                    (
+                        f"miles_rollout_agent_tool_calls_ok{{{RUN}}} / miles_rollout_agent_tool_calls{{{RUN}}}",
+                        "returned without error / calls",
+                    )
+                ),
+            ),
+        ),
+    ),
+    (
         "Memory",
         (
             Panel(
@@ -221,8 +302,8 @@ def panel_queries() -> list[tuple[str, str]]:
 
 
 def _variables() -> list[Any]:
-    """``$datasource``, then ``$run``, ``$model``, ``$engine``, ``$actor`` from the series' labels (several
-    or all at once)."""
+    """``$datasource``, then ``$run``, ``$model``, ``$engine``, ``$actor``, ``$tenant`` from the series' labels
+    (several or all at once)."""
     from grafana_foundation_sdk.builders.dashboard import DatasourceVariable, QueryVariable
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
@@ -233,6 +314,11 @@ def _variables() -> list[Any]:
         ("model", "Model", 'label_values(miles_step{run=~"$run"}, model)'),
         ("engine", "Engine", 'label_values(miles_rollout_requests_total{run=~"$run"}, engine)'),
         ("actor", "Process", 'label_values(miles_mem_rss_bytes{run=~"$run"}, actor)'),
+        (
+            "tenant",
+            "Tenant",
+            'label_values(miles_rollout_request_latency_seconds_count{run=~"$run"}, tenant)',
+        ),
     ):
         out.append(
             QueryVariable(name)

@@ -4,16 +4,18 @@ MLflow stays the run's record; the exporter shows the run while it goes on. It s
 
 - **Step metrics.** Every metric the loop logs (``train/loss``, ``perf/step_time_s``, ...) becomes a gauge
   with its latest value, named ``miles_`` + the key with every character outside ``[a-zA-Z0-9_]`` made
-  ``_`` (``train/loss`` -> ``miles_train_loss``). Non-finite values are exported as they are (NaN, +Inf),
+  ``_`` (``train/loss`` -> ``miles_train_loss``); a multi-LoRA tenant's key ``tenant/<name>/<key>`` is served
+  in the family of ``<key>`` with the label ``tenant="<name>"``. Non-finite values are exported as they are (NaN, +Inf),
   so that an alert can see them; MLflow skips them. Per-sample distributions (``train/reward``, ...)
   are exported as ``<name>_p0 .. _p100``. ``miles_step`` is the last step logged and
   ``miles_step_timestamp_seconds`` when (Unix time). Process memory (``mem/<actor>/<field>``,
   :mod:`miles.tracking.memory`) is one family per field with an ``actor`` label:
   ``miles_mem_rss_bytes{actor="engine0"}``.
 - **Live rollout metrics**, updated by the dispatcher (:mod:`miles.rollout.dispatch`) as requests
-  come and go: requests queued, requests in flight per engine, request latency (a histogram, from the
-  request's arrival to its answer, retries included), tokens generated per engine, retries, engines
-  alive and lost.
+  come and go: requests queued, requests in flight per engine, request latency and time to first token
+  (histograms, from the request's arrival to its answer or first token, retries included, labelled by
+  ``tenant``: the adapter the request named, empty without tenants), tokens generated per engine,
+  retries, engines alive and lost.
 
 Every series carries the labels ``run`` (the run name) and ``model``. ``tracking.prometheus_port: 0``
 takes a free port, printed at start. docs/observability.md lists the families and the alert rules
@@ -47,6 +49,7 @@ LIVE_FAMILIES = (
     "miles_rollout_engine_deaths",
     "miles_rollout_request_retries",
     "miles_rollout_request_latency_seconds",
+    "miles_rollout_time_to_first_token_seconds",
     "miles_rollout_requests_in_flight",
     "miles_rollout_generated_tokens",
     "miles_rollout_requests",
@@ -59,6 +62,14 @@ _active: RolloutMetrics | None = None  # the running exporter's rollout metrics,
 def metric_name(key: str) -> str:
     """``train/loss`` -> ``miles_train_loss``: the Prometheus name of a logged metric key."""
     return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def split_tenant(key: str) -> tuple[str, str]:
+    """``tenant/a/train/loss`` -> ``("a", "train/loss")``; a key of no tenant -> ``("", key)``."""
+    parts = key.split("/", 2)
+    if len(parts) == 3 and parts[0] == "tenant" and parts[1] and parts[2]:
+        return parts[1], parts[2]
+    return "", key
 
 
 def active() -> RolloutMetrics | None:
@@ -74,6 +85,7 @@ class RolloutMetrics:
 
         names, values = [*labels, "engine"], list(labels.values())
         self._values = values
+        self.registry = registry
         common = dict(registry=registry, labelnames=list(labels))
         self._sessions: weakref.WeakSet = (
             weakref.WeakSet()
@@ -91,12 +103,19 @@ class RolloutMetrics:
         self.retried = Counter(
             "miles_rollout_request_retries", "Requests sent again after a failed call", **common
         ).labels(*values)
-        self.latency = Histogram(
+        per_tenant = dict(registry=registry, labelnames=[*labels, "tenant"], buckets=LATENCY_BUCKETS)
+        self._latency = Histogram(
             "miles_rollout_request_latency_seconds",
-            "Seconds from a request's arrival to its answer (queueing and retries included)",
-            buckets=LATENCY_BUCKETS,
-            **common,
-        ).labels(*values)
+            "Seconds from a request's arrival to its answer (queueing and retries included), per tenant "
+            "(the adapter the request named; empty without tenants)",
+            **per_tenant,
+        )
+        self._first_token = Histogram(
+            "miles_rollout_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token (queueing and retries included), per tenant",
+            **per_tenant,
+        )
+        self._per_tenant: dict[str, tuple[Any, Any]] = {}
         per_engine = dict(registry=registry, labelnames=names)
         self._inflight = Gauge(
             "miles_rollout_requests_in_flight", "Requests in calls not yet answered", **per_engine
@@ -132,8 +151,26 @@ class RolloutMetrics:
     def inflight(self, engine: int) -> Any:
         return self._engine(engine)[0]
 
-    def answered(self, engine: int, latency_s: float, tokens: int) -> None:
-        self.latency.observe(latency_s)
+    def _tenant(self, tenant: str) -> tuple[Any, Any]:
+        """The tenant's (latency, time to first token) histograms."""
+        got = self._per_tenant.get(tenant)
+        if got is None:
+            values = (*self._values, tenant)
+            got = self._per_tenant[tenant] = (
+                self._latency.labels(*values),
+                self._first_token.labels(*values),
+            )
+        return got
+
+    def answered(
+        self, engine: int, latency_s: float, tokens: int, first_token_s: float | None = None, tenant: str = ""
+    ) -> None:
+        """A request answered by ``engine``: its latency, tokens and time to first token (None: the engine
+        did not say), under ``tenant`` (the adapter it named; "" without tenants)."""
+        latency, first_token = self._tenant(tenant)
+        latency.observe(latency_s)
+        if first_token_s is not None:
+            first_token.observe(first_token_s)
         _, tokens_total, requests_total = self._engine(engine)
         tokens_total.inc(tokens)
         requests_total.inc()
@@ -144,7 +181,8 @@ class _StepCollector:
 
     def __init__(self, labels: Mapping[str, str]) -> None:
         self.labels = dict(labels)
-        self.latest: dict[str, tuple[str, float]] = {}  # Prometheus name -> (key, value)
+        # (Prometheus name, tenant) -> (key, value)
+        self.latest: dict[tuple[str, str], tuple[str, float]] = {}
         self.memory: dict[tuple[str, str], float] = {}  # (field, actor) -> value, of mem/<actor>/<field>
         self.step = -1
         self.step_time = 0.0
@@ -154,10 +192,18 @@ class _StepCollector:
 
         names, values = list(self.labels), list(self.labels.values())
         latest = dict(self.latest)  # a snapshot: the loop may log while a scrape runs
-        for name, (key, value) in sorted(latest.items()):
-            g = GaugeMetricFamily(name, f"miles metric {key} (latest logged value)", labels=names)
-            g.add_metric(values, value)
-            yield g
+        gauges: dict[str, Any] = {}
+        for (name, tenant), (key, value) in sorted(latest.items()):
+            g = gauges.get(name)
+            if g is None:
+                g = gauges[name] = GaugeMetricFamily(
+                    name, f"miles metric {key} (latest logged value)", labels=names
+                )
+            if tenant:  # tenant/<name>/<key>: the family of <key>, with a tenant label
+                g.add_sample(name, {**self.labels, "tenant": tenant}, value)
+            else:
+                g.add_metric(values, value)
+        yield from gauges.values()
         families: dict[str, Any] = {}
         for (fld, actor), value in sorted(dict(self.memory).items()):
             g = families.get(fld)
@@ -218,10 +264,11 @@ class Exporter:
             if actor_field is not None:  # mem/engine0/rss_bytes -> miles_mem_rss_bytes{actor="engine0"}
                 self.steps.memory[(actor_field[1], actor_field[0])] = float(v)
                 continue
-            name = metric_name(k)
+            tenant, key = split_tenant(k)
+            name = metric_name(key)
             if name in RESERVED:  # a live rollout family of that name is served instead
                 continue
-            self.steps.latest[name] = (k, float(v))
+            self.steps.latest[(name, tenant)] = (key, float(v))
         if step >= self.steps.step:
             self.steps.step, self.steps.step_time = step, time.time()
 
