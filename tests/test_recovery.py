@@ -5,6 +5,7 @@ restored from the last checkpoint; without a checkpoint, or under the async sche
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -23,6 +24,18 @@ TINY = ["algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4", "trainer
         "plugins.allow=[test_recovery.,miles.]"]
 
 
+def _cmd0(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return (p.cmdline() or [""])[0]
+    return ""
+
+
+def _status(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return p.status()
+    return psutil.STATUS_DEAD
+
+
 class Fault:
     """Hook: ``faults`` lists ``[step, point, signal, count]``: at that step's ``point`` (``after_rollout``
     or ``before_train``), send ``signal`` to ``count`` of this run's engine actor processes."""
@@ -34,9 +47,11 @@ class Fault:
         for step, at, sig, count in self.faults:
             if (step, at) != (ctx.step, point):
                 continue
-            # this run's engines: the module's runs do not keep their actors (cluster.reuse_actors=false)
-            mine = [p for p in psutil.process_iter(["cmdline", "status"])
-                    if (p.info["cmdline"] or [""])[0].startswith("ray::TorchEngine") and p.info["status"] != "zombie"]
+            # this run's engines: the module's runs do not keep their actors (cluster.reuse_actors=false), and
+            # the engines of this test process's Ray cluster (its raylet's children) are this run's, never those
+            # of another test process on the machine
+            mine = [p for p in psutil.Process().children(recursive=True)
+                    if _cmd0(p).startswith("ray::TorchEngine") and _status(p) != psutil.STATUS_ZOMBIE]
             assert len(mine) >= count, f"found engine processes {mine}"
             for p in sorted(mine, key=lambda p: p.pid)[:count]:
                 os.kill(p.pid, sig)
