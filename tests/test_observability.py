@@ -235,19 +235,10 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
     empty_panels: list[tuple[str, str]] = []
 
     def on_metrics(metrics: dict[str, float], step: int) -> None:
-        """At step 2 (step 1's distributions are logged after its metrics), wait (up to 30 s) until Prometheus
-        has scraped every expected series, while the run holds."""
+        """At step 2 (step 1's distributions are logged after its metrics), wait (up to 60 s) until Prometheus
+        has scraped every expected series and every dashboard panel has one, while the run holds."""
         if step != 2:
             return
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            found.update(
-                {name: r for name, q in EXPECTED.items() if name not in found and (r := _query(api, q))}
-            )
-            if len(found) == len(EXPECTED):
-                break
-            time.sleep(0.5)
-        rules.extend(r for g in _get(api, "/api/v1/rules")["data"]["groups"] for r in g["rules"])
         # every query of the shipped Grafana dashboard, its variables set to this run (or all)
         values = {
             "$__rate_interval": "30s",
@@ -257,12 +248,24 @@ def test_prometheus_scrapes_a_real_run(ray_cluster, tmp_path: Path) -> None:
             "$actor": ".*",
             "$tenant": ".*",
         }
+        panels = []
         for title, query in dashboard.panel_queries():
             for var, value in values.items():
                 query = query.replace(var, value)
             assert "$" not in query, query
-            if not _query(api, query):
-                empty_panels.append((title, query))
+            panels.append((title, query))
+        # a rate() needs two scrapes of a series inside its window, so a series first exposed a moment ago
+        # is empty for a scrape interval or two: poll until every series and panel answers (or 60 s pass)
+        deadline = time.monotonic() + 60
+        while True:
+            found.update(
+                {name: r for name, q in EXPECTED.items() if name not in found and (r := _query(api, q))}
+            )
+            empty_panels[:] = [(title, query) for title, query in panels if not _query(api, query)]
+            if (len(found) == len(EXPECTED) and not empty_panels) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        rules.extend(r for g in _get(api, "/api/v1/rules")["data"]["groups"] for r in g["rules"])
 
     try:
         deadline = time.monotonic() + 30
