@@ -93,6 +93,19 @@ def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
     return trainer.engine.from_last_stage(out.contiguous() if out is not None else torch.zeros(shape))
 
 
+def gloo_threads(trainer: Any) -> int:
+    """Inside a rank: how many gloo threads its process runs (three per live process group)."""
+    import os
+
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum("gloo" in n for n in names)
+
+
 def gradients_and_layer_calls(trainer: Any, batch: Any) -> tuple[Any, int]:
     """``compute_gradients(batch)``, and how many forwards this rank's decoder layers ran meanwhile (a layer
     that recomputes its activations runs twice per micro-batch). Collective."""

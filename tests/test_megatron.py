@@ -32,6 +32,7 @@ from fsdp_ranks import free_port, hf_model_from, local_trainer, poison_weight, r
 from megatron_ranks import (  # noqa: E402
     MegatronPair,
     checkpoint_reads,
+    gloo_threads,
     gradients_and_layer_calls,
     logits_of,
     redirected_sites,
@@ -546,3 +547,18 @@ def test_a_state_with_nonfinite_weights_is_never_written(megatron_pair: Megatron
                                                               r"hold NaN or inf \(model.embed_tokens.weight\)"):
             ray.get(ref, timeout=60)
     assert not (tmp_path / "state").exists() and not (tmp_path / "state.tmp").exists()
+
+
+def test_a_reused_rank_keeps_no_process_group_of_its_last_job(megatron_pair: MegatronPair,
+                                                              checkpoints: dict[str, Path]):
+    """A job ends with its process groups destroyed, even those megatron's rotary embedding cache would keep
+    (each would hold three gloo threads for the rest of the process): a TP=2 job and a step, run again and
+    again in the parked ranks, leaves no more gloo threads each time. (After the first reuse a rank runs three
+    more than a fresh one, once; later jobs add none.)"""
+    batch = rl_batch(hf_model_from(checkpoints["dense"]))
+    counts = []
+    for _ in range(3):
+        group = megatron_pair.load(checkpoints["dense"], _run(tensor_parallel=2))
+        group.call("train_step", batch)
+        counts.append(group.probe(gloo_threads))
+    assert counts[1] == counts[2], counts

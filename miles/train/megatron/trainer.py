@@ -275,9 +275,28 @@ class MegatronTrainer(MegatronPolicy, Reusable, Profiled):
 
         parallel_state.destroy_model_parallel()
         compat.reset()
+        _clear_rotary_caches()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def _end_job(self) -> None:  # parking (miles.backends.reuse): collective, like the constructor
         self.shutdown()
 
+
+def _clear_rotary_caches() -> None:
+    """Empty the ``functools.lru_cache`` on megatron's rotary embedding ``forward`` methods.
+
+    The cache is keyed on ``self``, so it keeps every rotary module it has seen alive after its model is
+    gone, and with it the module's context-parallel process group: the group's gloo threads (three per
+    group) then outlive ``destroy_process_group``, one group more on each job a parked rank takes on.
+    """
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core.models.common.embeddings") or module is None:
+            continue
+        for cls in vars(module).values():
+            if isinstance(cls, type) and cls.__module__ == name:
+                for attr in vars(cls).values():
+                    if callable(getattr(attr, "cache_clear", None)):
+                        attr.cache_clear()
