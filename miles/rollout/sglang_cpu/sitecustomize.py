@@ -18,13 +18,45 @@ Pinning only speeds up copies to a GPU; without one the same unpinned CPU memory
 computation needs. So when CUDA is unavailable, :func:`install` makes pinning a no-op: the tensor
 factories drop ``pin_memory``, ``Tensor.pin_memory()`` returns the tensor itself, and
 ``torch.cuda.cudart()`` answers host (un)registration with success.
+
+The SGLang wheel also installs FlashInfer and CUTLASS's Python DSL, kernel libraries for NVIDIA GPUs
+that a CPU server never calls; importing them costs each server start about 10 s (a tiny model's
+server was ready in 47-49 s instead of 57-61 s here). :func:`install` makes their import fail as if
+they were not installed, which SGLang handles as it does on its own CPU builds.
 """
 
 import functools
 import os
+import sys
 
 _FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like",
               "full_like", "empty_strided")
+
+
+_GPU_ONLY = ("flashinfer", "cutlass")
+"""Top-level packages a CPU server does not import (see the module docstring)."""
+
+
+class _NotOnCpu:
+    """A ``sys.meta_path`` finder and loader: importing a package of :data:`_GPU_ONLY` raises
+    ``ModuleNotFoundError``. (``importlib.util.find_spec`` still finds it: SGLang asks that before
+    it asks whether CUDA is there.)"""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in _GPU_ONLY:
+            import importlib.machinery
+
+            return importlib.machinery.ModuleSpec(name, cls)
+        return None
+
+    @staticmethod
+    def create_module(spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (not imported by a CPU server)", name=spec.name)
+
+    @staticmethod
+    def exec_module(module):
+        pass
 
 
 class _HostRegistration:
@@ -44,7 +76,8 @@ class _HostRegistration:
 
 
 def install():
-    """Make pinning a no-op in this process when CUDA is unavailable (see the module docstring)."""
+    """Make pinning a no-op and the GPU kernel libraries unimportable in this process when CUDA is
+    unavailable (see the module docstring)."""
     import torch
 
     if torch.cuda.is_available() or getattr(torch, "_miles_cpu_compat", False):
@@ -62,6 +95,7 @@ def install():
         setattr(torch, name, unpinned(getattr(torch, name)))
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     torch.cuda.cudart = _HostRegistration
+    sys.meta_path.insert(0, _NotOnCpu)
     torch._miles_cpu_compat = True
 
 
