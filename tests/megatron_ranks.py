@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_ranks import TIMEOUT_S
+from fsdp_ranks import TIMEOUT_S, free_port
 from ray import cloudpickle
 
 from miles.config import RankConfig
 from miles.config.schema import MilesConfig
 from miles.train.rank import open_group_store
+
+
+@contextlib.contextmanager
+def local_megatron(ckpt: Path, run: MilesConfig, **extra: Any) -> Iterator[Any]:
+    """One megatron rank (world size 1) in this process, shut down afterwards (``extra``: more constructor
+    arguments, e.g. ``adapter_names``)."""
+    from miles.train.megatron import MegatronTrainer
+
+    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+                              checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1, **extra)
+    try:
+        yield trainer
+    finally:
+        trainer.shutdown()
 
 
 class MegatronGroup:

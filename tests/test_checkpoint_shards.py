@@ -113,25 +113,11 @@ def test_the_megatron_trainer_resumes_from_fsdp_shards(
     """The megatron trainer (one rank; DCP reads the regions of its parameters) loads the 2 FSDP ranks' shards
     and writes back the same weights and AdamW state."""
     pytest.importorskip("megatron.core")
-    from fsdp_ranks import free_port
+    from megatron_ranks import local_megatron
 
-    from miles.config import RankConfig
-    from miles.train.megatron import MegatronTrainer
-
-    trainer = MegatronTrainer(
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=free_port(),
-        checkpoint_dir=str(tiny_qwen3_dir),
-        config=RankConfig.of(_run()),
-        num_threads=1,
-    )
-    try:
+    with local_megatron(tiny_qwen3_dir, _run()) as trainer:
         trainer.load_state(str(two_ranks / "sharded"))
         trainer.save_state(str(tmp_path / "megatron"))
-    finally:
-        trainer.shutdown()
     want_model, want_optim = read_train_tensors(two_ranks / "full")
     _assert_same(want_model, load_file(tmp_path / "megatron" / "model.safetensors"), "model")
     _assert_same(want_optim, load_file(tmp_path / "megatron" / "optimizer.safetensors"), "optimizer")

@@ -28,19 +28,19 @@ import torch
 pytest.importorskip("megatron.core")
 
 from conftest import _save_tiny  # noqa: E402
-from fsdp_ranks import free_port, hf_model_from, local_trainer, poison_weight, rl_batch  # noqa: E402
+from fsdp_ranks import hf_model_from, local_trainer, poison_weight, rl_batch  # noqa: E402
 from megatron_ranks import (  # noqa: E402
     MegatronPair,
     checkpoint_reads,
     gloo_threads,
     gradients_and_layer_calls,
+    local_megatron,
     logits_of,
     redirected_sites,
 )
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.backends.contract import check_trainer, check_trainer_class  # noqa: E402
-from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
 from miles.train.optim import read_train_tensors  # noqa: E402
@@ -302,11 +302,6 @@ def test_mapping_round_trip_under_every_layout(checkpoints: dict[str, Path], ckp
 
 # ---- one rank in this process ----------------------------------------------------------------------
 
-def _local(ckpt: Path, run: Any) -> MegatronTrainer:
-    return MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                           checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
-
-
 def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
     """World size 1 with tied embeddings (one stage holds both uses of the weight)."""
     from miles.train.megatron import compat
@@ -314,8 +309,7 @@ def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_
     hf, batch, grads = fsdp_reference["tied"][:3]
     run = _run()
     check_trainer_class(MegatronTrainer, run)
-    trainer = _local(checkpoints["tied"], run)
-    try:
+    with local_megatron(checkpoints["tied"], run) as trainer:
         ids = _ids(batch)
         with torch.no_grad():
             want = hf(input_ids=torch.tensor(ids)).logits
@@ -333,16 +327,13 @@ def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_
         after = trainer.full_state_dict()
         assert before is not None and after is not None
         assert all(torch.equal(after[k], v) for k, v in before.items())
-    finally:
-        trainer.shutdown()
 
 
 def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
     from miles.train.megatron import compat
 
     hf, batch = fsdp_reference["moe"][:2]
-    trainer = _local(checkpoints["moe"], _run())
-    try:
+    with local_megatron(checkpoints["moe"], _run()) as trainer:
         assert sorted(compat.patched_names()) == [
             "megatron.core.tensor_parallel.layers.LinearWithFrozenWeight",
             "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
@@ -353,8 +344,6 @@ def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp
         torch.testing.assert_close(logits_of(trainer, ids), want, atol=1e-6, rtol=0)
         for got, ref in zip(trainer.compute_logprobs(batch), batch.rollout_logprobs, strict=True):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-6, rtol=0)
-    finally:
-        trainer.shutdown()
 
 
 def test_compat_warns_on_another_megatron_version(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):

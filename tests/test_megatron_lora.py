@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("peft")
 
 from fsdp_ranks import engine_routes, free_port, hf_logprobs, hf_model_from, local_trainer, rl_batch  # noqa: E402
-from megatron_ranks import MegatronPair, sent_weights  # noqa: E402
+from megatron_ranks import MegatronPair, local_megatron, sent_weights  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from miles.adapters import lora  # noqa: E402
@@ -232,9 +232,7 @@ def test_one_rank_trains_fsdps_adapters_exports_them_and_writes_fsdps_state(
     from peft import PeftModel
 
     batch = rl_batch(hf)
-    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(_run()), num_threads=1)
-    try:
+    with local_megatron(tiny_qwen3_dir, _run()) as trainer:
         held = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
         assert held == {id(p) for p in trainer.lora.params.values()}, "the optimizer must hold the adapters only"
         assert not any(p.requires_grad for p in trainer.params.values())
@@ -268,8 +266,6 @@ def test_one_rank_trains_fsdps_adapters_exports_them_and_writes_fsdps_state(
 
         # trainer state: the FSDP trainer's peft layout; FSDP loads it and writes the same tensors back
         trainer.save_state(str(tmp_path / "megatron"))
-    finally:
-        trainer.shutdown()
     with local_trainer(tiny_qwen3_dir, _run()) as f:
         f.load_state(str(tmp_path / "megatron"))
         f.save_state(str(tmp_path / "fsdp"))
@@ -284,14 +280,10 @@ def test_one_rank_trains_fsdps_adapters_exports_them_and_writes_fsdps_state(
 def test_one_rank_tenants_never_move_each_other(tiny_qwen3_dir: Path, hf: torch.nn.Module, fsdp: Seen,
                                                 starts: dict[str, Path]):
     batch = rl_batch(hf)
-    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(tiny_qwen3_dir), config=RankConfig.of(_run()), num_threads=1,
-                              adapter_names=TENANTS)
-
     def state() -> dict[str, dict[str, torch.Tensor]]:
         return _unsync(sent_weights(trainer))
 
-    try:
+    with local_megatron(tiny_qwen3_dir, _run(), adapter_names=TENANTS) as trainer:
         # both tenants in one step: each through its own adapter, as FSDP's tenants step
         trainer.load_state(str(starts["tenants"]))
         _same_metrics(trainer.train_step(_mixed(batch)), fsdp.tenant_metrics, TENANT_COMPARED)
@@ -319,8 +311,6 @@ def test_one_rank_tenants_never_move_each_other(tiny_qwen3_dir: Path, hf: torch.
         assert max((s3["x"][k] - s2["x"][k]).abs().max().item() for k in s3["x"]) > 1e-4
         with pytest.raises(ValueError, match=r"adapters \['z'\]"):
             trainer.train_step(dataclasses.replace(batch, adapters=["z"] * len(batch)))
-    finally:
-        trainer.shutdown()
 
 
 COMBOS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
@@ -374,12 +364,8 @@ def test_one_rank_lora_with_qat_bf16_or_replay_trains_what_fsdp_trains(
         batch = dataclasses.replace(batch, routing=engine_routes(ckpt, batch))
     with local_trainer(ckpt, run) as t:
         want = _one_step(t, starts[ckpt_name], batch)
-    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
-    try:
+    with local_megatron(ckpt, run) as trainer:
         got = _one_step(trainer, starts[ckpt_name], batch)
-    finally:
-        trainer.shutdown()
     _close(got.before, want.before, 0, "adapters loaded")
     bf16 = combo == "bf16"
     for a, b in zip(got.logprobs, want.logprobs, strict=True):

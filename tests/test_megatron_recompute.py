@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from fsdp_ranks import free_port, hf_model_from, rl_batch  # noqa: E402
+from fsdp_ranks import hf_model_from, rl_batch  # noqa: E402
+from megatron_ranks import local_megatron  # noqa: E402
 
 from miles.backends.contract import check_trainer_class  # noqa: E402
-from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import validate  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
 
@@ -56,14 +56,12 @@ def _gradients(ckpt: Path, batch: Any, variant: str, *, recompute: bool,
         cfg["model"] = {"_target_": "miles.models.qwen3.qwen3_moe_spec"}
     run = validate(cfg)
     check_trainer_class(MegatronTrainer, run)  # accepted before Ray starts
-    trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                              checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
     calls = [0]
 
     def count(*_: Any) -> None:
         calls[0] += 1
 
-    try:
+    with local_megatron(ckpt, run) as trainer:
         assert trainer.model.module.config.recompute_granularity == ("full" if recompute else None)
         hooks = [layer.register_forward_hook(count) for layer in trainer.model.module.decoder.layers]
         grads = trainer.compute_gradients(batch)
@@ -71,8 +69,6 @@ def _gradients(ckpt: Path, batch: Any, variant: str, *, recompute: bool,
             h.remove()
         if then is not None:
             then(trainer)
-    finally:
-        trainer.shutdown()
     assert grads is not None
     return grads, calls[0]
 

@@ -22,12 +22,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from fsdp_ranks import engine_routes, free_port, hf_model_from, local_trainer, rl_batch  # noqa: E402
-from megatron_ranks import MegatronPair, experts_called, recomputed_routes, redirected_sites  # noqa: E402
+from fsdp_ranks import engine_routes, hf_model_from, local_trainer, rl_batch  # noqa: E402
+from megatron_ranks import MegatronPair, experts_called, local_megatron, recomputed_routes, redirected_sites  # noqa: E402
 from test_megatron import EXPECTED_SITES  # noqa: E402
 
 from miles.backends.contract import check_trainer_class  # noqa: E402
-from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import ConfigError, validate  # noqa: E402
 from miles.train.batching import pad_batch  # noqa: E402
 from miles.train.megatron import MegatronTrainer  # noqa: E402
@@ -300,13 +299,9 @@ def test_one_rank_qat_recipes_compute_what_fsdp_computes(checkpoints: dict[str, 
         fsdp_run = dataclasses.replace(base, precision=dataclasses.replace(precision, mismatch_correction="on"))
         with local_trainer(ckpt, fsdp_run if bf16 else run) as t:
             want_logp, want_grads = t.compute_logprobs(batch), t.compute_gradients(batch)
-        trainer = MegatronTrainer(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
-                                  checkpoint_dir=str(ckpt), config=RankConfig.of(run), num_threads=1)
-        try:
+        with local_megatron(ckpt, run) as trainer:
             assert trainer.mismatch["tis_clip"] == (2.0 if bf16 else None)
             logp, grads = trainer.compute_logprobs(batch), trainer.compute_gradients(batch)
-        finally:
-            trainer.shutdown()
         for a, b in zip(logp, want_logp, strict=True):
             _close(a, b, bf16=bf16, what=f"{recipe} {precision.train_dtype}")
         for k, want in want_grads.items():

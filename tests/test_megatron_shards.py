@@ -19,11 +19,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from fsdp_ranks import free_port, hf_model_from, rl_batch  # noqa: E402
-from megatron_ranks import MegatronPair  # noqa: E402
+from fsdp_ranks import hf_model_from, rl_batch  # noqa: E402
+from megatron_ranks import MegatronPair, local_megatron  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from miles.config import RankConfig  # noqa: E402
 from miles.config.validate import validate  # noqa: E402
 from miles.train.optim import read_train_tensors  # noqa: E402
 
@@ -116,24 +115,12 @@ def test_another_layout_takes_the_uninterrupted_next_step(
     saved: dict[str, Any], tiny_qwen3_dir: Path
 ) -> None:
     """Saved at TP=2: PP=2 (two ranks) and one rank resume and compute the step TP=2 took after the save."""
-    from miles.train.megatron import MegatronTrainer
 
     _same_step(saved["pp2"], saved["continued"], "PP=2")
-    one = MegatronTrainer(
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=free_port(),
-        checkpoint_dir=str(tiny_qwen3_dir),
-        config=RankConfig.of(_run()),
-        num_threads=1,
-    )
-    try:
+    with local_megatron(tiny_qwen3_dir, _run()) as one:
         one.load_state(str(saved["root"] / "tp2"))
         assert one.scheduler.state_dict()["last_epoch"] == 1
         _same_step((one.train_step(saved["batch"]), one.full_state_dict()), saved["continued"], "one rank")
-    finally:
-        one.shutdown()
 
 
 class _Payload:
@@ -149,7 +136,6 @@ class _Payload:
 def test_a_changed_shard_or_metadata_is_refused_before_unpickling(
     saved: dict[str, Any], tiny_qwen3_dir: Path, tmp_path: Path
 ) -> None:
-    from miles.train.megatron import MegatronTrainer
 
     shard, metadata = tmp_path / "shard", tmp_path / "metadata"
     for d in (shard, metadata):
@@ -160,16 +146,7 @@ def test_a_changed_shard_or_metadata_is_refused_before_unpickling(
     part.write_bytes(bytes(data))
     marker = tmp_path / "unpickled"
     (metadata / "shards" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    one = MegatronTrainer(
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=free_port(),
-        checkpoint_dir=str(tiny_qwen3_dir),
-        config=RankConfig.of(_run()),
-        num_threads=1,
-    )
-    try:
+    with local_megatron(tiny_qwen3_dir, _run()) as one:
         before = one.full_state_dict()
         with pytest.raises(ValueError, match=r"refusing the sharded trainer state .*__1_0\.distcp: SHA-256 "):
             one.load_state(str(shard))
@@ -180,8 +157,6 @@ def test_a_changed_shard_or_metadata_is_refused_before_unpickling(
         ):
             one.load_state(str(metadata))
         after = one.full_state_dict()
-    finally:
-        one.shutdown()
     assert not marker.exists()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was loaded
     pickle.loads(
