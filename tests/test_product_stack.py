@@ -7,7 +7,8 @@ LoRA backend an ``lm_head`` adapter cannot share a batch with another), so one S
 routing capture are launch flags of the server) shows every path at once: fp8 weights served
 dequantized as the torch engine serves them, adapter-only weight syncs of both tenants from the
 megatron trainer into SGLang's own adapter loading, both adapters served by the one server, the
-engine's routes replayed by megatron's router, mismatch correction on. The async schedules on this stack are in tests/test_schedules.py
+engine's routes replayed by megatron's router, mismatch correction on, and each tenant's time to first
+token as SGLang measures it. The async schedules on this stack are in tests/test_schedules.py
 (``sglang-megatron-one_step_off``).
 """
 
@@ -52,6 +53,10 @@ def test_the_product_card_runs_on_sglang_and_megatron_with_replay_and_lora_tenan
         for t in ("sums", "largest"):  # each tenant's own rollout and update
             assert m[f"tenant/{t}/rollout/failed"] == 0 and m[f"tenant/{t}/train/nonfinite_skipped"] == 0, (step, t)
             assert m[f"tenant/{t}/train/num_tokens"] > 0
+            # SGLang's own first-token time (its metrics on) under each request's latency
+            for q in ("p50", "p90", "p99"):
+                ttft = m[f"tenant/{t}/rollout/time_to_first_token_s/{q}"]
+                assert 0 < ttft <= m[f"tenant/{t}/rollout/request_latency_s/{q}"], (step, t, q, ttft)
         # megatron's router was called with exactly the experts SGLang chose, for every recorded route
         assert m["moe/replayed_route_share"] == 1.0, (step, m["moe/replayed_route_share"])
         # the adapters train, the base does not: a small share of the parameters, and adapter-only syncs
