@@ -110,12 +110,10 @@ def logits_of(trainer: Any, ids: list[list[int]]) -> Any:
 
 def gloo_threads(trainer: Any) -> int:
     """Inside a rank: how many gloo threads its process runs (three per live process group)."""
-    import os
-
     names = []
-    for task in os.listdir("/proc/self/task"):
+    for task in Path("/proc/self/task").iterdir():
         try:
-            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+            names.append((task / "comm").read_text().strip())
         except OSError:  # the thread ended meanwhile
             pass
     return sum("gloo" in n for n in names)

@@ -21,11 +21,12 @@ factories drop ``pin_memory``, ``Tensor.pin_memory()`` returns the tensor itself
 
 The SGLang wheel also installs FlashInfer and CUTLASS's Python DSL, kernel libraries for NVIDIA GPUs
 that a CPU server never calls; importing them costs each server start about 10 s (a tiny model's
-server was ready in 47-49 s instead of 57-61 s here). :func:`install` makes their import fail as if
+server was ready in 47-50 s instead of 57-61 s here). :func:`install` makes their import fail as if
 they were not installed, which SGLang handles as it does on its own CPU builds.
 """
 
 import functools
+import importlib.machinery
 import os
 import sys
 
@@ -45,8 +46,6 @@ class _NotOnCpu:
     @classmethod
     def find_spec(cls, name, path=None, target=None):
         if name.partition(".")[0] in _GPU_ONLY:
-            import importlib.machinery
-
             return importlib.machinery.ModuleSpec(name, cls)
         return None
 

@@ -65,6 +65,7 @@ quantization block of a row-parallel layer (:mod:`.quant`).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -290,8 +291,6 @@ def _clear_rotary_caches() -> None:
     gone, and with it the module's context-parallel process group: the group's gloo threads (three per
     group) then outlive ``destroy_process_group``, one group more on each job a parked rank takes on.
     """
-    import sys
-
     for name, module in list(sys.modules.items()):
         if not name.startswith("megatron.core.models.common.embeddings") or module is None:
             continue
