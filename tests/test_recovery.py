@@ -1,7 +1,8 @@
 """Rollout engines that die or hang in a run are replaced, get the current weights, and the run goes on
 (:mod:`miles.core.recovery`): SIGSTOP of one engine, SIGKILL of every engine, and the clear error once
-no restart is left. A trainer rank SIGKILLed mid-run (FSDP and Megatron) is restarted with its group and
-restored from the last checkpoint; without a checkpoint, or under the async schedules, the run ends."""
+no restart is left. A trainer rank SIGKILLed mid-run (FSDP and Megatron), or stopped (SIGSTOP: found by
+the step's probes and killed), is restarted with its group and restored from the last checkpoint; without
+a checkpoint, or under the async schedules, the run ends."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def _status(p: psutil.Process) -> str:
     with contextlib.suppress(psutil.Error):
         return p.status()
     return psutil.STATUS_DEAD
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
 
 
 class Fault:
@@ -108,18 +116,20 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--faults", "trainer_kill,server_kill"])
     assert exit_.value.code == 2 and ("--faults trainer_kill,server_kill: choose from engine_kill, engine_hang, "
-                                      "trainer_kill (with --engine torch)") in capsys.readouterr().err
+                                      "trainer_kill, trainer_hang (with --engine torch)") in capsys.readouterr().err
 
 
 class KillTrainerRank:
-    """Hook: at ``step`` (before its train step, the first ``times`` times it runs) SIGKILL one trainer rank
-    of this driver's job, found in Ray's actor table by its class name (its process id)."""
+    """Hook: at ``step`` (before its train step, the first ``times`` times it runs) send ``sig`` (SIGKILL,
+    or SIGSTOP: a hung rank) to one trainer rank of this driver's job, found in Ray's actor table by its
+    class name (its process id)."""
 
     batches: list = []  # the batch of every attempt at ``step``, read by the test
+    pids: list = []  # the processes signalled
 
-    def __init__(self, step: int, times: int = 1) -> None:
-        self.step, self.times = step, times
-        KillTrainerRank.batches = []
+    def __init__(self, step: int, times: int = 1, sig: str = "SIGKILL") -> None:
+        self.step, self.times, self.sig = step, times, getattr(signal, sig)
+        KillTrainerRank.batches, KillTrainerRank.pids = [], []
 
     def before_train(self, ctx, batch) -> None:
         if ctx.step != self.step:
@@ -134,7 +144,8 @@ class KillTrainerRank:
                  if a["ActorClassName"] in ("FSDPTrainer", "MegatronTrainer") and a["State"] == "ALIVE"
                  and a["JobID"] == job]
         assert ranks, "no trainer rank process"
-        os.kill(max(ranks), signal.SIGKILL)
+        os.kill(max(ranks), self.sig)
+        KillTrainerRank.pids.append(max(ranks))
         self.times -= 1
         ctx.add_metrics({"killed": 1.0})
 
@@ -165,6 +176,43 @@ def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster,
     first, retried = KillTrainerRank.batches  # the retry rolls out the same prompts from the same weights
     assert first == retried
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
+
+
+def test_a_hung_trainer_rank_is_killed_and_restored(ray_cluster, cache: Path, tmp_path: Path) -> None:
+    """Step 2: one of two FSDP ranks stopped (SIGSTOP) before the train step; its peer waits on it in a
+    collective. The step's probes find it (trainer.hang_timeout_s=5), it is killed, and the run goes on
+    as after a death: restored from step 1's checkpoint, step 2 retried with the same batch."""
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=2",
+                 "trainer.save_every=1", f"trainer.save_dir={tmp_path}", f"warm_start.cache_dir={cache}",
+                 "trainer.hang_timeout_s=5", "hooks=[{_target_: test_recovery.KillTrainerRank, step: 2, sig: SIGSTOP}]"]
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float]]] = []
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append((s, dict(m))))
+    assert [s for s, _ in seen if s > 0] == [1, 2]
+    by = dict(seen)
+    assert by[2]["fault/trainer_restarts"] == 1
+    assert 0 < by[2]["fault/trainer_detect_s"] < 60  # probes every 5 s, answered within 5 s, or killed
+    assert _gone(KillTrainerRank.pids[0])  # the stopped process was killed, not left behind
+    first, retried = KillTrainerRank.batches
+    assert first == retried
+    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
+
+
+def test_a_hang_without_recovery_is_one_clear_error(ray_cluster, cache: Path, tmp_path: Path) -> None:
+    """trainer.max_failures=0: the stopped rank is found and killed, and the run ends with an error that
+    says it hung, instead of waiting out the process group's timeout."""
+    from miles.core.recovery import TrainerRankHungError
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=2",
+                 "trainer.max_failures=0", f"warm_start.cache_dir={cache}", "trainer.hang_timeout_s=3",
+                 "hooks=[{_target_: test_recovery.KillTrainerRank, step: 1, sig: SIGSTOP}]"]
+    run, resolved = compose(overrides)
+    with pytest.raises(TrainerRankHungError, match=r"trainer rank\(s\) [01] did not answer a liveness probe within "
+                                                   r"trainer.hang_timeout_s=3 s .*: stopped or hung; killed"):
+        run_job(run, resolved_yaml=resolved, overrides=overrides)
 
 
 def test_no_recovery_left_is_one_clear_error(ray_cluster, cache: Path, tmp_path: Path) -> None:

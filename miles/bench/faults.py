@@ -8,15 +8,17 @@ hook in the driver (:class:`FaultInjector`):
 - ``engine_hang``: SIGSTOP of one engine actor process (found by ``rollout.engine_timeout_s``);
 - ``server_kill`` (with ``--engine sglang``): SIGKILL of one SGLang server's process group;
 - ``trainer_kill``: SIGKILL of one trainer rank's actor process (both runs then write a run checkpoint
-  every step, ``trainer.save_every=1``, which the restarted ranks restore).
+  every step, ``trainer.save_every=1``, which the restarted ranks restore);
+- ``trainer_hang``: SIGSTOP of one trainer rank's actor process, found by the train step's probes
+  (``trainer.hang_timeout_s``) and killed; then as ``trainer_kill``.
 
 ``--faults`` picks some of them (default: all that apply to the engine).
 
 Per fault: ``recovery_s``, from the signal to the end of that step's weight push (the engine replaced,
 synced and back in rotation); ``out_of_rotation_s``, the part of it the engine was taken out
 (``fault/engine_outage_s``); ``detect_s``, the rest (from the signal until the engine was taken out,
-plus the push to the other engines); ``restarts``; for ``trainer_kill``, ``detect_s`` (from the failed
-call to the dead rank named, ``fault/trainer_detect_s``) and ``restore_s`` (the ranks restarted, restored
+plus the push to the other engines); ``restarts``; for ``trainer_kill`` and ``trainer_hang``, ``detect_s`` (from the failed
+call to the dead rank named, ``fault/trainer_detect_s``; for a hang, from the last probe answered) and ``restore_s`` (the ranks restarted, restored
 from the checkpoint and the engines re-synced, ``fault/trainer_restore_s``) instead, and ``recovery_s`` up
 to the end of the retried step; ``steps_lost``, steps whose batch was not trained whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
 (trained more than once: ``ledger/trained`` over the number of training steps' prompts).
@@ -40,7 +42,8 @@ from miles.bench.e2e import compose
 
 log = logging.getLogger("miles.bench.faults")
 
-FAULTS = ("engine_kill", "engine_hang", "server_kill", "trainer_kill")
+FAULTS = ("engine_kill", "engine_hang", "server_kill", "trainer_kill", "trainer_hang")
+TRAINER_FAULTS = ("trainer_kill", "trainer_hang")
 TRAINER_CLASSES = ("FSDPTrainer", "MegatronTrainer")
 
 
@@ -60,15 +63,15 @@ class FaultInjector:
             return
         import psutil
 
-        if fault == "trainer_kill":  # this driver's trainer ranks, from Ray's actor table
+        if fault in TRAINER_FAULTS:  # this driver's trainer ranks, from Ray's actor table
             import ray
 
             job = ray.get_runtime_context().get_job_id()
             ranks = [a["Pid"] for a in ray._private.state.actors().values()
                      if a["ActorClassName"] in TRAINER_CLASSES and a["State"] == "ALIVE" and a["JobID"] == job]
             if not ranks:
-                raise RuntimeError("trainer_kill: no trainer rank actor found in this job")
-            os.kill(max(ranks), signal.SIGKILL)
+                raise RuntimeError(f"{fault}: no trainer rank actor found in this job")
+            os.kill(max(ranks), signal.SIGKILL if fault == "trainer_kill" else signal.SIGSTOP)
         elif fault == "server_kill":
             # a server's process group: its supervisor (the leader), sglang.launch_server and its children
             leaders = [p.pid for p in psutil.process_iter(["cmdline"])
@@ -119,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"seed={args.seed}", f"trainer.num_steps={args.steps}", "trainer.eval_every=0", "tracking=none",
               "placement.num_engines=2", "cluster.reuse_actors=false", "rollout.engine_timeout_s=10",
               *([f"rollout={args.engine}"] if args.engine == "sglang" else []), *args.overrides]
-    if "trainer_kill" in names:  # the restarted ranks restore the last run checkpoint: one every step
+    trainer_faults = any(n in TRAINER_FAULTS for n in names)
+    if trainer_faults:  # the restarted ranks restore the last run checkpoint: one every step
         save_dir = tempfile.mkdtemp(prefix="miles-bench-faults-")
         common += ["trainer.save_every=1", f"trainer.save_dir={save_dir}"]
     hook = ("hooks=[{_target_: miles.bench.faults.FaultInjector, engine_class: " + engine_class + ", faults: ["
             + ", ".join(f"[{k}, {v}]" for k, v in faults.items()) + "]}]")
     log.info("uninterrupted run, then the run with %s", ", ".join(f"{v} at step {k}" for k, v in faults.items()))
     _, clean = _run(common)
-    if "trainer_kill" in names:  # the faulted run writes its own checkpoints
+    if trainer_faults:  # the faulted run writes its own checkpoints
         shutil.rmtree(save_dir)
     seen, faulted = _run(common + [hook])
     by_step = {s: (m, t) for s, m, t in seen}
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if step in FaultInjector.sent:
             name, sent_at = FaultInjector.sent[step]
             recovery = t - sent_at
-            if name == "trainer_kill":
+            if name in TRAINER_FAULTS:
                 report["faults"][name] = {
                     "step": step, "recovery_s": round(recovery, 2), "detect_s": round(m["fault/trainer_detect_s"], 3),
                     "restore_s": round(m["fault/trainer_restore_s"], 2), "restarts": m["fault/trainer_restarts"]}
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "ledger": ledger,
     }
     for name, f in report["faults"].items():
-        if name == "trainer_kill":
+        if name in TRAINER_FAULTS:
             print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.3f} s, "
                   f"restore {f['restore_s']:5.1f} s), restarts {f['restarts']:.0f}")
             continue

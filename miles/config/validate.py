@@ -312,6 +312,8 @@ def _check_checkpointing(run: MilesConfig) -> None:
         raise ConfigError(f"trainer.max_nonfinite_steps: must be 0 (never stop) or more, found {t.max_nonfinite_steps}")
     if t.max_failures < 0:
         raise ConfigError(f"trainer.max_failures: must be 0 (a dead rank ends the run) or more, found {t.max_failures}")
+    if t.hang_timeout_s < 0:
+        raise ConfigError(f"trainer.hang_timeout_s: must be 0 (no probes) or more seconds, found {t.hang_timeout_s}")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints: must be at least 1, found {t.keep_checkpoints}")
     if t.resume_from is None:

@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 
 ENGINE_MAX_CONCURRENCY = 32  # engines are threaded actors: several generate calls share one batch
 
+PROBE_GROUP = "probe"
+"""The concurrency group of every trainer and critic rank that its liveness probe (:func:`probe`) runs in:
+a thread of its own, so a rank busy in a train step, or waiting in a collective on a peer, answers at
+once, while a rank that is stopped, or hung holding the interpreter, does not."""
+
+
+def probe(rank: Any) -> Any:
+    """A liveness probe of a trainer or critic rank (an ``ObjectRef`` of ``True``), answered in
+    :data:`PROBE_GROUP`; its error is the rank's death."""
+    return rank.__ray_ready__.options(concurrency_group=PROBE_GROUP).remote()
+
 
 @dataclass
 class Actors:
@@ -106,9 +117,10 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     else:
         engines = [_new_engine(plan, groups, i, args, timed=_timed(run)) for i, args in enumerate(engine_args)]
         pending = []
-    trainers = [_place(trainer_cls, slot, groups, track=_track("trainer rank", slot, run)).remote(**kw)
+    trainers = [_place(trainer_cls, slot, groups, track=_track("trainer rank", slot, run), probed=True).remote(**kw)
                 for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
-    critics = [_place(locate(plan.critic_class), slot, groups, track=_track("critic rank", slot, run)).remote(**kw)
+    critics = [_place(locate(plan.critic_class), slot, groups, track=_track("critic rank", slot, run),
+                      probed=True).remote(**kw)
                for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors = Actors(engines=engines, trainers=trainers, placement_groups=groups, plan=plan, critics=critics,
                     stores=stores)
@@ -150,10 +162,10 @@ def restart_trainers(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> N
     _, trainer_args, critic_args, stores = _constructor_args(plan, run, checkpoint_dir)
     trainer_cls = locate(plan.trainer_class)
     actors.trainers[:] = [_place(trainer_cls, slot, actors.placement_groups,
-                                 track=_track("trainer rank", slot, run)).remote(**kw)
+                                 track=_track("trainer rank", slot, run), probed=True).remote(**kw)
                           for slot, kw in zip(plan.trainers, trainer_args, strict=True)]
     actors.critics[:] = [_place(locate(plan.critic_class), slot, actors.placement_groups,
-                                track=_track("critic rank", slot, run)).remote(**kw)
+                                track=_track("critic rank", slot, run), probed=True).remote(**kw)
                          for slot, kw in zip(plan.critics, critic_args, strict=True)]
     actors.stores[:] = stores  # the old stores close with their last reference
     ray.get([t.__ray_ready__.remote() for t in actors.trainers + actors.critics])
@@ -169,12 +181,15 @@ def _track(kind: str, slot: Slot, run: MilesConfig) -> str | None:
     return f"{kind} {slot.index}" if _timed(run) else None
 
 
-def _place(cls: Any, slot: Slot, groups: Sequence[Any], track: str | None = None, **options: Any) -> Any:
+def _place(cls: Any, slot: Slot, groups: Sequence[Any], track: str | None = None, probed: bool = False,
+           **options: Any) -> Any:
     """``cls`` as a Ray actor class bound to ``slot``'s bundle, CPUs, GPUs and environment; with ``track``,
-    its calls are recorded for per-step timelines (:func:`miles.tracking.timeline.timed_class`)."""
+    its calls are recorded for per-step timelines (:func:`miles.tracking.timeline.timed_class`); ``probed``:
+    it answers :func:`probe` in a thread of its own (trainer and critic ranks)."""
     if track is not None:
         cls = timed_class(cls, track)
-    return ray.remote(cls).options(
+    remote = ray.remote(concurrency_groups={PROBE_GROUP: 1}) if probed else ray.remote
+    return remote(cls).options(
         num_cpus=slot.cpus, num_gpus=slot.gpus, runtime_env={"env_vars": dict(slot.env)},
         scheduling_strategy=PlacementGroupSchedulingStrategy(groups[slot.pool], placement_group_bundle_index=slot.bundle),
         **options)

@@ -22,10 +22,12 @@ loses every engine still ends the run.
 Metrics: ``fault/engine_restarts`` (over the run), ``fault/engine_outage_s`` (seconds the replaced
 engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start).
 
-Trainer ranks (:class:`TrainerRecovery`, ``schedule=sync``): when a step fails, the driver asks every
-trainer and critic rank whether it is alive (:meth:`TrainerRecovery.find_dead`; a rank busy in a
-collective that will not end does not answer in time and counts as alive, a dead actor answers with its
-death at once). With a dead rank the step is abandoned (:class:`TrainerRankDiedError`); then, at most
+Trainer ranks (:class:`TrainerRecovery`, ``schedule=sync``): while a step waits on the trainer and
+critic ranks, it probes them (:func:`get_ranks`, in a thread of each rank's own, so a rank busy computing
+or waiting in a collective answers); a rank that does not answer within ``trainer.hang_timeout_s`` is
+hung and is killed. When a step fails, the driver asks every trainer and critic rank whether it is alive
+(:meth:`TrainerRecovery.find_dead`; a dead actor, a killed hung one among them, answers with its death at
+once). With a dead rank the step is abandoned (:class:`TrainerRankDiedError`); then, at most
 ``trainer.max_failures`` times over the run, :func:`miles.core.step.recover_trainers` restarts both
 groups in their bundles (:func:`miles.core.actors.restart_trainers`), restores them from the run's last
 checkpoint with its ledger and loop state, gives the engines its weights, and the loop runs again from
@@ -44,7 +46,7 @@ from typing import Any
 import ray
 
 from miles.config import MilesConfig
-from miles.core.actors import Actors, replace_engine, restart_trainers
+from miles.core.actors import Actors, probe, replace_engine, restart_trainers
 from miles.rollout.dispatch import AllEnginesDeadError, first_line
 from miles.rollout.manager import RolloutManager
 from miles.weights.sync import Transport, sync_weights
@@ -134,6 +136,54 @@ class TrainerRankDiedError(RuntimeError):
         return TrainerRankDiedError(self.step, self.dead, self.cause, hint)
 
 
+class TrainerRankHungError(RuntimeError):
+    """Trainer (or critic) ranks did not answer their liveness probe within ``trainer.hang_timeout_s``
+    while a step waited on them (:func:`get_ranks`); they were killed."""
+
+    def __init__(self, message: str, detect_s: float) -> None:
+        super().__init__(message)
+        self.detect_s = detect_s
+        """Seconds from the last probe every rank answered (or the call's start) to the kill."""
+
+
+PROBE_EVERY_S = 10.0
+"""How often :func:`get_ranks` probes the ranks of a call that has not finished (at most)."""
+
+
+def get_ranks(refs: Sequence[Any], ranks: Sequence[Any], kind: str, timeout_s: float) -> list[Any]:
+    """``ray.get(refs)``, the results of one call on each of the ``kind`` ranks ``ranks`` (in order),
+    while finding ranks that hang. Until every call has returned, each rank is probed every
+    :data:`PROBE_EVERY_S` (or ``timeout_s`` when shorter; :func:`miles.core.actors.probe`, answered in a
+    thread of its own even while the rank computes or waits in a collective on a peer). Ranks that do not
+    answer within ``timeout_s`` are stopped or hung: they are killed, which also ends their peers' waits in
+    the group's collectives, and :class:`TrainerRankHungError` is raised; the recovery then finds them dead
+    (:meth:`TrainerRecovery.find_dead`). An error of a call (a rank's death) is raised as soon as it
+    returns. ``timeout_s`` 0: no probes, as ``ray.get``."""
+    if timeout_s <= 0:
+        return ray.get(list(refs))
+    every = min(PROBE_EVERY_S, timeout_s)
+    started = answered_at = time.monotonic()
+    pending, next_probe = list(refs), started + every
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(next_probe - time.monotonic(), 0.0))
+        if ready:
+            ray.get(ready)  # raises a rank's error (its death) now, not after its peers' collectives time out
+            continue
+        pings = [probe(r) for r in ranks]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        hung = [i for i, ref in enumerate(pings) if ref not in answered]
+        if hung:
+            for i in hung:
+                ray.kill(ranks[i], no_restart=True)
+            raise TrainerRankHungError(
+                f"{kind} rank(s) {', '.join(map(str, hung))} did not answer a liveness probe within "
+                f"trainer.hang_timeout_s={timeout_s:g} s ({time.monotonic() - started:.1f} s into the call): "
+                "stopped or hung; killed", detect_s=time.monotonic() - answered_at)
+        answered_at = time.monotonic()
+        next_probe = answered_at + every
+    return ray.get(list(refs))
+
+
 class TrainerRecovery:
     """Finds the dead trainer and critic ranks of a failed step and restarts both groups (see the module
     docstring); the restore from the checkpoint is :func:`miles.core.step.recover_trainers`."""
@@ -152,7 +202,7 @@ class TrainerRecovery:
         rank is alive (``cause`` was no rank's death). Each rank gets ``ping_timeout_s`` to answer."""
         t0 = time.perf_counter()
         groups = {"trainer": self.actors.trainers, "critic": self.actors.critics}
-        pings = {kind: [a.__ray_ready__.remote() for a in ranks] for kind, ranks in groups.items()}
+        pings = {kind: [probe(a) for a in ranks] for kind, ranks in groups.items()}
         deadline = time.monotonic() + self.ping_timeout_s
         dead: dict[str, list[int]] = {kind: [] for kind in groups}
         for kind, refs in pings.items():
@@ -160,10 +210,10 @@ class TrainerRecovery:
                 try:
                     ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
                 except ray.exceptions.GetTimeoutError:
-                    pass  # alive, busy (e.g. in a collective with a dead peer); restarted with the group
+                    pass  # alive but slow to answer (a loaded machine); restarted with the group
                 except ray.exceptions.RayActorError:
                     dead[kind].append(rank)
-        self.detect_s = time.perf_counter() - t0
+        self.detect_s = time.perf_counter() - t0 + getattr(cause, "detect_s", 0.0)  # with a hang's own
         if not any(dead.values()):
             return None
         return TrainerRankDiedError(step, dead, cause)

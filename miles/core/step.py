@@ -25,7 +25,7 @@ from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
 from miles.core.profiling import StepProfiler, step_actors
-from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery
+from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery, get_ranks
 from miles.core.timeline import StepTimeline
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
@@ -101,6 +101,7 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     Returns the metrics with the reward and train metrics added, and the batch's samples in order.
     """
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
+    hang_s = run.trainer.hang_timeout_s  # a rank that stops answering is killed (miles.core.recovery.get_ranks)
     # 3. advantages: how much better each response is than its siblings (failed ones sit out),
     # or, with a critic (PPO), than the critic expected at each token (GAE)
     if algo.overlong_buffer_len > 0 and algo.overlong_penalty_factor > 0:
@@ -118,7 +119,7 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     with span("batch"):
         batch = TrainBatch.from_samples(samples)
     if gae:
-        values = ray.get([c.compute_values.remote(batch) for c in ctx.critics])[0]
+        values = get_ranks([c.compute_values.remote(batch) for c in ctx.critics], ctx.critics, "critic", hang_s)[0]
         batch.token_advantages, returns = gae_from_lists(
             [s.reward for s in samples], values, batch.loss_mask,
             gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
@@ -135,10 +136,11 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         if metrics["train/trainable_samples"] > 0:
             with span("train_step"):
                 batch = ray.put(batch)
-                ranks = ray.get([t.train_step.remote(batch) for t in ctx.trainers])
+                ranks = get_ranks([t.train_step.remote(batch) for t in ctx.trainers], ctx.trainers, "trainer", hang_s)
             metrics |= ranks[0] | rank_memory(ranks)  # the same metrics on every rank, but each rank's own memory
             if gae:
-                metrics |= ray.get([c.train_step.remote(batch, returns, values) for c in ctx.critics])[0]
+                metrics |= get_ranks([c.train_step.remote(batch, returns, values) for c in ctx.critics],
+                                     ctx.critics, "critic", hang_s)[0]
         elif all(s.status is Status.FAILED for s in samples):
             raise RuntimeError(f"step {step}: every sample failed ({why_untrainable(samples)}); see the log above")
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
