@@ -1,10 +1,12 @@
-"""EnginePool over fake engine actors (real Ray actors, no model): session affinity and the deadline
-that grows with the prompt. Each fake engine answers with its own id as the response, so a result
+"""EnginePool over fake engine actors (real Ray actors, no model): session affinity, the deadline
+that grows with the prompt, and the watchdog that takes out a hung engine. Each fake engine answers with its own id as the response, so a result
 says where it was generated."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -44,6 +46,12 @@ def _fakes(ray, k: int, delay_s: float = 0.0) -> list:
 
         def call_sizes(self) -> list[int]:
             return self.calls
+
+        def health(self) -> dict:
+            return {"ok": True, "engine_id": self.engine_id}
+
+        def pid(self) -> int:
+            return os.getpid()
 
     actor = ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=8)
     engines = [actor.remote(i, delay_s) for i in range(k)]
@@ -177,6 +185,36 @@ def test_the_deadline_grows_with_the_prompt(ray_cluster) -> None:
     assert pool.counts["timeouts"] == 1
     assert pool.deadline_s([GenerateRequest(request_id="x", prompt_ids=(1,) * 3000)]) == pytest.approx(1.7)
     ray_cluster.kill(engine)
+
+
+def _rollout(pool: EnginePool, k: int) -> list[int]:
+    """``k`` requests at once; the engine of each answer."""
+
+    async def main() -> list[int]:
+        queue = pool.session()
+        answers = await asyncio.gather(*(queue.generate(GenerateRequest(request_id=f"r{i}", prompt_ids=(1, 2)), None)
+                                         for i in range(k)))
+        return [a[0].response_ids[0] for a in answers]
+
+    return asyncio.run(main())
+
+
+def test_a_hung_engine_is_taken_out_by_the_watchdog(ray_cluster) -> None:
+    """Engine 0's process stopped (SIGSTOP) before a rollout: the calls sent to it never answer, and the
+    request deadline is 600 s. The watchdog (every 0.5 s, 2 s to answer) takes it out and its requests
+    are answered by engine 1 within seconds; with the watchdog off they would wait out the deadline."""
+    engines = _fakes(ray_cluster, 2, delay_s=0.05)
+    pool = EnginePool(engines, RolloutConfig(max_inflight_samples_per_engine=2, max_requests_per_call=1,
+                                             health_interval_s=0.5, engine_timeout_s=2.0))
+    assert sorted(_rollout(pool, 8)) == [0] * 4 + [1] * 4  # both engines answer while they are well
+    os.kill(ray_cluster.get(engines[0].pid.remote()), signal.SIGSTOP)
+    t0 = time.monotonic()
+    assert _rollout(pool, 8) == [1] * 8
+    assert time.monotonic() - t0 < 60  # interval + timeout, not the 600 s request deadline
+    assert pool.alive == [1] and pool.counts["engines_lost"] == 1 and pool.counts["retried"] >= 1
+    assert pool.deaths[0] == "EngineHungError: health check: no answer within rollout.engine_timeout_s=2 s (hung)"
+    for engine in engines:
+        ray_cluster.kill(engine)
 
 
 def test_affinity_counts_reach_the_rollout_metrics() -> None:

@@ -409,6 +409,8 @@ def test_bad_manager_settings_are_config_errors() -> None:
         check_config(RolloutConfig(max_engine_restarts=-1))
     with pytest.raises(ConfigError, match="rollout.max_outage_s: must be a finite number > 0"):
         check_config(RolloutConfig(max_outage_s=float("inf")))
+    with pytest.raises(ConfigError, match=r"rollout.health_interval_s: must be a finite number >= 0 \(0: no health"):
+        check_config(RolloutConfig(health_interval_s=-1))
     with pytest.raises(TypeError, match="RewardRunner"):
         RolloutManager([object()], None, exact_answer_reward)
 

@@ -283,6 +283,11 @@ class RolloutConfig:
     max_outage_s: float = 300.0
     """With no engine in rotation, how long the run waits for replacements to come up before it ends
     with an error."""
+    health_interval_s: float = 10.0
+    """While a rollout has calls in flight on an engine, the engine is asked for its health this often;
+    one that does not answer within ``engine_timeout_s`` (hung) is taken out of rotation at once and its
+    calls are retried on the others, without waiting out ``request_timeout_s``
+    (:mod:`miles.rollout.dispatch`). 0: no health checks during rollouts."""
 
 
 @dataclass(**_frozen)

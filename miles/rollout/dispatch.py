@@ -25,6 +25,12 @@
   actor alive around a backend that is gone, e.g. an SGLang server process that exited or hung),
   leaves the rotation (logged) and its requests are retried on the others; with no engine left
   every waiting request raises :class:`AllEnginesDeadError`.
+- **Hung engines.** While a session has calls in flight on an engine, a watchdog asks the engine for
+  its ``health()`` every ``rollout.health_interval_s`` (engines answer it while they generate). An
+  engine that does not answer within ``rollout.engine_timeout_s`` (its process stopped, or stuck
+  holding the interpreter) leaves the rotation as a dead one, and its calls in flight are aborted and
+  retried on the others at once: a hung engine costs interval + timeout, not a request deadline. (An
+  SGLang engine's server that hangs is found by the engine's own watchdog, which fails its calls.)
 
 Every answered request's latency (from its arrival in the queue to its answer, retries included) is kept
 in ``EnginePool.latencies``, and its time to first token in ``EnginePool.first_token_s``, until the rollout
@@ -69,6 +75,10 @@ class AllEnginesDeadError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """Raised by an engine whose backend is gone for good while its actor lives on (a server process
     that exited or stopped answering); the pool takes the engine out of rotation as if its actor died."""
+
+
+class EngineHungError(RuntimeError):
+    """The watchdog took an engine out of rotation: its health check went unanswered."""
 
 
 class EngineRequestError(RuntimeError):
@@ -187,6 +197,8 @@ class Session:
         if self.live is not None:
             self.live.watch(self)
             self.live.alive.set(len(pool.alive))
+        self.lost: dict[int, asyncio.Future] = {}  # engine -> set (to its error) when the watchdog takes it out
+        self.watchdog: asyncio.Task | None = None
 
     async def generate(self, request: GenerateRequest, sampling: SamplingParams | None) -> list[GenerateResult]:
         if request.n < 1:
@@ -292,9 +304,13 @@ class Session:
         pool.dispatched[e] += len(call)
         timeout = pool.deadline_s(wire)
         sent = time.perf_counter()
+        self._watch()
         try:
             ref = pool.engines[e].generate.remote(wire, call[0].sampling or SamplingParams())
-            results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+            results = await self._answer(e, ref, timeout)
+        except EngineHungError as err:  # the watchdog took the engine out: its calls go elsewhere now
+            pool.abort(e, [w.request_id for w in wire])
+            self._retry_all(call, e, f"engine {e} taken out ({err})")
         except TimeoutError:
             pool.counts["timeouts"] += len(call)
             pool.abort(e, [w.request_id for w in wire])
@@ -318,6 +334,46 @@ class Session:
             if self.live is not None:
                 self.live.inflight(e).dec(len(call))
             self._schedule()
+
+    async def _answer(self, e: int, ref: Any, timeout: float) -> list[GenerateResult]:
+        """The results of the call ``ref`` on engine ``e``; raises its error, :class:`TimeoutError` past
+        ``timeout``, or :class:`EngineHungError` when the watchdog takes the engine out first."""
+        answer = asyncio.wrap_future(ref.future())
+        lost = self.lost.setdefault(e, self.loop.create_future())
+        done, _ = await asyncio.wait({answer, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if answer in done:
+            return answer.result()
+        answer.add_done_callback(_retrieve)  # a late answer or error of an abandoned call is dropped
+        if lost in done:
+            raise lost.result()
+        raise TimeoutError
+
+    def _watch(self) -> None:
+        """Start the watchdog (see the module docstring) unless it runs or ``health_interval_s`` is 0."""
+        if self.pool.cfg.health_interval_s > 0 and (self.watchdog is None or self.watchdog.done()):
+            self.watchdog = self.loop.create_task(self._watchdog())
+            self.tasks.add(self.watchdog)
+            self.watchdog.add_done_callback(self.tasks.discard)
+
+    async def _watchdog(self) -> None:
+        pool, cfg = self.pool, self.pool.cfg
+        while True:
+            await asyncio.sleep(cfg.health_interval_s)
+            busy = [e for e in pool.alive if self.inflight[e] > 0]
+            if not busy:
+                return  # started again with the next call
+            checks = {e: asyncio.wrap_future(pool.engines[e].health.remote().future()) for e in busy}
+            done, _ = await asyncio.wait(checks.values(), timeout=cfg.engine_timeout_s)
+            for e, check in checks.items():
+                if check in done:
+                    continue  # answered (a backend that is gone fails its calls itself), or its actor died
+                check.add_done_callback(_retrieve)
+                why = f"health check: no answer within rollout.engine_timeout_s={cfg.engine_timeout_s:g} s (hung)"
+                pool.mark_dead(e, EngineHungError(why))
+                lost = self.lost.setdefault(e, self.loop.create_future())
+                if not lost.done():
+                    lost.set_result(EngineHungError(why))
+                del self.lost[e]  # a replacement of engine e (a later rollout) starts with a fresh one
 
     def _deliver(self, e: int, call: list[_Pending], wire: list[GenerateRequest], results: list, sent: float) -> None:
         by_id: dict[str, list[GenerateResult]] = {}
@@ -360,6 +416,12 @@ class Session:
                 self.queue.appendleft(p)
                 if self.live is not None:
                     self.live.retried.inc()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Done callback of a future nobody awaits any more: reads its error, so asyncio does not log it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def first_line(err: BaseException) -> str:

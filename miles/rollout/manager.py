@@ -57,6 +57,9 @@ def check_config(cfg: RolloutConfig) -> None:
     for key in ("engine_timeout_s", "max_outage_s"):
         if not (math.isfinite(getattr(cfg, key)) and getattr(cfg, key) > 0):
             raise ConfigError(f"rollout.{key}: must be a finite number > 0, found {getattr(cfg, key)}")
+    if not (math.isfinite(cfg.health_interval_s) and cfg.health_interval_s >= 0):
+        raise ConfigError(f"rollout.health_interval_s: must be a finite number >= 0 (0: no health checks during "
+                          f"rollouts), found {cfg.health_interval_s}")
     for key in ("max_retries", "max_oversample_rounds", "max_engine_restarts"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"rollout.{key}: must be 0 or more, found {getattr(cfg, key)}")
@@ -150,16 +153,18 @@ class RolloutManager:
         """The engines still in rotation (an engine that died is taken out for the rest of the run)."""
         return [self.pool.engines[i] for i in self.pool.alive]
 
-    def drop_dead_engines(self, timeout_s: float | None = None) -> int:
+    def drop_dead_engines(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Ask every engine in rotation for its health; take out those whose actor died, whose backend
         is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
-        ``rollout.engine_timeout_s``). Returns how many were taken out."""
-        before = len(self.pool.alive)
+        ``rollout.engine_timeout_s``). Returns the ``health()`` answers of the engines left in rotation."""
         refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
+        answers = []
         for e, health in self.settle_calls(refs, timeout_s, what="health check").items():
-            if not health.get("ok", True):
+            if health.get("ok", True):
+                answers.append(health)
+            else:
                 self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
-        return before - len(self.pool.alive)
+        return answers
 
     def settle_calls(self, refs: dict[int, Any], timeout_s: float | None = None, what: str = "call") -> dict[int, Any]:
         """The results of calls made to engines (engine index -> object ref), e.g. the memory offload, by
