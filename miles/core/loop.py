@@ -110,7 +110,9 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     begin_profile(ctx, step)
     if ctx.timeline is not None:  # tracking.timeline_steps: every actor's busy spans in this step
         ctx.timeline.begin(step)
-    t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+    t0 = time.perf_counter()  # the engines' first reading: the last step's last one, when it ran no eval
+    busy0 = ctx.engine_readings if ctx.engine_readings is not None else engine_busy(ctx.rollout.live_engines)
+    ctx.engine_readings = None  # a step that fails (and is retried) reads anew
 
     # 1-2. rollout and reward: n responses per prompt from the current weights, scored by the task;
     # groups the sample filters drop (e.g. all rewards equal) are replaced by fresh prompts
@@ -145,16 +147,19 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
     with span("sync"):
         metrics |= push_weights(ctx, step)
     hooks.after_weight_sync(step, step)
-    t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+    t3 = time.perf_counter()  # the push's health check (with recovery) was the step's last engine reading
+    busy3 = ctx.engine_readings if ctx.engine_readings is not None else engine_busy(ctx.rollout.live_engines)
     end_profile(ctx, step)
 
     # 6. evaluate and log; the last step is the last of num_steps or the one a hook asked to stop at
     last = step == run.trainer.num_steps or hooks.stop_reason is not None
+    evaluated = None
     if last or (run.trainer.eval_every and step % run.trainer.eval_every == 0):
         with span("eval"):
             evaluated = evaluate(ctx, eval_set)
         hooks.after_eval(step, evaluated)
         metrics |= evaluated
+    ctx.engine_readings = None if evaluated is not None else busy3  # the eval generated: the next step reads anew
     metrics |= {
         "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0,
         "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -79,6 +79,10 @@ class LoopContext:
     """``profile.steps``: records torch profiler traces of chosen steps (:mod:`miles.core.profiling`)."""
     timeline: StepTimeline | None = None
     """Records the steps of ``tracking.timeline_steps`` (:mod:`miles.core.timeline`); None: none."""
+    engine_readings: dict[int, EngineReading] | None = None
+    """The engines' health read last in a step (:func:`push_weights`' check with ``ctx.recovery``,
+    else :func:`engine_busy` at the step's end), kept as the next step's first reading when nothing ran
+    on the engines in between (no eval); None: the next step reads anew."""
 
 
 def begin_profile(ctx: LoopContext, step: int) -> None:
@@ -160,8 +164,9 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
     When the push fails and an engine it went to has died meanwhile
     (:meth:`miles.rollout.manager.RolloutManager.drop_dead_engines`), it is retried once on the engines left.
     """
-    if ctx.recovery is not None:
-        ctx.rollout.drop_dead_engines()  # an engine that hangs must not hold up the push
+    ctx.engine_readings = None
+    if ctx.recovery is not None:  # an engine that hangs must not hold up the push; its answers: the step's
+        ctx.engine_readings = engine_readings(ctx.rollout.drop_dead_engines())  # last engine reading
     engines = ctx.rollout.live_engines
     if not engines and ctx.recovery is None:
         raise ctx.rollout.pool.all_dead_error()
@@ -301,17 +306,22 @@ class EngineReading(NamedTuple):
 def engine_busy(engines: Sequence[Any]) -> dict[int, EngineReading]:
     """The :class:`EngineReading` of each engine by engine id (``health()``); engines that do not report
     their busy time (or do not answer in 10 s) are left out."""
-    out = {}
+    healths = []
     with span("engine_busy"):
         refs = [e.health.remote() for e in engines]
     for ref in refs:
         try:
-            h = ray.get(ref, timeout=10)
+            healths.append(ray.get(ref, timeout=10))
         except Exception:  # noqa: BLE001 - a dead engine: the dispatcher takes it out of rotation
             continue
-        if "busy_s" in h:
-            out[int(h["engine_id"])] = EngineReading(float(h["busy_s"]), float(h["clock_s"]), h.get("memory", {}))
-    return out
+    return engine_readings(healths)
+
+
+def engine_readings(healths: Iterable[dict[str, Any]]) -> dict[int, EngineReading]:
+    """The :class:`EngineReading` of each engine ``health()`` answer by engine id; answers without the
+    engine's busy time are left out."""
+    return {int(h["engine_id"]): EngineReading(float(h["busy_s"]), float(h["clock_s"]), h.get("memory", {}))
+            for h in healths if "busy_s" in h}
 
 
 def engine_busy_metrics(before: dict[int, EngineReading], after: dict[int, EngineReading]) -> dict[str, float]:
