@@ -395,7 +395,7 @@ class Session:
                     self.pool.first_token_s.append(ttft)
                 if self.live is not None:
                     self.live.answered(e, latency, sum(len(r.response_ids) for r in got), ttft,
-                                       p.request.adapter or "")
+                                       p.request.adapter or "", max(r.weight_version for r in got))
                 p.future.set_result([replace(r, request_id=p.request.request_id) for r in got])
         if by_id:
             log.error("engine %d returned results for requests it was not sent: %s", e, sorted(by_id))

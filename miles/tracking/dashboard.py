@@ -133,6 +133,11 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel("Queue depth", "short", _q((f"miles_rollout_requests_queued{{{RUN}}}", "queued"))),
             Panel(
+                "Weight version per engine (of its last answer)",
+                "short",
+                _q((f"miles_rollout_engine_weight_version{{{ENGINE}}}", "engine {{engine}}")),
+            ),
+            Panel(
                 "Engines in rotation, lost and restarted",
                 "short",
                 _q(

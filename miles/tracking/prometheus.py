@@ -122,7 +122,10 @@ class RolloutMetrics:
         )
         self._tokens = Counter("miles_rollout_generated_tokens", "Response tokens generated", **per_engine)
         self._requests = Counter("miles_rollout_requests", "Requests answered", **per_engine)
-        self._per_engine: dict[int, tuple[Any, Any, Any]] = {}
+        self._version = Gauge(
+            "miles_rollout_engine_weight_version", "The weight version of the engine's last answer", **per_engine
+        )
+        self._per_engine: dict[int, tuple[Any, Any, Any, Any]] = {}
 
     def watch(self, session: Any) -> None:
         """Count ``session.queue`` in ``miles_rollout_requests_queued`` while its event loop runs."""
@@ -136,8 +139,9 @@ class RolloutMetrics:
                 continue
         return math.nan
 
-    def _engine(self, engine: int) -> tuple[Any, Any, Any]:
-        """The engine's (in flight, tokens, requests) series; looked up once (``labels()`` takes a lock)."""
+    def _engine(self, engine: int) -> tuple[Any, Any, Any, Any]:
+        """The engine's (in flight, tokens, requests, weight version) series; looked up once (``labels()``
+        takes a lock)."""
         got = self._per_engine.get(engine)
         if got is None:
             values = (*self._values, str(engine))
@@ -145,6 +149,7 @@ class RolloutMetrics:
                 self._inflight.labels(*values),
                 self._tokens.labels(*values),
                 self._requests.labels(*values),
+                self._version.labels(*values),
             )
         return got
 
@@ -163,17 +168,21 @@ class RolloutMetrics:
         return got
 
     def answered(
-        self, engine: int, latency_s: float, tokens: int, first_token_s: float | None = None, tenant: str = ""
+        self, engine: int, latency_s: float, tokens: int, first_token_s: float | None = None, tenant: str = "",
+        weight_version: int | None = None,
     ) -> None:
         """A request answered by ``engine``: its latency, tokens and time to first token (None: the engine
-        did not say), under ``tenant`` (the adapter it named; "" without tenants)."""
+        did not say), under ``tenant`` (the adapter it named; "" without tenants), and the weight version
+        its last token was sampled from (None: not known)."""
         latency, first_token = self._tenant(tenant)
         latency.observe(latency_s)
         if first_token_s is not None:
             first_token.observe(first_token_s)
-        _, tokens_total, requests_total = self._engine(engine)
+        _, tokens_total, requests_total, version = self._engine(engine)
         tokens_total.inc(tokens)
         requests_total.inc()
+        if weight_version is not None:
+            version.set(weight_version)
 
 
 class _StepCollector:
