@@ -2,7 +2,8 @@
 
 Trainer rank 0 puts the full state dict in the object store once per version (each tensor as its
 raw bytes); every engine gets the same object as zero-copy views and applies it as one version.
-Works wherever Ray does.
+Works wherever Ray does. The engines' calls start with the trainers' (``pipelined``): each engine
+waits for rank 0's answer itself, so the driver waits once per sync, not twice.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ray
 import torch
 
 from miles.config.schema import WeightSyncConfig
-from miles.weights.transport import Sent, Transport
+from miles.weights.transport import PendingSent, Sent, Transport
 
 
 class ObjectStoreSender:
@@ -38,13 +39,20 @@ class ObjectStoreSender:
 
 
 class ObjectStoreReceiver:
-    """Runs in an engine: the version's tensors as read-only views of the object store (no copy)."""
+    """Runs in an engine: the version's tensors as read-only views of the object store (no copy).
+    Started with the sender (``handle`` a :class:`PendingSent`), it first waits for rank 0's answer."""
 
-    def __init__(self, refs: list) -> None:
-        self.refs = refs
+    def __init__(self, handle: list | PendingSent) -> None:
+        self.handle = handle
 
     def receive(self, engine: Any) -> dict[str, torch.Tensor]:
-        raw = ray.get(self.refs[0])
+        refs = self.handle
+        if isinstance(refs, PendingSent):
+            sent = ray.get(refs.ref)  # rank 0's Sent, or its error (the sync fails on this engine too)
+            if not isinstance(sent, Sent):
+                raise RuntimeError(f"trainer rank 0's send_weights returned {type(sent).__name__}, not what it sent")
+            refs = sent.handle
+        raw = ray.get(refs[0])
         with warnings.catch_warnings():  # read-only views: update_weights only reads them
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return {k: torch.from_numpy(a).view(getattr(torch, dtype)).view(shape)
@@ -56,6 +64,7 @@ class ObjectStoreTransport(Transport):
 
     name = "object_store"
     concurrent = False
+    pipelined = True
 
     def __init__(self, cfg: WeightSyncConfig, **_: Any) -> None:
         pass
@@ -63,5 +72,5 @@ class ObjectStoreTransport(Transport):
     def sender(self, version: int) -> ObjectStoreSender:
         return ObjectStoreSender()
 
-    def receiver(self, engine_index: int, version: int, sent: Any) -> ObjectStoreReceiver:
-        return ObjectStoreReceiver(sent.handle)
+    def receiver(self, engine_index: int, version: int, sent: Sent | PendingSent) -> ObjectStoreReceiver:
+        return ObjectStoreReceiver(sent if isinstance(sent, PendingSent) else sent.handle)

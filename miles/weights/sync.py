@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles.config.schema import WeightSyncConfig
-from miles.weights.transport import Sent, Transport
+from miles.weights.transport import PendingSent, Sent, Transport
 
 TRANSPORTS: dict[str, str] = {
     "object_store": "miles.weights.object_store:ObjectStoreTransport",
@@ -86,6 +86,7 @@ def sync_weights(
 
     if transport is None:
         transport = make_transport(WeightSyncConfig(transport="object_store"), trainers, engines)
+    pipelined = getattr(transport, "pipelined", False)
     t0 = time.perf_counter()
     transport.begin(trainers, engines)
     sender = transport.sender(version)
@@ -100,6 +101,14 @@ def sync_weights(
             sent = _rank0(ray.get(send_refs))
             t_sent = time.perf_counter()
             applied = ray.get(recv_refs)
+        elif pipelined:  # the engines take rank 0's answer from its call themselves
+            send_refs = [t.send_weights.remote(sender, version) for t in trainers]
+            pending = PendingSent(send_refs[0])
+            recv_refs = [e.update_weights_from.remote(transport.receiver(i, version, pending), version)
+                         for i, e in enumerate(engines)]
+            ray.wait(send_refs + recv_refs, num_returns=len(send_refs) + len(recv_refs))
+            sent = _rank0(ray.get(send_refs))
+            applied = ray.get(recv_refs)
         else:
             sent = _rank0(ray.get([t.send_weights.remote(sender, version) for t in trainers]))
             t_sent = time.perf_counter()
@@ -110,8 +119,9 @@ def sync_weights(
         raise RuntimeError(f"weight sync of version {version} over '{transport.name}' failed; engines that did "
                            f"not apply it keep their previous version. Cause: {e}") from e
     seconds = time.perf_counter() - t0
-    # sequential transports: the trainer call is the gather plus the send; a collective one overlaps them
-    gather = {} if transport.concurrent else {"weight_sync/gather_s": (t_sent - t0) - sent.send_s}
+    # sequential transports: the trainer call is the gather plus the send; a collective or pipelined one
+    # overlaps them with the engines' calls
+    gather = {} if transport.concurrent or pipelined else {"weight_sync/gather_s": (t_sent - t0) - sent.send_s}
     return gather | {
         "weight_sync/seconds": seconds,
         "weight_sync/send_s": sent.send_s,

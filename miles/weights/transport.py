@@ -23,6 +23,16 @@ class Sent:
     """Seconds ``send`` took on rank 0 (the gather before it is not included)."""
 
 
+@dataclass(frozen=True)
+class PendingSent:
+    """Trainer rank 0's ``send_weights`` call, not yet answered: handed to the receivers of a
+    ``pipelined`` transport, which get its :class:`Sent` themselves (one round trip through the driver
+    fewer per sync)."""
+
+    ref: Any
+    """The object ref of rank 0's ``send_weights`` result."""
+
+
 class Transport(Protocol):
     """Built once per run as ``cls(cfg, num_engines=..., placement=..., device=...)`` (a class takes the
     keywords it needs and ``**_`` for the rest); ``sender()`` / ``receiver()`` are called once per sync."""
@@ -30,6 +40,9 @@ class Transport(Protocol):
     name: str
     concurrent: bool
     """True: sender and receivers must run at the same time (a collective)."""
+    pipelined: bool = False
+    """True (and not ``concurrent``): the receivers are started with the sender, given a
+    :class:`PendingSent`, and wait for the sender's answer themselves."""
 
     def begin(self, trainers: Sequence[Any], engines: Sequence[Any]) -> None:
         """Called at the start of every sync with the actors taking part."""
