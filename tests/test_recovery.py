@@ -112,7 +112,7 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
 
     with pytest.raises(SystemExit) as exit_:
         main(["--steps", "3"])
-    assert exit_.value.code == 2 and "--steps 3: at least 4 steps for 3 faults" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--steps 3: at least 5 steps for 4 faults" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["--faults", "trainer_kill,server_kill"])
     assert exit_.value.code == 2 and ("--faults trainer_kill,server_kill: choose from engine_kill, engine_hang, "
