@@ -283,6 +283,8 @@ def fault_to_alert(
     overrides = [*common, f"tracking.prometheus_port={port}", hook]
     if fault == "nan_reward":
         overrides.append("task.reward._target_=miles.bench.observe.nan_after_flag")
+    if fault == "trainer_hang":  # the alert, for a hang the train step's own probes do not see: without
+        overrides.append("trainer.hang_timeout_s=0")  # this, they kill the stopped rank after 40 s (docs/faults.md)
     run, resolved = compose(overrides)
     result: dict[str, Any] = {"fault": fault, "alert": FAULT_ALERTS[fault], "seconds": None}
     AlertFault.injected_at = None
