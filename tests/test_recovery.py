@@ -121,8 +121,8 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
 
 class KillTrainerRank:
     """Hook: at ``step`` (before its train step, the first ``times`` times it runs) send ``sig`` (SIGKILL,
-    or SIGSTOP: a hung rank) to one trainer rank of this driver's job, found in Ray's actor table by its
-    class name (its process id)."""
+    or SIGSTOP: a hung rank) to one trainer rank of this run, found in Ray's actor table by its class
+    name and job, the one started last (its process id)."""
 
     batches: list = []  # the batch of every attempt at ``step``, read by the test
     pids: list = []  # the processes signalled
@@ -140,12 +140,15 @@ class KillTrainerRank:
         import ray
 
         job = ray.get_runtime_context().get_job_id()
-        ranks = [a["Pid"] for a in ray._private.state.actors().values()
+        # this run's ranks are the newest trainer actors: the test session's other ones (a session fixture's
+        # megatron pair) started earlier, and process ids wrap around, so they may be the larger ones
+        ranks = [(a["StartTime"], a["Pid"]) for a in ray._private.state.actors().values()
                  if a["ActorClassName"] in ("FSDPTrainer", "MegatronTrainer") and a["State"] == "ALIVE"
                  and a["JobID"] == job]
         assert ranks, "no trainer rank process"
-        os.kill(max(ranks), self.sig)
-        KillTrainerRank.pids.append(max(ranks))
+        pid = max(ranks)[1]
+        os.kill(pid, self.sig)
+        KillTrainerRank.pids.append(pid)
         self.times -= 1
         ctx.add_metrics({"killed": 1.0})
 

@@ -67,11 +67,12 @@ class FaultInjector:
             import ray
 
             job = ray.get_runtime_context().get_job_id()
-            ranks = [a["Pid"] for a in ray._private.state.actors().values()
+            ranks = [(a["StartTime"], a["Pid"]) for a in ray._private.state.actors().values()
                      if a["ActorClassName"] in TRAINER_CLASSES and a["State"] == "ALIVE" and a["JobID"] == job]
             if not ranks:
                 raise RuntimeError(f"{fault}: no trainer rank actor found in this job")
-            os.kill(max(ranks), signal.SIGKILL if fault == "trainer_kill" else signal.SIGSTOP)
+            # the rank started last (process ids wrap around, so not the largest pid)
+            os.kill(max(ranks)[1], signal.SIGKILL if fault == "trainer_kill" else signal.SIGSTOP)
         elif fault == "server_kill":
             # a server's process group: its supervisor (the leader), sglang.launch_server and its children
             leaders = [p.pid for p in psutil.process_iter(["cmdline"])
