@@ -339,7 +339,7 @@ class Session:
         """The results of the call ``ref`` on engine ``e``; raises its error, :class:`TimeoutError` past
         ``timeout``, or :class:`EngineHungError` when the watchdog takes the engine out first."""
         answer = asyncio.wrap_future(ref.future())
-        lost = self.lost.setdefault(e, self.loop.create_future())
+        lost = self._lost(e)
         done, _ = await asyncio.wait({answer, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if answer in done:
             return answer.result()
@@ -347,6 +347,12 @@ class Session:
         if lost in done:
             raise lost.result()
         raise TimeoutError
+
+    def _lost(self, e: int) -> asyncio.Future:
+        """The future the watchdog sets when it takes engine ``e`` out (made on first use)."""
+        if e not in self.lost:
+            self.lost[e] = self.loop.create_future()
+        return self.lost[e]
 
     def _watch(self) -> None:
         """Start the watchdog (see the module docstring) unless it runs or ``health_interval_s`` is 0."""
@@ -370,7 +376,7 @@ class Session:
                 check.add_done_callback(_retrieve)
                 why = f"health check: no answer within rollout.engine_timeout_s={cfg.engine_timeout_s:g} s (hung)"
                 pool.mark_dead(e, EngineHungError(why))
-                lost = self.lost.setdefault(e, self.loop.create_future())
+                lost = self._lost(e)
                 if not lost.done():
                     lost.set_result(EngineHungError(why))
                 del self.lost[e]  # a replacement of engine e (a later rollout) starts with a fresh one
