@@ -93,6 +93,26 @@ class GenerateResult:
     """Seconds from the engine receiving the call to this completion's first token; None when it has none."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest:
+    """A finished sequence for a second model to score (on-policy distillation's teacher): the log-prob of
+    each response token given everything before it."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreResult:
+    """What an engine's ``score`` gives for one :class:`ScoreRequest`."""
+
+    logprobs: tuple[float, ...]
+    """``log_softmax(z / T)`` of each response token (the row's temperature ``T``), one per response token."""
+    top_logprobs: tuple | None = None
+    """Per response token: ``((token_id, logprob), ...)`` of the ``top_k`` most likely tokens, most likely
+    first; None when ``top_k`` is 0."""
+
+
 @dataclass(kw_only=True)
 class Sample:
     """One response to one prompt, with everything the trainer needs."""

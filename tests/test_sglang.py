@@ -42,7 +42,7 @@ from miles.rollout.dispatch import AllEnginesDeadError, EngineDeadError
 from miles.rollout.manager import RolloutManager
 from miles.rollout.sglang_wire import Checkpoint
 from miles.rollout.torch_engine import TorchEngine
-from miles.types import GenerateRequest, SamplingParams, Status
+from miles.types import GenerateRequest, SamplingParams, ScoreRequest, ScoreResult, Status
 
 pytestmark = pytest.mark.sglang
 
@@ -139,6 +139,9 @@ class Remote:
 
     def weight_version(self):
         return self._call("weight_version")
+
+    def score(self, requests, temperature=1.0, top_k=0):
+        return self._call("score", requests, temperature, top_k)
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +489,103 @@ def test_requests_are_checked_before_they_reach_the_server(serving, built) -> No
         serving.generate([GenerateRequest(request_id="x", prompt_ids=(3,) * positions)], SamplingParams())
 
 
+# --- scoring (on-policy distillation's teacher) ---------------------------------------------------
+
+def _reference_rows(model: Any, prompt: tuple[int, ...], response: tuple[int, ...], temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` ``[len(response), vocab]`` at the positions that predict the response tokens."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1)
+
+
+def _check_scores(requests: list[ScoreRequest], out: list[ScoreResult], model: Any, temperature: float,
+                  top_k: int) -> None:
+    """Each result equals a transformers forward: the log-probs of the response tokens, and the top-k lists
+    (sorted, led by the token of the largest logit, the forward's top-k values)."""
+    assert len(out) == len(requests)
+    for r, res in zip(requests, out, strict=True):
+        if not r.response_ids:
+            assert res == ScoreResult(logprobs=(), top_logprobs=() if top_k else None)
+            continue
+        rows = _reference_rows(model, r.prompt_ids, r.response_ids, temperature)
+        ref = rows.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0].tolist()
+        assert _max_diff(res.logprobs, ref) <= LOGPROB_ATOL, (temperature, r)
+        if not top_k:
+            assert res.top_logprobs is None
+            continue
+        assert len(res.top_logprobs) == len(r.response_ids)
+        top_vals, top_ids = rows.topk(top_k)
+        for step, vals_ref, ids_ref in zip(res.top_logprobs, top_vals.tolist(), top_ids.tolist(), strict=True):
+            ids, vals = zip(*step, strict=True)
+            assert len(step) == top_k and list(vals) == sorted(vals, reverse=True)
+            assert ids[0] == ids_ref[0], "the top list leads with the token of the largest logit"
+            assert _max_diff(vals, vals_ref) <= LOGPROB_ATOL
+
+
+SCORE_MAX_TOKENS = 249
+"""The longest prompt + response the test servers score: SGLang takes inputs shorter than its ``max_req_input_len``,
+the context length (256) less 6."""
+
+
+def _score_requests(built: SimpleNamespace, sampled: tuple[int, ...]) -> list[ScoreRequest]:
+    """A response the engine sampled, hand-made ones, an empty one, and one as long as the server takes."""
+    vocab = Checkpoint.read(Path(built.path)).vocab_size
+    g = random.Random(7)
+    full = tuple(g.randrange(vocab) for _ in range(SCORE_MAX_TOKENS))
+    return [ScoreRequest(prompt_ids=PROMPTS[1], response_ids=sampled),
+            ScoreRequest(prompt_ids=PROMPTS[0], response_ids=(7, 100, 250, 2, 9, 9)),
+            ScoreRequest(prompt_ids=(40,), response_ids=()),
+            ScoreRequest(prompt_ids=full[:200], response_ids=full[200:]),
+            ScoreRequest(prompt_ids=(17,), response_ids=(33,)),
+            ScoreRequest(prompt_ids=PROMPTS[3], response_ids=tuple(g.randrange(vocab) for _ in range(30)))]
+
+
+def test_score_equals_a_transformers_forward_and_the_logprobs_generate_sampled_with(serving, hf_model,
+                                                                                     built) -> None:
+    """``score`` at temperature 1 and 0.8, with and without top-k lists, against a transformers forward; a
+    response sampled at 0.8 scores at 0.8 to the log-probs it was sampled with. What SGLang would refuse is
+    refused before it is sent."""
+    temperature = 0.8
+    sampled = serving.generate([GenerateRequest(request_id="sc", prompt_ids=PROMPTS[1])],
+                               SamplingParams(temperature=temperature, max_new_tokens=12))[0]
+    requests = _score_requests(built, sampled.response_ids)
+    plain = serving.score(requests, 1.0, 5)
+    _check_scores(requests, plain, hf_model, 1.0, 5)
+    _check_scores(requests, serving.score(requests, 1.0, 0), hf_model, 1.0, 0)
+    scaled = serving.score(requests, temperature, 5)
+    _check_scores(requests, scaled, hf_model, temperature, 5)
+    _check_scores(requests, serving.score(requests, temperature, 0), hf_model, temperature, 0)
+    assert _max_diff(scaled[0].logprobs, sampled.logprobs) <= LOGPROB_ATOL
+    assert _max_diff(scaled[1].logprobs, plain[1].logprobs) > 1e-2, "not the temperature-1 log-probs"
+    assert serving.score([], temperature, 5) == []
+    vocab = Checkpoint.read(Path(built.path)).vocab_size
+    for bad, kwargs, match in (
+            (requests[:1], {"temperature": 0.0}, "temperature must be > 0"),
+            (requests[:1], {"top_k": vocab + 1}, rf"top_k must be in \[0, {vocab}\]"),
+            ([ScoreRequest(prompt_ids=(3,), response_ids=(vocab,))], {}, "token ids outside"),
+            ([ScoreRequest(prompt_ids=(3,) * SCORE_MAX_TOKENS, response_ids=(4,))], {},
+             f"is {SCORE_MAX_TOKENS + 1} tokens .* at most {SCORE_MAX_TOKENS}"),
+            ([ScoreRequest(prompt_ids=(), response_ids=(4,))], {}, "empty prompt")):
+        with pytest.raises(ValueError, match=match):
+            serving.score(bad, **kwargs)
+
+
+def test_score_in_windows_of_positions_equals_a_transformers_forward(ray_cluster, actors, built, hf_model) -> None:
+    """With a budget of 7 positions of the whole vocabulary per post (``score_logprobs_per_post``), a score at
+    temperature 0.8 goes in windows of at most 7 positions, each post at most 7 positions; at temperature 1
+    with top-3 lists all rows fit one post. Both equal a transformers forward (``victim``'s next job, on its kept
+    server, serving the checkpoint)."""
+    vocab = Checkpoint.read(Path(built.path)).vocab_size
+    victim = _next_job(ray_cluster, actors, built, "victim", score_logprobs_per_post=7 * vocab)
+    try:
+        requests = _score_requests(built, (5, 6, 7, 8, 9, 10, 11, 12, 13))
+        for temperature in (0.8, 1.0):
+            _check_scores(requests, victim.score(requests, temperature, 3), hf_model, temperature, 3)
+    finally:
+        _next_job(ray_cluster, actors, built, "victim")
+
+
 def test_rollout_manager_over_sglang_engines(ray_cluster, actors, built) -> None:
     with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
                       timeout_s=0) as reward:
@@ -535,6 +635,8 @@ def test_a_killed_server_is_dead_and_its_requests_go_to_another_engine(ray_clust
     assert not h["ok"] and "exited with code -9" in (h["dead"] or "")
     with pytest.raises(EngineDeadError, match="engine 1: generate on a dead engine: the SGLang server process exited"):
         _greedy(victim, PROMPTS[0])
+    with pytest.raises(EngineDeadError, match="engine 1: score on a dead engine: the SGLang server process exited"):
+        victim.score([ScoreRequest(prompt_ids=PROMPTS[0], response_ids=(4,))])
     with RewardRunner(TargetConfig(target="miles.tasks.procedural.exact_answer_reward", partial=True),
                       timeout_s=0) as reward:
         manager = RolloutManager([actors["victim"], actors["serving"]], built.tokenizer, reward,

@@ -328,9 +328,7 @@ class SGLangCalls:
                          version=self._version)
             if self.adapters is not None:  # no update runs now: these names are the version's
                 post.lora_paths = [self.adapters.lora_path(row.request.adapter) for row in live]
-            if not self._posts:
-                self._busy_since = time.perf_counter()
-            self._posts.add(post)
+            self._add_post(post)
             call.posting = True
             for row, rid in zip(live, post.rids, strict=True):
                 self._inflight.setdefault(row.request.request_id, set()).add(rid)
@@ -347,11 +345,32 @@ class SGLangCalls:
                         left.discard(rid)
                         if not left:
                             del self._inflight[row.request.request_id]
-                self._posts.discard(post)
                 call.posting = False
-                if not self._posts:
-                    self._busy_s += time.perf_counter() - self._busy_since
-                self._cv.notify_all()
+                self._end_post(post)
+
+    def _open_post(self, rids: list[str], what: str) -> _Post:
+        """A post of rows that are not ``generate``'s (``score``'s): wait while the engine is paused or updating,
+        then register it on the current weights (an update interrupts it as any other post)."""
+        with self._cv:
+            while (self._paused or self._updating) and not self._stopped():
+                self._cv.wait()
+            self._check_usable(what)
+            post = _Post(rows=[], rids=rids, version=self._version)
+            self._add_post(post)
+            return post
+
+    def _add_post(self, post: _Post) -> None:
+        """Register ``post`` as in flight (the caller holds ``_cv``)."""
+        if not self._posts:
+            self._busy_since = time.perf_counter()
+        self._posts.add(post)
+
+    def _end_post(self, post: _Post) -> None:
+        """``post`` has answered (the caller holds ``_cv``): an update waiting for the drain may go on."""
+        self._posts.discard(post)
+        if not self._posts:
+            self._busy_s += time.perf_counter() - self._busy_since
+        self._cv.notify_all()
 
     def _drain(self) -> None:
         """Abort every row on the server until no post is in flight (the caller holds new ones back)."""
@@ -389,21 +408,26 @@ class SGLangCalls:
         if post.lora_paths is not None:
             body["lora_path"] = post.lora_paths
         post.sent = time.perf_counter()
+        return self._post_rows(body, rids, "generate")
+
+    def _post_rows(self, body: dict[str, Any], rids: list[str], what: str) -> list[dict[str, Any]]:
+        """``POST /generate`` of the rows ``rids``: SGLang's answer, one dict per row. A dead server raises
+        :class:`~miles.rollout.dispatch.EngineDeadError`; a timeout aborts the rows and raises ``RuntimeError``."""
         try:
             outs = self.server.post("/generate", body, timeout_s=self.request_timeout_s)
         except (OSError, ServerHTTPError, ValueError) as e:
-            self._raise_if_dead("generate")
+            self._raise_if_dead(what)
             if isinstance(e, TimeoutError) or "timed out" in str(e):
                 self._abort_rids(rids, quiet=True)
-                raise RuntimeError(f"engine {self.engine_id}: SGLang did not answer a generate call of {len(rows)} "
+                raise RuntimeError(f"engine {self.engine_id}: SGLang did not answer a {what} call of {len(rids)} "
                                    f"row(s) within rollout.engine.request_timeout_s={self.request_timeout_s:g}s; "
                                    "its rows were aborted") from e
-            raise RuntimeError(f"engine {self.engine_id}: SGLang generate failed: {e}") from e
+            raise RuntimeError(f"engine {self.engine_id}: SGLang {what} failed: {e}") from e
         if isinstance(outs, dict):
             outs = [outs]
-        if not isinstance(outs, list) or len(outs) != len(rows):
+        if not isinstance(outs, list) or len(outs) != len(rids):
             raise RuntimeError(f"engine {self.engine_id}: SGLang answered {type(outs).__name__} "
-                               f"{len(outs) if isinstance(outs, list) else ''} for {len(rows)} rows")
+                               f"{len(outs) if isinstance(outs, list) else ''} for {len(rids)} rows")
         return outs
 
     def _abort_rids(self, rids: list[str], quiet: bool = False) -> None:

@@ -12,6 +12,10 @@ a free port, killed with the actor) and maps the Protocol onto its HTTP API, tok
   ``pytorch`` sampling backend used on CPU): the quantity the torch engine reports. On CPU in fp32
   they match ``log_softmax(logits / T)`` of a transformers forward to ~5e-7
   (``tests/test_sglang.py``).
+- ``score`` (on-policy distillation's teacher; :mod:`miles.rollout.sglang_score`) -> ``POST /generate``
+  prefills of prompt + response (``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len`` one before
+  the response): SGLang's input log-probs of the response tokens, which are of the raw logits; at a
+  temperature other than 1 the engine rescales the whole distribution SGLang returns per position.
 - Time to first token (``GenerateResult.ttft_s``): the server runs with ``--enable-metrics``, so each answer
   carries ``meta_info.first_token_latency`` (from the server receiving the row to its prefill's end, by
   SGLang's scheduler); the engine adds the row's wait between the call's arrival and its post. A row
@@ -131,6 +135,7 @@ from miles.rollout.sglang_calls import SGLangCalls
 from miles.rollout.sglang_engine_weights import SGLangEngineWeights
 from miles.rollout.sglang_lora import SGLangAdapters, check_adapter, resolve_backend
 from miles.rollout.sglang_lora import server_args as lora_server_args
+from miles.rollout.sglang_score import SGLangScoring
 from miles.rollout.sglang_server import (
     ServerHTTPError,
     ServerStartError,
@@ -151,7 +156,7 @@ _KEPT: tuple[str, SGLangServer] | None = None
 """The server of the engine parked last in this process, and its launch (:meth:`SGLangEngine._end_job`)."""
 
 
-class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
+class SGLangEngine(SGLangCalls, SGLangScoring, SGLangEngineWeights, Reusable):
     """Generates through an SGLang server process it owns; see the module docstring.
 
     Server knobs: ``python`` (the SGLang venv's interpreter), ``max_total_tokens`` (KV-cache tokens),
@@ -165,7 +170,8 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
     ``adapter`` and ``adapter_names`` (as the torch engine's), ``lora_backend`` (default
     ``torch_native`` on CPU, SGLang's choice on GPU). Liveness: ``start_timeout_s``,
     ``request_timeout_s`` (one generate call, and one weight-load call), ``health_interval_s``,
-    ``health_timeout_s``, ``max_health_failures``.
+    ``health_timeout_s``, ``max_health_failures``. Scoring: ``score_logprobs_per_post`` (most log-prob
+    values one ``score`` post asks for: :mod:`miles.rollout.sglang_score`).
     """
 
     reports_token_versions = True
@@ -226,6 +232,7 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
         health_interval_s: float = 5.0,
         health_timeout_s: float = 10.0,
         max_health_failures: int = 3,
+        score_logprobs_per_post: int = 1 << 22,
     ) -> None:
         if precision.rollout_dtype not in _DTYPES:
             raise ValueError(f"precision.rollout_dtype={precision.rollout_dtype!r}; valid: {sorted(_DTYPES)}")
@@ -247,11 +254,13 @@ class SGLangEngine(SGLangCalls, SGLangEngineWeights, Reusable):
                 raise ValueError(f"rollout.engine.{key} must be > 0, got {value}")
         if max_health_failures < 1:
             raise ValueError(f"rollout.engine.max_health_failures must be >= 1, got {max_health_failures}")
+        if score_logprobs_per_post < 1:
+            raise ValueError(f"rollout.engine.score_logprobs_per_post must be >= 1, got {score_logprobs_per_post}")
         self.checkpoint_dir, self.precision, self.engine_id = str(checkpoint_dir), precision, engine_id
         self.device, self.dtype = device, _DTYPES[precision.rollout_dtype]
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
         self.health_interval_s, self.max_health_failures = health_interval_s, max_health_failures
-        self.capture_routing = capture_routing
+        self.capture_routing, self.score_logprobs_per_post = capture_routing, score_logprobs_per_post
         self.weight_load, self.bucket_bytes = weight_load, int(weight_bucket_mb * 2**20)
         self.ckpt = Checkpoint.read(Path(self.checkpoint_dir))
         self.vocab_size, self.eos_ids = self.ckpt.vocab_size, self.ckpt.eos_ids
@@ -498,7 +507,7 @@ class SGLangOffloadingEngine(SGLangEngine):
         self._released = False
 
     def release_memory(self) -> None:
-        """Free the KV cache and the weights on the GPU; ``generate`` raises until they are back."""
+        """Free the KV cache and the weights on the GPU; ``generate`` and ``score`` raise until they are back."""
         self._control("/release_memory_occupation", {})
         self._released = True
 
@@ -515,5 +524,5 @@ class SGLangOffloadingEngine(SGLangEngine):
 
     def _check_usable(self, what: str) -> None:
         super()._check_usable(what)
-        if getattr(self, "_released", False) and what == "generate":
-            raise RuntimeError(f"engine {self.engine_id}: generate while memory is released; call resume_memory() first")
+        if getattr(self, "_released", False) and what in ("generate", "score"):
+            raise RuntimeError(f"engine {self.engine_id}: {what} while memory is released; call resume_memory() first")

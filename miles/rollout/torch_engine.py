@@ -114,6 +114,7 @@ from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.engine_emit import EngineEmission
 from miles.rollout.engine_intake import EngineIntake
 from miles.rollout.engine_rows import _Row
+from miles.rollout.engine_score import EngineScoring
 from miles.rollout.engine_slots import EngineSlots
 from miles.rollout.engine_spec import EngineSpeculation
 from miles.rollout.engine_vision import EngineVision
@@ -131,8 +132,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, EngineSpeculation, EngineVision, Reusable,
-                  Profiled):
+class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, EngineSpeculation, EngineVision, EngineScoring,
+                  Reusable, Profiled):
     """Generates with per-token log-probs by continuous batching; receives weights between steps.
 
     ``max_batch_size``: slots (rows decoded together); ``max_prefill_tokens``: bound on one prefill's
