@@ -129,7 +129,8 @@ def test_rendezvous_is_a_store_this_driver_holds_open(ray_cluster) -> None:
 ALGO_OWN_METRICS = {"ppo": {"critic/value_loss", "critic/explained_var", "critic/vf_clip_frac"},
                     "dapo": {"train/overlong_penalty_mean", "train/clip_frac_high",
                              "rollout/filtered_by/nonzero_reward_std"},
-                    "sft": {"train/sft_weighted_frac"}}
+                    "sft": {"train/sft_weighted_frac"},
+                    "opd": {"distill/reverse_kl", "distill/teacher_logprob", "perf/teacher_s"}}
 
 
 def test_every_shipped_algo_runs_end_to_end(ray_cluster, tmp_path: Path) -> None:
@@ -142,12 +143,14 @@ def test_every_shipped_algo_runs_end_to_end(ray_cluster, tmp_path: Path) -> None
 
     algos = group_options("algo")
     assert {"grpo", "dr_grpo", "gspo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
-            "sft"} <= set(algos)
+            "sft", "opd"} <= set(algos)
     for algo in algos:
         overrides = [f"algo={algo}", "algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4",
                      "trainer.num_steps=1", "trainer.eval_every=0", "task.num_eval_prompts=4",
                      "rollout.eval_samples_per_prompt=2", "warm_start.steps=40", "tracking=none",
                      f"warm_start.cache_dir={tmp_path / 'cache'}"]
+        if algo == "opd":  # the teacher: the policy's own start
+            overrides.append("teacher.model={_target_: miles.models.qwen3.qwen3_spec, flavor: tiny, path: null}")
         run, resolved = compose(overrides)
         seen: dict[int, dict] = {}
         run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s, seen=seen: seen.setdefault(s, dict(m)))

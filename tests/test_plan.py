@@ -66,7 +66,9 @@ def _threads(plan: Plan) -> tuple[list[int], list[int], list[int]]:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUP_SCHEMAS for o in group_options(g)])
 def test_every_shipped_option_gives_a_plan(defaults: dict[str, Any], group: str, option: str) -> None:
     async_needs = [("placement", "disaggregated")] if group == "schedule" and option != "sync" else []
-    plan = _with(defaults, (group, option), *async_needs)
+    teacher = {"_target_": "miles.models.qwen3.qwen3_spec", "flavor": "tiny", "path": None}
+    changes = {"teacher": {"model": teacher}} if (group, option) == ("algo", "opd") else {}  # opd needs its teacher
+    plan = _with(defaults, (group, option), *async_needs, **changes)
     assert plan.engines and plan.trainers and plan.pools
     # on 2 cores the defaults never ask for more than one thread per actor
     assert {s.threads for s in plan.engines + plan.trainers + plan.critics} == {1}

@@ -83,19 +83,21 @@ def _vocab(path: Path) -> tuple[int | None, dict[str, Any] | None]:
     return size, table
 
 
-def tokenizer_mismatch(policy_dir: str | Path, draft_dir: str | Path) -> str | None:
-    """Why the draft's vocabulary is not the policy's, naming both checkpoints; None when they match."""
+def tokenizer_mismatch(policy_dir: str | Path, draft_dir: str | Path, role: str = "draft") -> str | None:
+    """Why the ``role`` model's (``draft`` or ``teacher``) vocabulary is not the policy's, naming both
+    checkpoints; None when they match."""
     p, d = Path(policy_dir).expanduser(), Path(draft_dir).expanduser()
     (p_size, p_table), (d_size, d_table) = _vocab(p), _vocab(d)
     problem = None
     if p_size != d_size:
-        problem = f"vocab_size {p_size} (policy) != {d_size} (draft)"
+        problem = f"vocab_size {p_size} (policy) != {d_size} ({role})"
     elif p_table is not None and d_table is not None and p_table != d_table:
         differ = sorted(k for k in p_table.keys() | d_table.keys() if p_table.get(k) != d_table.get(k))
         problem = f"their tokenizer.json tables differ in {len(differ)} token(s), e.g. {differ[:5]}"
     if problem is None:
         return None
+    what = "propose" if role == "draft" else "score"
     return (
-        f"draft.model: the draft's tokenizer ({d}) does not match the policy's ({p}): {problem}. "
-        "A draft must propose the policy's token ids: build it with the policy's tokenizer"
+        f"{role}.model: the {role}'s tokenizer ({d}) does not match the policy's ({p}): {problem}. "
+        f"A {role} must {what} the policy's token ids: build it with the policy's tokenizer"
     )

@@ -123,6 +123,13 @@ class AlgoConfig:
     """DAPO dynamic sampling: groups whose rewards are all equal are dropped and replaced by fresh prompts
     (:func:`miles.rollout.filters.nonzero_reward_std` ahead of ``rollout.filters``; over-sampling up to
     ``rollout.max_oversample_rounds``)."""
+    distill_coef: float = 0.0
+    """On-policy distillation (``algo=opd``, docs/distillation.md): each response token's advantage gets
+    ``distill_coef * (log q - log p)``, the teacher's (``teacher.model``) log-prob of the token minus the
+    policy's sampling log-prob: minus the per-token estimate of the reverse KL ``KL(p || q)``; 0: off."""
+    task_reward_weight: float = 1.0
+    """With ``distill_coef`` > 0: the weight of the task's own advantage (from ``advantage`` on the rewards)
+    in every token's advantage; 0: the teacher's signal alone."""
     routing_replay: Literal["rollout", "off"] = "off"
     """MoE rollout routing replay (R3): ``rollout`` makes the trainer's forward send every token to the
     experts the engine chose (gate weights still from the trainer's router; :mod:`miles.train.routing_replay`)
@@ -558,6 +565,28 @@ class DraftConfig:
 
 
 @dataclass(**_frozen)
+class TeacherConfig:
+    """On-policy distillation's teacher (``teacher:``, docs/distillation.md): a second model, served by
+    engines of its own, that scores each of the policy's samples token by token (``algo.distill_coef``)."""
+
+    model: ModelConfig | None = None
+    """The teacher's model spec, built like ``model`` (``_target_``, ``flavor``, ``path``; a built flavor is
+    warm-started on the run's task like the policy); null: no teacher. Its tokenizer must be the policy's."""
+    num_engines: int = 1
+    """Teacher engines (actors of ``rollout.engine``'s class, from the teacher's checkpoint)."""
+    placement: Literal["colocate", "own"] = "colocate"
+    """``colocate``: teacher engine ``i`` sits on the rollout engines' bundle ``i % n`` and holds no CPUs of its
+    own (it scores between rollouts); ``own``: a pool of its own, ``cpus_per_engine`` per bundle."""
+    cpus_per_engine: float = 1.0
+    """CPUs of each bundle of the teacher's own pool (``placement: own`` only)."""
+    top_k: int = 0
+    """Also keep the teacher's ``top_k`` most likely tokens per response token
+    (``Sample.metadata["teacher_top_logprobs"]``); 0: off."""
+    timeout_s: float = 600.0
+    """How long one scoring call may take before its engine counts as lost."""
+
+
+@dataclass(**_frozen)
 class MilesConfig:
     """The whole run."""
 
@@ -601,6 +630,8 @@ class MilesConfig:
     step; empty: one policy on ``task``."""
     draft: DraftConfig = field(default_factory=DraftConfig)
     """Speculative rollout's draft model (``draft.model``; null: off)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher (``teacher.model``; null: none)."""
     hooks: tuple[TargetConfig, ...] = ()
     """Hook chain (:mod:`miles.hooks`): objects called in list order at named points of the loop
     (``on_run_start``, ``after_rollout``, ``after_reward``, ``before_train``, ``after_train``,

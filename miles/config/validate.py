@@ -23,6 +23,7 @@ from miles.config.schema import (
     MilesConfig,
     TargetConfig,
 )
+from miles.config.teacher import teacher_problem
 
 
 class ConfigError(ValueError):
@@ -240,11 +241,14 @@ def check_semantics(run: MilesConfig) -> None:
     _check_tenants(run)
     if (problem := draft_problem(run)) is not None:
         raise ConfigError(problem)
+    if (problem := teacher_problem(run)) is not None:
+        raise ConfigError(problem)
 
 
-def check_draft_tokenizer(policy_dir: str | Path, draft_dir: str | Path) -> None:
-    """Refuse a draft checkpoint whose vocabulary is not the policy's (:func:`miles.config.draft.tokenizer_mismatch`)."""
-    if (problem := tokenizer_mismatch(policy_dir, draft_dir)) is not None:
+def check_draft_tokenizer(policy_dir: str | Path, draft_dir: str | Path, role: str = "draft") -> None:
+    """Refuse a draft (or teacher: ``role``) checkpoint whose vocabulary is not the policy's
+    (:func:`miles.config.draft.tokenizer_mismatch`)."""
+    if (problem := tokenizer_mismatch(policy_dir, draft_dir, role)) is not None:
         raise ConfigError(problem)
 
 

@@ -63,6 +63,8 @@ class Actors:
     """Whether these are the last job's actors, constructed anew (``cluster.reuse_actors``)."""
     stores: list[Any] = field(default_factory=list)
     """The stores the trainer and critic groups meet at, hosted in this driver while the groups live."""
+    teachers: list[Any] = field(default_factory=list)
+    """On-policy distillation's teacher engines (``teacher.model``); started for each job, never parked."""
 
     def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
         """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
@@ -81,8 +83,9 @@ class Actors:
             ray.get([t.shutdown.remote() for t in self.trainers + self.critics], timeout=60)
         except Exception as e:  # a dead rank must not keep the driver from exiting
             log.warning("trainer shutdown failed: %s", e)
-        for a in self.engines + self.trainers + self.critics:
+        for a in self.engines + self.trainers + self.critics + self.teachers:
             ray.kill(a)
+        self.teachers = []
         for pg in self.placement_groups:
             remove_placement_group(pg)
         self.stores.clear()
@@ -101,7 +104,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     warm = _take_parked(plan, run.cluster.reuse_actors)
     if warm is not None and warm.trainers:
         try:
-            return _ready(_reinit(warm, plan, run, checkpoint_dir), reused=True)
+            return _ready(_start_teachers(_reinit(warm, plan, run, checkpoint_dir), run), reused=True)
         except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
             log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
             warm.shutdown()
@@ -137,7 +140,37 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
         raise
     if kept is not None:
         log.info("kept the last job's %d engine(s) and their pool; new trainer ranks", len(engines))
+    try:
+        _start_teachers(actors, run)
+    except BaseException:
+        actors.shutdown()
+        raise
     return _ready(actors, reused=False)
+
+
+def _start_teachers(actors: Actors, run: MilesConfig) -> Actors:
+    """The plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`): actors of the engine class on
+    their bundles, built from the teacher's checkpoint; returns once each answers ``health``."""
+    plan = actors.plan
+    if not plan.teachers:
+        return actors
+    if plan.teacher_checkpoint is None:
+        raise ValueError("the plan has teacher engines but no teacher_checkpoint")
+    cls = locate(plan.engine_class)
+    actors.teachers = [
+        _place(cls, s, actors.placement_groups, track=f"teacher {s.index}" if _timed(run) else None,
+               max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
+            plan.teacher_checkpoint, run.precision, **dict(plan.teacher_kwargs, seed=run.seed + 1000 * s.index + 7,
+                                                           num_threads=s.threads, engine_id=s.index, device=plan.device))
+        for s in plan.teachers]
+    try:
+        ray.get([t.health.remote() for t in actors.teachers])
+    except BaseException:  # the caller decides about the rest
+        for t in actors.teachers:
+            ray.kill(t)
+        actors.teachers = []
+        raise
+    return actors
 
 
 def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir: str) -> Any:
@@ -318,6 +351,9 @@ def park_actors(actors: Actors, *, reuse: bool) -> bool:
     if not (reuse and _reusable(actors.plan)):
         actors.shutdown()
         return False
+    for t in actors.teachers:  # a teacher is started for each job: they hold a checkpoint of their own
+        ray.kill(t)
+    actors.teachers = []
     try:
         ray.get([a.park.remote() for a in actors.engines + actors.trainers + actors.critics], timeout=60)
     except Exception as e:

@@ -106,6 +106,13 @@ class Plan:
     """What every engine is constructed with besides the driver's arguments (:func:`engine_kwargs`)."""
     rank_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """What every trainer rank is constructed with besides the driver's arguments (tenants' adapter names)."""
+    teachers: tuple[Slot, ...] = ()
+    """On-policy distillation's teacher engines (``teacher.model``), of :attr:`engine_class`; empty: none."""
+    teacher_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """What every teacher engine is constructed with besides the driver's arguments: ``rollout.engine``'s
+    keys, without the policy's own (prefix cache, routing capture, adapters, draft)."""
+    teacher_checkpoint: str | None = None
+    """The teacher's checkpoint directory, set once it is built (:func:`miles.core.run.run_job`)."""
     cores: int = 1
     """The cores the threads are shared out of (local cluster), or the bundles' CPUs (joined)."""
     reserved: int = 0
@@ -121,8 +128,8 @@ class Plan:
     def key(self) -> str:
         """What fixes the actors' processes: classes, bundles, resources, threads and environment. Jobs
         with the same key can run on the same actors (:mod:`miles.core.actors` reuses them)."""
-        fields = ("placement", "device", "joined", "pools", "engines", "trainers", "critics", "engine_class",
-                  "trainer_class", "critic_class", "offload")
+        fields = ("placement", "device", "joined", "pools", "engines", "trainers", "critics", "teachers",
+                  "engine_class", "trainer_class", "critic_class", "offload")
         return json.dumps({k: v for k, v in asdict(self).items() if k in fields}, sort_keys=True, default=str)
 
     def engine_key(self) -> str | None:
@@ -150,6 +157,11 @@ class Plan:
         if self.critics:
             lines.append(f"critic: {len(self.critics)} rank(s) x {self.critic_class}, a group of its own")
             lines += self._slots(self.critics)
+        if self.teachers:
+            where = ("on the engines' bundles, no CPUs of their own" if self.teachers[0].pool == self.engines[0].pool
+                     else "a pool of their own")
+            lines.append(f"teacher: {len(self.teachers)} engine(s) x {self.engine_class}, {where}")
+            lines += self._slots(self.teachers)
         if not self.joined:
             busy = sum(s.threads for s in self.engines + self.trainers)
             lines.append(f"threads: {busy} for the engines and trainer ranks + {self.reserved} for the driver and its "
@@ -161,7 +173,7 @@ class Plan:
         return "\n".join(lines)
 
     def _slots(self, slots: tuple[Slot, ...]) -> list[str]:
-        who = {"engine": "engine", "trainer": "rank", "critic": "critic rank"}
+        who = {"engine": "engine", "trainer": "rank", "critic": "critic rank", "teacher": "teacher engine"}
         return [f"  {who[s.role]} {s.index}: {self.pools[s.pool].name} bundle {s.bundle}, {s.cpus:g} CPU"
                 + (f", {s.gpus:g} GPU" if s.gpus else "") + f", {s.threads} thread(s); "
                 + " ".join(f"{k}={v}" for k, v in s.env.items()) for s in slots]
@@ -202,6 +214,9 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
         engine_gpus, trainer_gpus = (1.0, 0.5) if gpu else (0, 0)
     engine_pool, trainer_pool = 0, len(pools) - 1
+    tc = run.teacher
+    if tc.model is not None and tc.placement == "own":
+        pools = (*pools, Pool("teacher", tc.num_engines, tc.cpus_per_engine, engine_res, gpu))
     if not joined:
         _check_fits(run, pools, machine)
     classes = backends(run)
@@ -228,6 +243,11 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         critic_class=run.algo.critic.target if classes.critic else None, offload=classes.offload,
         engine_kwargs=classes.engine_kwargs,
         rank_kwargs={"adapter_names": tuple(t.name for t in run.tenants)} if run.tenants else {},
+        # colocated: on the engines' bundles with no CPUs of their own; they score between rollouts
+        teachers=(() if tc.model is None else
+                  slots("teacher", tc.num_engines, engine_pool, 0, 0, engine_threads) if tc.placement == "colocate"
+                  else slots("teacher", tc.num_engines, len(pools) - 1, tc.cpus_per_engine, engine_gpus, engine_threads)),
+        teacher_kwargs=teacher_kwargs(run) if tc.model is not None else {},
         cores=cores if not joined else int(sum(pool.cpus for pool in pools)),
         reserved=reserved if not joined else 0, ready_timeout_s=p.ready_timeout_s,
     )
@@ -335,6 +355,9 @@ def backends(run: MilesConfig) -> Backends:
     contract.check_engine_class(engine, kwargs=kwargs, offload=offload, run=run)
     trainer = locate(run.trainer.target)
     contract.check_trainer_class(trainer, run)
+    if run.teacher.model is not None and not callable(getattr(engine, "score", None)):
+        raise ConfigError(f"teacher.model: the teacher is served by rollout.engine's class {node.target}, which has "
+                          "no score() (per-token log-probs of given sequences); use rollout=torch or rollout=sglang")
     critic = None
     if run.algo.estimator == "gae":
         critic = locate(run.algo.critic.target)
@@ -357,3 +380,9 @@ def engine_kwargs(run: MilesConfig) -> dict[str, Any]:
         if run.tenants:  # one adapter per tenant, named after it
             kwargs["adapter_names"] = tuple(t.name for t in run.tenants)
     return kwargs
+
+
+def teacher_kwargs(run: MilesConfig) -> dict[str, Any]:
+    """The teacher engines' keyword arguments: ``rollout.engine``'s node without the keys that serve the
+    policy's own rollouts (a session prefix cache, MoE routing capture); no adapters and no draft."""
+    return {k: v for k, v in run.rollout.engine.kwargs.items() if k not in ("prefix_cache_tokens", "capture_routing")}

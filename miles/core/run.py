@@ -140,6 +140,8 @@ def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
          f"rollout.generate_fn={run.rollout.generate_fn.target}: only single_turn passes a problem's images to "
          "the engine; multi-turn and agent generate functions would drop them"),
         (bool(run.tenants), "tenants: multi-tenant runs are not wired for vision-language models"),
+        (run.teacher.model is not None, "teacher.model: the teacher scores text only (on-policy distillation "
+         "of vision-language models is not built); set teacher.model=null"),
     ]
     for refused, why in refusals:
         if refused:
@@ -232,6 +234,7 @@ def run_job(
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
     draft_checkpoint = _draft_checkpoint(run, checkpoint, base_task)
+    teacher_checkpoint = _teacher_checkpoint(run, checkpoint, base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     fingerprint = resume.fingerprint(checkpoint, tokenizer)
     if run.trainer.resume_from is not None:  # another model shape or tokenizer: refused before Ray starts
@@ -254,6 +257,8 @@ def run_job(
         if draft_checkpoint is not None:  # every engine (and every replacement) loads the draft beside the policy
             plan = dataclasses.replace(plan, engine_kwargs={**plan.engine_kwargs, "draft_k": run.draft.k,
                                                             "draft_checkpoint_dir": str(draft_checkpoint)})
+        if teacher_checkpoint is not None:  # the teacher engines load it (miles.core.actors)
+            plan = dataclasses.replace(plan, teacher_checkpoint=str(teacher_checkpoint))
         actors = create_actors(plan, run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s); the engines %s%s", time.perf_counter() - t_start,
                  len(actors.engines), len(actors.trainers), plan.engine_memory,
@@ -270,6 +275,11 @@ def run_job(
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
+        if actors.teachers:
+            from miles.rollout.teacher import TeacherPool
+
+            ctx.teacher = TeacherPool(actors.teachers, temperature=run.rollout.temperature, top_k=run.teacher.top_k,
+                                      timeout_s=run.teacher.timeout_s)
         if run.profile.steps:
             from miles.core.profiling import StepProfiler
             from miles.tracking.mlflow_tracker import default_run_name
@@ -383,17 +393,38 @@ def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, f
 
 
 def _draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
-    """The draft model's checkpoint (``draft.model``: its path, or a build of its flavor warm-started on the
-    run's task like the policy), refused when its vocabulary is not the policy's; None without a draft."""
+    """The draft model's checkpoint (``draft.model``), refused when its vocabulary is not the policy's; None
+    without a draft."""
     if run.draft.model is None:
         return None
+    path = _second_checkpoint(run, run.draft.model, "draft", policy_checkpoint, task)
+    log.info("speculative rollout: draft %s (%s), %d token(s) proposed per step", run.draft.model.flavor, path,
+             run.draft.k)
+    return path
+
+
+def _teacher_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
+    """On-policy distillation's teacher checkpoint (``teacher.model``), refused when its vocabulary is not the
+    policy's; None without a teacher."""
+    if run.teacher.model is None:
+        return None
+    path = _second_checkpoint(run, run.teacher.model, "teacher", policy_checkpoint, task)
+    log.info("on-policy distillation: teacher %s (%s) on %d engine(s), distill_coef %g, task_reward_weight %g",
+             run.teacher.model.flavor, path, run.teacher.num_engines, run.algo.distill_coef,
+             run.algo.task_reward_weight)
+    return path
+
+
+def _second_checkpoint(run: MilesConfig, m: Any, role: str, policy_checkpoint: Path, task: Any) -> Path:
+    """The checkpoint of a model beside the policy (``<role>.model``: its path, or a build of its flavor
+    warm-started on the run's task like the policy), refused when its vocabulary is not the policy's."""
     from miles.config.validate import check_draft_tokenizer
     from miles.models.checkpoint import ensure_checkpoint
 
-    m = run.draft.model
     node = TargetConfig(target=m.target, kwargs={"flavor": m.flavor, "path": m.path})
-    spec = _user_input("draft.model", lambda: build(node, allow=run.plugins.allow, key="draft.model._target_"))
+    spec = _user_input(f"{role}.model", lambda: build(node, allow=run.plugins.allow, key=f"{role}.model._target_"))
+    if spec.extra.get("vision"):
+        raise ConfigError(f"{role}.model: {spec.name} is a vision-language model; a {role} reads text only")
     path = ensure_checkpoint(dataclasses.replace(run, model=m), spec, task)
-    check_draft_tokenizer(policy_checkpoint, path)
-    log.info("speculative rollout: draft %s (%s), %d token(s) proposed per step", m.flavor, path, run.draft.k)
+    check_draft_tokenizer(policy_checkpoint, path, role)
     return Path(path)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import ray
 import torch
 
+from miles.algos.distill import opd_token_advantages
 from miles.algos.gae import gae_from_lists
 from miles.config import checkpoints
 from miles.config.schema import MilesConfig
@@ -29,6 +30,7 @@ from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRec
 from miles.core.timeline import StepTimeline
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
+from miles.rollout.teacher import TeacherPool
 from miles.tracking.memory import actor_metrics, process_memory, rank_memory
 from miles.tracking.timeline import span
 from miles.types import SamplingParams, Status, TrainBatch
@@ -79,6 +81,9 @@ class LoopContext:
     """``profile.steps``: records torch profiler traces of chosen steps (:mod:`miles.core.profiling`)."""
     timeline: StepTimeline | None = None
     """Records the steps of ``tracking.timeline_steps`` (:mod:`miles.core.timeline`); None: none."""
+    teacher: TeacherPool | None = None
+    """On-policy distillation's teacher engines (``teacher.model``): they score every step's samples
+    before its train step (:func:`learn`); None: no teacher."""
     engine_readings: dict[int, EngineReading] | None = None
     """The engines' health read last in a step (:func:`push_weights`' check with ``ctx.recovery``,
     else :func:`engine_busy` at the step's end), kept as the next step's first reading when nothing ran
@@ -122,6 +127,13 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
             f"({run.placement.trainer_world_size}); a generate_fn must return ctx.n samples per prompt")
     with span("batch"):
         batch = TrainBatch.from_samples(samples)
+    if ctx.teacher is not None:  # on-policy distillation: every token's advantage gets the teacher's signal
+        with span("teacher"):
+            metrics |= ctx.teacher.score(samples)
+        batch.token_advantages, opd = opd_token_advantages(
+            batch.advantages, batch.rollout_logprobs, [s.metadata.get("teacher_logprobs") for s in samples],
+            batch.loss_mask, distill_coef=algo.distill_coef, task_reward_weight=algo.task_reward_weight)
+        metrics |= opd
     if gae:
         values = get_ranks([c.compute_values.remote(batch) for c in ctx.critics], ctx.critics, "critic", hang_s)[0]
         batch.token_advantages, returns = gae_from_lists(
