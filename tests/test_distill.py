@@ -215,3 +215,49 @@ def test_opd_pulls_the_student_toward_its_teacher(ray_cluster, tmp_path: Path, w
     print(f"{trainer} {schedule}: reverse KL {kl[0]:.3f} -> {kl[-1]:.3f}, entropy {entropy[0]:.3f} -> {entropy[-1]:.3f}")
     assert entropy[-1] > 1.5 * entropy[0]
     assert kl[-1] < 0.8 * kl[0]
+
+
+# ---- the teacher pool ----------------------------------------------------------------------------
+
+def _samples(n: int) -> list:
+    from miles.types import Sample, Status
+
+    return [Sample(group_id=i, index=0, prompt_ids=[5 + i, 9], response_ids=[11, 12 + i, 2], rollout_logprobs=[-1.0] * 3,
+                   loss_mask=[1, 1, 1], status=Status.COMPLETED, weight_version=0) for i in range(n)]
+
+
+def test_a_lost_teacher_engine_leaves_the_pool_and_its_share_goes_to_the_others(ray_cluster, engine: TorchEngine,
+                                                                               tiny_qwen3_dir: Path) -> None:
+    """A dead teacher engine and a stopped one (SIGSTOP, no answer within ``teacher.timeout_s``) are taken out,
+    their samples scored by the one left, with the same numbers; with none left the step fails naming each."""
+    import os
+    import signal
+
+    import ray
+
+    from miles.rollout.teacher import TeacherLostError, TeacherPool
+    from miles.types import Status
+
+    remote = ray.remote(TorchEngine).options(num_cpus=0.1, max_concurrency=4)
+    engines = [remote.remote(str(tiny_qwen3_dir), FP32, max_batch_size=4) for _ in range(3)]
+    pids = ray.get([e.__ray_call__.remote(lambda self: os.getpid()) for e in engines])
+    pool = TeacherPool(engines, temperature=0.9, top_k=2, timeout_s=10)
+    samples = _samples(7)
+    samples[6].status = Status.FAILED  # not trainable: not scored
+    ray.kill(engines[0], no_restart=True)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        metrics = pool.score(samples)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert metrics["distill/teacher_engines"] == 1 and pool.alive == [2]
+    assert "died" in pool.lost[0] and "teacher.timeout_s=10s" in pool.lost[1]
+    expect = engine.score([ScoreRequest(prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids))
+                           for s in samples[:6]], temperature=0.9, top_k=2)
+    for s, e in zip(samples[:6], expect, strict=True):
+        assert s.metadata["teacher_logprobs"] == pytest.approx(e.logprobs, abs=1e-6)
+        assert len(s.metadata["teacher_top_logprobs"]) == 3
+    assert "teacher_logprobs" not in samples[6].metadata
+    ray.kill(engines[2], no_restart=True)
+    with pytest.raises(TeacherLostError, match=r"engine 0: died .*engine 1: no answer .*engine 2: died"):
+        pool.score(_samples(2))
