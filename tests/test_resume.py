@@ -303,3 +303,37 @@ def test_the_same_command_continues_a_run_whose_driver_was_killed(tmp_path: Path
     assert f"trainer.resume_from=auto: resuming from {checkpoints.step_dir(ck, 1)}" in log
     assert "continuing at step 2" in log and "step 0: eval/accuracy" not in log
     assert [s for s, _ in checkpoints.checkpoints(ck)] == [1, 2]
+
+
+def test_a_checkpoints_policy_exports_as_an_hf_directory(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """``export_policy``: the trained weights in the base checkpoint's config, loadable by transformers (and so
+    as ``model.path`` or a teacher); a file that does not match the manifest, an existing target and a LoRA
+    run's checkpoint are refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.train.optim import write_train_state
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    trained = {k: v + 0.01 * (i + 1) for i, (k, v) in enumerate(base.state_dict().items())}
+    d = checkpoints.step_dir(tmp_path / "run", 3)
+    d.mkdir(parents=True)
+    write_train_state(d / "trainer", model_state=trained, optimizer_tensors={}, param_groups=[], scheduler_state={},
+                      world_size=1)
+    (d / "loop_state.json").write_text(json.dumps(
+        {"format": checkpoints.FORMAT, "step": 3, "next_group_id": 12, "rng_state": [3, [1, 2, 3], None]}))
+    manifest.write(d)
+    out = resume.export_policy(tmp_path / "run", tiny_qwen3_dir, tmp_path / "hf")  # the save dir: its newest step
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 96
+    with pytest.raises(ValueError, match="exists; export into a new directory"):
+        resume.export_policy(d, tiny_qwen3_dir, out)
+    (d / "trainer" / "adapters").mkdir()
+    manifest.write(d)
+    with pytest.raises(ValueError, match="a LoRA run's checkpoint; its adapters are in"):
+        resume.export_policy(d, tiny_qwen3_dir, tmp_path / "hf2")
+    (d / "trainer" / "model.safetensors").write_bytes(b"changed")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        resume.export_policy(d, tiny_qwen3_dir, tmp_path / "hf3")

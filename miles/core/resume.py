@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from miles.config import ConfigError, manifest
@@ -208,3 +209,39 @@ def resolve_auto(run: MilesConfig) -> MilesConfig:
         log.info("trainer.resume_from=auto: resuming from %s, the newest complete checkpoint in %s", path, t.save_dir)
     return dataclasses.replace(run, trainer=dataclasses.replace(t, resume_from=path))
 
+
+
+def export_policy(checkpoint: str | Path, base_model: str | Path, out: str | Path) -> Path:
+    """The policy of a run checkpoint as an HF checkpoint directory, loadable as ``model.path`` or as a
+    ``teacher.model`` / ``draft.model`` path.
+
+    ``checkpoint``: a ``step_<k>`` directory, or a save directory (its newest); every file is checked against its
+    manifest first. ``base_model``: the checkpoint the run started from, whose config, tokenizer and generation
+    settings are kept. The trained weights (either trainer, any world size: shards are joined) replace its
+    weights in ``out``, which must not exist. A LoRA run's checkpoint is refused: its adapters are exported in
+    PEFT format (``adapter.export_dir``)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from miles.config import checkpoints
+    from miles.train.optim import read_train_tensors
+
+    state = checkpoints.load(checkpoint)
+    checkpoints.verify(state)
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"export_policy: {out} exists; export into a new directory")
+    if (state.path / "trainer" / "adapters").exists():
+        raise ValueError(f"export_policy: {state.path} is a LoRA run's checkpoint; its adapters are in "
+                         f"{state.path / 'trainer' / 'adapters'} (PEFT format)")
+    weights, _ = read_train_tensors(state.path / "trainer")
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"export_policy: {state.path} does not hold {base_model}'s weights: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    shutil.copytree(base_model, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    model.save_pretrained(out, safe_serialization=True)
+    log.info("exported the policy of %s (step %d) to %s", state.path, state.step, out)
+    return out
