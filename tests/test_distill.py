@@ -181,8 +181,8 @@ def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("warm_cache")
 
 
-@pytest.mark.parametrize(("trainer", "schedule"), [
-    ("fsdp", "sync"), pytest.param("megatron", "sync", marks=pytest.mark.megatron), ("fsdp", "one_step_off")])
+@pytest.mark.parametrize(("trainer", "schedule"), [  # FSDP under sync: test_e2e.py's every-algo run
+    pytest.param("megatron", "sync", marks=pytest.mark.megatron), ("fsdp", "one_step_off")])
 def test_opd_pulls_the_student_toward_its_teacher(ray_cluster, tmp_path: Path, warm_cache: Path, trainer: str,
                                                   schedule: str) -> None:
     """``algo=opd`` with a teacher much flatter than the student: in 10 steps the student's entropy rises toward
@@ -226,10 +226,11 @@ def _samples(n: int) -> list:
                    loss_mask=[1, 1, 1], status=Status.COMPLETED, weight_version=0) for i in range(n)]
 
 
-def test_a_lost_teacher_engine_leaves_the_pool_and_its_share_goes_to_the_others(ray_cluster, engine: TorchEngine,
-                                                                               tiny_qwen3_dir: Path) -> None:
-    """A dead teacher engine and a stopped one (SIGSTOP, no answer within ``teacher.timeout_s``) are taken out,
-    their samples scored by the one left, with the same numbers; with none left the step fails naming each."""
+def test_a_lost_teacher_engine_leaves_the_pool_and_a_new_one_takes_its_place(ray_cluster, engine: TorchEngine,
+                                                                             tiny_qwen3_dir: Path) -> None:
+    """A dead teacher engine and a stopped one (SIGSTOP, no answer within ``teacher.timeout_s``) are taken out and
+    their samples scored by the one left, with the same numbers; new engines start in their place and join the
+    pool without holding up the step. Without replacements, and none left, the step fails naming each engine."""
     import os
     import signal
 
@@ -239,9 +240,15 @@ def test_a_lost_teacher_engine_leaves_the_pool_and_its_share_goes_to_the_others(
     from miles.types import Status
 
     remote = ray.remote(TorchEngine).options(num_cpus=0.1, max_concurrency=4)
-    engines = [remote.remote(str(tiny_qwen3_dir), FP32, max_batch_size=4) for _ in range(3)]
+
+    def new() -> object:
+        return remote.remote(str(tiny_qwen3_dir), FP32, max_batch_size=4)
+
+    engines = [new() for _ in range(3)]
     pids = ray.get([e.__ray_call__.remote(lambda self: os.getpid()) for e in engines])
-    pool = TeacherPool(engines, temperature=0.9, top_k=2, timeout_s=10)
+    replaced: list[int] = []
+    pool = TeacherPool(engines, temperature=0.9, top_k=2, timeout_s=10,
+                       replace=lambda i: replaced.append(i) or new())
     samples = _samples(7)
     samples[6].status = Status.FAILED  # not trainable: not scored
     ray.kill(engines[0], no_restart=True)
@@ -250,14 +257,24 @@ def test_a_lost_teacher_engine_leaves_the_pool_and_its_share_goes_to_the_others(
         metrics = pool.score(samples)
     finally:
         os.kill(pids[1], signal.SIGCONT)
-    assert metrics["distill/teacher_engines"] == 1 and pool.alive == [2]
+    assert metrics["distill/teacher_engines"] == 1 and pool.alive == [2] and metrics["distill/teacher_restarts"] == 0
     assert "died" in pool.lost[0] and "teacher.timeout_s=10s" in pool.lost[1]
+    assert sorted(replaced) == [0, 1] and sorted(pool.starting) == [0, 1]  # started, not waited for
     expect = engine.score([ScoreRequest(prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids))
                            for s in samples[:6]], temperature=0.9, top_k=2)
     for s, e in zip(samples[:6], expect, strict=True):
         assert s.metadata["teacher_logprobs"] == pytest.approx(e.logprobs, abs=1e-6)
         assert len(s.metadata["teacher_top_logprobs"]) == 3
     assert "teacher_logprobs" not in samples[6].metadata
-    ray.kill(engines[2], no_restart=True)
-    with pytest.raises(TeacherLostError, match=r"engine 0: died .*engine 1: no answer .*engine 2: died"):
-        pool.score(_samples(2))
+
+    pool._join(60)  # the replacements come up; the next step scores on all three
+    again = _samples(6)
+    metrics = pool.score(again)
+    assert pool.alive == [0, 1, 2] and pool.lost == {} and metrics["distill/teacher_restarts"] == 2
+    for s, e in zip(again, expect, strict=True):
+        assert s.metadata["teacher_logprobs"] == pytest.approx(e.logprobs, abs=1e-6)
+
+    alone = TeacherPool([pool.engines[2]], temperature=0.9, timeout_s=10)
+    ray.kill(pool.engines[2], no_restart=True)
+    with pytest.raises(TeacherLostError, match=r"every teacher engine is lost \(engine 0: died"):
+        alone.score(_samples(2))

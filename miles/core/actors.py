@@ -148,6 +148,23 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     return _ready(actors, reused=False)
 
 
+def replace_teacher(actors: Actors, index: int, run: MilesConfig) -> Any:
+    """Kill teacher engine ``index`` and start a new one in its placement bundle, constructed as at the start of
+    the run. Returns the new handle at once (it is up when its ``health`` answers); ``actors.teachers`` holds it."""
+    ray.kill(actors.teachers[index], no_restart=True)
+    actors.teachers[index] = _new_teacher(actors, index, run)
+    return actors.teachers[index]
+
+
+def _new_teacher(actors: Actors, index: int, run: MilesConfig) -> Any:
+    plan = actors.plan
+    s = plan.teachers[index]
+    return _place(locate(plan.engine_class), s, actors.placement_groups,
+                  track=f"teacher {s.index}" if _timed(run) else None, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
+        plan.teacher_checkpoint, run.precision, **dict(plan.teacher_kwargs, seed=run.seed + 1000 * s.index + 7,
+                                                       num_threads=s.threads, engine_id=s.index, device=plan.device))
+
+
 def _start_teachers(actors: Actors, run: MilesConfig) -> Actors:
     """The plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`): actors of the engine class on
     their bundles, built from the teacher's checkpoint; returns once each answers ``health``."""
@@ -156,13 +173,7 @@ def _start_teachers(actors: Actors, run: MilesConfig) -> Actors:
         return actors
     if plan.teacher_checkpoint is None:
         raise ValueError("the plan has teacher engines but no teacher_checkpoint")
-    cls = locate(plan.engine_class)
-    actors.teachers = [
-        _place(cls, s, actors.placement_groups, track=f"teacher {s.index}" if _timed(run) else None,
-               max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
-            plan.teacher_checkpoint, run.precision, **dict(plan.teacher_kwargs, seed=run.seed + 1000 * s.index + 7,
-                                                           num_threads=s.threads, engine_id=s.index, device=plan.device))
-        for s in plan.teachers]
+    actors.teachers = [_new_teacher(actors, s.index, run) for s in plan.teachers]
     try:
         ray.get([t.health.remote() for t in actors.teachers])
     except BaseException:  # the caller decides about the rest

@@ -276,10 +276,12 @@ def run_job(
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
         if actors.teachers:
+            from miles.core.actors import replace_teacher
             from miles.rollout.teacher import TeacherPool
 
             ctx.teacher = TeacherPool(actors.teachers, temperature=run.rollout.temperature, top_k=run.teacher.top_k,
-                                      timeout_s=run.teacher.timeout_s)
+                                      timeout_s=run.teacher.timeout_s,
+                                      replace=lambda i: replace_teacher(actors, i, run))
         if run.profile.steps:
             from miles.core.profiling import StepProfiler
             from miles.tracking.mlflow_tracker import default_run_name
