@@ -278,3 +278,15 @@ def test_a_lost_teacher_engine_leaves_the_pool_and_a_new_one_takes_its_place(ray
     ray.kill(pool.engines[2], no_restart=True)
     with pytest.raises(TeacherLostError, match=r"every teacher engine is lost \(engine 0: died"):
         alone.score(_samples(2))
+
+
+def test_bench_distill_summary_gaps_by_hand() -> None:
+    from miles.bench.distill import main, summarize
+
+    runs = {"grpo": [{0: 0.5, 10: 0.6, 20: 0.7}, {0: 0.5, 10: 0.4, 20: 0.5}],
+            "opd": [{0: 0.5, 10: 0.7, 20: 0.8}, {0: 0.5, 10: 0.5, 20: 0.6}]}
+    out = summarize(runs)
+    assert out["grpo"] == {"0": 0.5, "10": 0.5, "20": 0.6} and out["opd"] == {"0": 0.5, "10": 0.6, "20": 0.7}
+    assert out["gap_final"] == pytest.approx(0.1) and out["gap_mean"] == pytest.approx(0.1)
+    with pytest.raises(SystemExit, match=r"--arms: \['ppo'\] are not grpo or opd"):
+        main(["--arms", "grpo,ppo"])

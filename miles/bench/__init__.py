@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Callable, Collection
 
 BENCHMARKS = ("rollout", "train", "sync", "e2e", "rewards", "gpu", "precision", "async", "lora", "agent",
-              "faults", "agent_server", "observe")
+              "faults", "agent_server", "observe", "distill")
 """Names ``python -m miles.bench`` accepts."""
 
 

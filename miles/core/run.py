@@ -292,7 +292,8 @@ def run_job(
             from miles.core.timeline import StepTimeline
 
             ctx.timeline = StepTimeline(run.tracking.timeline_steps,
-                                        lambda: [*rollout.live_engines, *actors.trainers, *actors.critics],
+                                        lambda: [*rollout.live_engines, *actors.trainers, *actors.critics,
+                                                 *(ctx.teacher.live_engines if ctx.teacher else ())],
                                         [reward], _timeline_sink(run, tracker))
         if (off := trainer_recovery_off(run)) is not None:
             log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)

@@ -47,6 +47,11 @@ class TeacherPool:
         self.temperature, self.top_k, self.timeout_s = temperature, top_k, timeout_s
         self.replace = replace
 
+    @property
+    def live_engines(self) -> list[Any]:
+        """The handles of the engines in the pool."""
+        return [self.engines[i] for i in self.alive]
+
     def score(self, samples: Sequence[Sample]) -> dict[str, float]:
         """Score every trainable sample with a response; returns ``perf/teacher_s``, ``distill/teacher_engines``
         (engines in the pool) and ``distill/teacher_restarts`` (replacements that joined it, in the run).
