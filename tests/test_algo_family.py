@@ -173,8 +173,9 @@ def test_policy_objective_runs_each_loss_and_shards_sum_to_the_whole(loss_fn, ex
 
 @pytest.mark.parametrize("option", group_options("algo"))
 def test_every_algo_option_builds_an_advantage_and_a_loss_that_run(option: str):
+    teacher = ["teacher.model={_target_: miles.models.qwen3.qwen3_spec, flavor: tiny, path: null}"]  # opd needs one
     with initialize_config_module("miles.conf", version_base="1.3"):
-        run = validate(compose("config", overrides=[f"algo={option}"]))
+        run = validate(compose("config", overrides=[f"algo={option}", *(teacher if option == "opd" else [])]))
     advantage_fn = build(run.algo.advantage)
     loss_fn = build(run.algo.policy_loss, clip_low=run.algo.clip_low, clip_high=run.algo.clip_high)
     adv = advantage_fn(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])).flatten()
