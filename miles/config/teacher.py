@@ -29,7 +29,8 @@ def teacher_problem(run: MilesConfig) -> str | None:
     if t.model is None:
         if a.distill_coef > 0:
             return (f"algo.distill_coef={a.distill_coef:g} (algo={a.name}) needs a teacher to score the samples: set "
-                    "teacher.model, e.g. teacher.model='{_target_: miles.models.qwen3.qwen3_spec, flavor: 20m, path: null}'")
+                    "teacher.model, e.g. teacher.model='{_target_: miles.models.hf.hf_spec, flavor: checkpoint, path: "
+                    "DIR}' (an HF directory; miles.core.resume.export_policy writes one from a run checkpoint)")
         return None
     if a.distill_coef == 0:
         return ("teacher.model is set, but algo.distill_coef is 0, so nothing would use the teacher's scores: use "
