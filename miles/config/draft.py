@@ -61,11 +61,19 @@ def draft_problem(run: MilesConfig) -> str | None:
     for setting, (on, reason) in why.items():
         if on:
             return f"draft.model cannot be combined with {setting}: {reason}; set draft.model=null"
-    if d.model.path is not None:
-        if not Path(d.model.path).expanduser().joinpath("config.json").is_file():
-            return f"draft.model.path: no config.json in {d.model.path!r}; point it at an HF checkpoint directory"
-        if run.model.path is not None:
-            return tokenizer_mismatch(run.model.path, d.model.path)
+    return checkpoint_problem(run, d.model, "draft")
+
+
+def checkpoint_problem(run: MilesConfig, model: Any, role: str) -> str | None:
+    """Before Ray starts: a ``<role>.model.path`` (draft or teacher) without ``config.json``, or whose
+    vocabulary is not the policy's ``model.path`` (:func:`tokenizer_mismatch`); None otherwise, or when either
+    path is not given (a built model is checked once it exists)."""
+    if model.path is None:
+        return None
+    if not Path(model.path).expanduser().joinpath("config.json").is_file():
+        return f"{role}.model.path: no config.json in {model.path!r}; point it at an HF checkpoint directory"
+    if run.model.path is not None:
+        return tokenizer_mismatch(run.model.path, model.path, role)
     return None
 
 

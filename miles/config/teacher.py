@@ -4,9 +4,7 @@ before Ray starts; the tokenizer check of a built teacher runs again once its ch
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from miles.config.draft import tokenizer_mismatch
+from miles.config.draft import checkpoint_problem
 from miles.config.schema import MilesConfig
 
 
@@ -44,9 +42,4 @@ def teacher_problem(run: MilesConfig) -> str | None:
     for setting, (on, reason) in why.items():
         if on:
             return f"teacher.model cannot be combined with {setting}: {reason}"
-    if t.model.path is not None:
-        if not Path(t.model.path).expanduser().joinpath("config.json").is_file():
-            return f"teacher.model.path: no config.json in {t.model.path!r}; point it at an HF checkpoint directory"
-        if run.model.path is not None:
-            return tokenizer_mismatch(run.model.path, t.model.path, role="teacher")
-    return None
+    return checkpoint_problem(run, t.model, "teacher")
