@@ -35,7 +35,9 @@ def draft_problem(run: MilesConfig) -> str | None:
     if not 1 <= d.k <= MAX_DRAFT_K:
         return f"draft.k: must be in [1, {MAX_DRAFT_K}], found {d.k}"
     if d.model is None:
-        return None
+        return "draft.online: there is no draft to train; set draft.model or draft.online=false" if d.online else None
+    if not d.lr > 0:
+        return f"draft.lr: must be > 0, found {d.lr}"
     if run.rollout.engine.target.endswith("sglang_engine.SGLangEngine"):
         return f"draft.model with rollout.engine={run.rollout.engine.target}: {SGLANG_REFUSAL}"
     if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):

@@ -562,6 +562,12 @@ class DraftConfig:
     warm-started on the run's task like the policy); null: speculation off. Its tokenizer must be the policy's."""
     k: int = 4
     """Tokens the draft proposes per row and step (the policy verifies all ``k + 1`` positions at once)."""
+    online: bool = False
+    """Train the draft on the policy's samples of every step (cross-entropy on their response tokens at the
+    rollout temperature) in an actor of its own, and push its weights to the engines with the policy's; false:
+    the draft stays as loaded, and its acceptance rate falls as the policy moves away from it."""
+    lr: float = 1e-3
+    """The online draft's AdamW learning rate (``draft.online``)."""
 
 
 @dataclass(**_frozen)

@@ -65,6 +65,9 @@ class Actors:
     """The stores the trainer and critic groups meet at, hosted in this driver while the groups live."""
     teachers: list[Any] = field(default_factory=list)
     """On-policy distillation's teacher engines (``teacher.model``); started for each job, never parked."""
+    draft_trainer: Any | None = None
+    """``draft.online``: the draft's trainer (:class:`miles.train.draft.DraftTrainer`); started for each job,
+    never parked; None: none."""
 
     def start_offload(self, engines: Sequence[Any] | None = None) -> list[Any]:
         """colocate: every engine starts releasing its memory (KV cache, weights) so the trainer has it.
@@ -78,14 +81,17 @@ class Actors:
             return []
         return [e.release_memory.remote() for e in (self.engines if engines is None else engines)]
 
+    def _draft(self) -> list[Any]:
+        return [self.draft_trainer] if self.draft_trainer is not None else []
+
     def shutdown(self) -> None:
         try:
             ray.get([t.shutdown.remote() for t in self.trainers + self.critics], timeout=60)
         except Exception as e:  # a dead rank must not keep the driver from exiting
             log.warning("trainer shutdown failed: %s", e)
-        for a in self.engines + self.trainers + self.critics + self.teachers:
+        for a in self.engines + self.trainers + self.critics + self.teachers + self._draft():
             ray.kill(a)
-        self.teachers = []
+        self.teachers, self.draft_trainer = [], None
         for pg in self.placement_groups:
             remove_placement_group(pg)
         self.stores.clear()
@@ -104,7 +110,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     warm = _take_parked(plan, run.cluster.reuse_actors)
     if warm is not None and warm.trainers:
         try:
-            return _ready(_start_teachers(_reinit(warm, plan, run, checkpoint_dir), run), reused=True)
+            return _ready(_start_job_actors(_reinit(warm, plan, run, checkpoint_dir), run), reused=True)
         except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
             log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
             warm.shutdown()
@@ -141,7 +147,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     if kept is not None:
         log.info("kept the last job's %d engine(s) and their pool; new trainer ranks", len(engines))
     try:
-        _start_teachers(actors, run)
+        _start_job_actors(actors, run)
     except BaseException:
         actors.shutdown()
         raise
@@ -165,23 +171,41 @@ def _new_teacher(actors: Actors, index: int, run: MilesConfig) -> Any:
                                                        num_threads=s.threads, engine_id=s.index, device=plan.device))
 
 
-def _start_teachers(actors: Actors, run: MilesConfig) -> Actors:
-    """The plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`): actors of the engine class on
-    their bundles, built from the teacher's checkpoint; returns once each answers ``health``."""
+def _start_job_actors(actors: Actors, run: MilesConfig) -> Actors:
+    """The actors started for each job, never parked: the plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`,
+    actors of the engine class on their bundles, built from the teacher's checkpoint) and the draft trainer
+    (:attr:`~miles.core.plan.Plan.draft_trainer`); returns once each answers ``health``."""
     plan = actors.plan
-    if not plan.teachers:
+    if not plan.teachers and not plan.draft_trainer:
         return actors
-    if plan.teacher_checkpoint is None:
+    if plan.teacher_checkpoint is None and plan.teachers:
         raise ValueError("the plan has teacher engines but no teacher_checkpoint")
     actors.teachers = [_new_teacher(actors, s.index, run) for s in plan.teachers]
+    if plan.draft_trainer:
+        actors.draft_trainer = _new_draft_trainer(actors, run)
     try:
-        ray.get([t.health.remote() for t in actors.teachers])
+        ray.get([t.health.remote() for t in actors.teachers + actors._draft()])
     except BaseException:  # the caller decides about the rest
-        for t in actors.teachers:
+        for t in actors.teachers + actors._draft():
             ray.kill(t)
-        actors.teachers = []
+        actors.teachers, actors.draft_trainer = [], None
         raise
     return actors
+
+
+def _new_draft_trainer(actors: Actors, run: MilesConfig) -> Any:
+    """``draft.online``'s :class:`~miles.train.draft.DraftTrainer` on its plan slot, from the draft's checkpoint
+    (the one every engine loads)."""
+    from miles.train.draft import DraftTrainer
+
+    plan = actors.plan
+    checkpoint = plan.engine_kwargs.get("draft_checkpoint_dir")
+    if checkpoint is None:
+        raise ValueError("the plan has a draft trainer but its engines load no draft (draft_checkpoint_dir)")
+    s = plan.draft_trainer[0]
+    return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None).remote(
+        str(checkpoint), lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
+        seed=run.seed + 11)
 
 
 def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir: str) -> Any:
@@ -362,9 +386,9 @@ def park_actors(actors: Actors, *, reuse: bool) -> bool:
     if not (reuse and _reusable(actors.plan)):
         actors.shutdown()
         return False
-    for t in actors.teachers:  # a teacher is started for each job: they hold a checkpoint of their own
+    for t in actors.teachers + actors._draft():  # started for each job: they hold a checkpoint of their own
         ray.kill(t)
-    actors.teachers = []
+    actors.teachers, actors.draft_trainer = [], None
     try:
         ray.get([a.park.remote() for a in actors.engines + actors.trainers + actors.critics], timeout=60)
     except Exception as e:

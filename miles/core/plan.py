@@ -113,6 +113,9 @@ class Plan:
     keys, without the policy's own (prefix cache, routing capture, adapters, draft)."""
     teacher_checkpoint: str | None = None
     """The teacher's checkpoint directory, set once it is built (:func:`miles.core.run.run_job`)."""
+    draft_trainer: tuple[Slot, ...] = ()
+    """``draft.online``: the actor that trains the draft (:class:`miles.train.draft.DraftTrainer`), on trainer
+    rank 0's bundle with no CPUs of its own (it trains while the ranks do); empty: none."""
     cores: int = 1
     """The cores the threads are shared out of (local cluster), or the bundles' CPUs (joined)."""
     reserved: int = 0
@@ -129,7 +132,7 @@ class Plan:
         """What fixes the actors' processes: classes, bundles, resources, threads and environment. Jobs
         with the same key can run on the same actors (:mod:`miles.core.actors` reuses them)."""
         fields = ("placement", "device", "joined", "pools", "engines", "trainers", "critics", "teachers",
-                  "engine_class", "trainer_class", "critic_class", "offload")
+                  "draft_trainer", "engine_class", "trainer_class", "critic_class", "offload")
         return json.dumps({k: v for k, v in asdict(self).items() if k in fields}, sort_keys=True, default=str)
 
     def engine_key(self) -> str | None:
@@ -162,6 +165,10 @@ class Plan:
                      else "a pool of their own")
             lines.append(f"teacher: {len(self.teachers)} engine(s) x {self.engine_class}, {where}")
             lines += self._slots(self.teachers)
+        if self.draft_trainer:
+            lines.append("draft trainer (draft.online): miles.train.draft.DraftTrainer, on trainer rank 0's bundle, "
+                         "no CPUs of its own")
+            lines += self._slots(self.draft_trainer)
         if not self.joined:
             busy = sum(s.threads for s in self.engines + self.trainers)
             lines.append(f"threads: {busy} for the engines and trainer ranks + {self.reserved} for the driver and its "
@@ -173,7 +180,8 @@ class Plan:
         return "\n".join(lines)
 
     def _slots(self, slots: tuple[Slot, ...]) -> list[str]:
-        who = {"engine": "engine", "trainer": "rank", "critic": "critic rank", "teacher": "teacher engine"}
+        who = {"engine": "engine", "trainer": "rank", "critic": "critic rank", "teacher": "teacher engine",
+               "draft_trainer": "draft trainer"}
         return [f"  {who[s.role]} {s.index}: {self.pools[s.pool].name} bundle {s.bundle}, {s.cpus:g} CPU"
                 + (f", {s.gpus:g} GPU" if s.gpus else "") + f", {s.threads} thread(s); "
                 + " ".join(f"{k}={v}" for k, v in s.env.items()) for s in slots]
@@ -248,6 +256,8 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
                   slots("teacher", tc.num_engines, engine_pool, 0, 0, engine_threads) if tc.placement == "colocate"
                   else slots("teacher", tc.num_engines, len(pools) - 1, tc.cpus_per_engine, engine_gpus, engine_threads)),
         teacher_kwargs=teacher_kwargs(run) if tc.model is not None else {},
+        draft_trainer=slots("draft_trainer", 1, trainer_pool, 0, 0, trainer_threads)
+        if run.draft.model is not None and run.draft.online else (),
         cores=cores if not joined else int(sum(pool.cpus for pool in pools)),
         reserved=reserved if not joined else 0, ready_timeout_s=p.ready_timeout_s,
     )

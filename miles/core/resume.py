@@ -73,9 +73,11 @@ _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every",
 
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
          config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
-         stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None) -> Path:
+         stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None,
+         draft: Any | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
-    its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`.
+    its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`;
+    ``draft``: the online draft's trainer (``draft.online``), whose state goes into ``draft/``.
 
     The steps, each a function: :func:`begin` (an empty ``step_<k>.tmp``), the ranks' state, :func:`write_loop`,
     :func:`seal` (the manifest), :func:`publish` (the rename, then pruning)."""
@@ -85,6 +87,8 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
     if critics:
         ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
+    if draft is not None:
+        ray.get(draft.save_state.remote(str(tmp / "draft")))
     write_loop(tmp, step, rng_state, next_group_id, config, ledger=ledger, stream=stream, fingerprint=fingerprint)
     seal(tmp)
     return publish(tmp, keep)

@@ -282,6 +282,7 @@ def run_job(
             ctx.teacher = TeacherPool(actors.teachers, temperature=run.rollout.temperature, top_k=run.teacher.top_k,
                                       timeout_s=run.teacher.timeout_s,
                                       replace=lambda i: replace_teacher(actors, i, run))
+        ctx.draft = actors.draft_trainer  # draft.online
         if run.profile.steps:
             from miles.core.profiling import StepProfiler
             from miles.tracking.mlflow_tracker import default_run_name
@@ -293,7 +294,8 @@ def run_job(
 
             ctx.timeline = StepTimeline(run.tracking.timeline_steps,
                                         lambda: [*rollout.live_engines, *actors.trainers, *actors.critics,
-                                                 *(ctx.teacher.live_engines if ctx.teacher else ())],
+                                                 *(ctx.teacher.live_engines if ctx.teacher else ()),
+                                                 *([ctx.draft] if ctx.draft is not None else [])],
                                         [reward], _timeline_sink(run, tracker))
         if (off := trainer_recovery_off(run)) is not None:
             log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)

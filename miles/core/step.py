@@ -33,6 +33,7 @@ from miles.rollout.manager import RolloutManager
 from miles.rollout.teacher import TeacherPool
 from miles.tracking.memory import actor_metrics, process_memory, rank_memory
 from miles.tracking.timeline import span
+from miles.train.draft import draft_sequences
 from miles.types import SamplingParams, Status, TrainBatch
 from miles.weights.sync import Transport, sync_weights
 
@@ -84,6 +85,12 @@ class LoopContext:
     teacher: TeacherPool | None = None
     """On-policy distillation's teacher engines (``teacher.model``): they score every step's samples
     before its train step (:func:`learn`); None: no teacher."""
+    draft: Any | None = None
+    """``draft.online``: the draft's trainer (:class:`miles.train.draft.DraftTrainer`); it trains on every
+    step's samples during the train step (:func:`learn`) and its weights go to the engines after the policy's
+    (:func:`push_weights`); None: the draft stays as loaded."""
+    draft_training: Any | None = None
+    """The object ref of the draft's training call on the last batch, until :func:`push_draft` takes it."""
     engine_readings: dict[int, EngineReading] | None = None
     """The engines' health read last in a step (:func:`push_weights`' check with ``ctx.recovery``,
     else :func:`engine_busy` at the step's end), kept as the next step's first reading when nothing ran
@@ -141,6 +148,8 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
             gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
         )
     hooks.before_train(step, batch)
+    if ctx.draft is not None:  # the draft learns the policy's latest tokens while the policy trains
+        ctx.draft_training = ctx.draft.train.remote(draft_sequences(samples))
 
     # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
     # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
@@ -197,7 +206,28 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
         metrics = sync_weights(ctx.trainers, left, version=version, transport=ctx.transport) if left else {}
     if ctx.recovery is not None:
         metrics |= ctx.recovery.restore(ctx.trainers, version, ctx.transport)
+    if ctx.draft is not None:  # after the recovery: a replacement engine gets the trained draft too
+        metrics |= push_draft(ctx, version)
     return metrics
+
+
+def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
+    """``draft.online``: wait for the draft's training on the last batch (its ``draft/*`` metrics), then load
+    its weights into every engine in rotation; an engine that died or hangs meanwhile leaves the rotation,
+    as in generation. The state goes through the object store once, whatever the number of engines."""
+    assert ctx.draft is not None
+    out: dict[str, float] = {}
+    ref, ctx.draft_training = ctx.draft_training, None
+    with span("draft_push"):
+        if ref is not None:
+            out |= ray.get(ref)
+        state = ctx.draft.state.remote()
+        pool = ctx.rollout.pool
+        done = ctx.rollout.settle_calls({e: pool.engines[e].update_draft.remote(state, version)
+                                         for e in list(pool.alive)}, what="draft push")
+    if done:
+        out["draft/update_s"] = max(r["draft_update_s"] for r in done.values())
+    return out
 
 
 _SKIPPED = ("train/nonfinite_skipped", "critic/nonfinite_skipped")
@@ -238,7 +268,7 @@ def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
                        keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream,
-                       fingerprint=ctx.fingerprint)
+                       fingerprint=ctx.fingerprint, draft=ctx.draft)
     ctx.last_checkpoint = str(path)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
@@ -261,6 +291,14 @@ def resume_checkpoint(ctx: LoopContext, path: str | None = None) -> checkpoints.
     if critic is not None:
         ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
     sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
+    if ctx.draft is not None:  # draft.online: the draft it had, or (a checkpoint without one) the draft as loaded
+        ctx.draft_training = None  # a batch after the checkpoint: not trained on
+        if (state.path / "draft").is_dir():
+            ray.get(ctx.draft.load_state.remote(str(state.path / "draft")))
+        else:
+            log.warning("%s holds no draft state (written without draft.online): the draft continues as loaded",
+                        state.path)
+        push_draft(ctx, state.step)
     ctx.last_checkpoint = str(state.path)
     log.info("resumed from %s: step %d done, continuing at step %d", state.path, state.step, state.step + 1)
     return state

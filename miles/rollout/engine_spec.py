@@ -27,6 +27,7 @@ distribution is the same. Per completion the engine counts proposed and accepted
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ class EngineSpeculation:
 
     draft: DraftModel | None
     draft_k: int
+    draft_version: int
     vocab_size: int
     device: torch.device
     _version: int
@@ -60,6 +62,34 @@ class EngineSpeculation:
     _lm_head: Any
     _forward: Callable[[Tensor, Tensor, Tensor, list[_Row]], Tensor]  # TorchEngine's
     _hit_stop_text: Callable[[int], bool]  # EngineEmission's
+
+    @torch.no_grad()
+    def update_draft(self, state_dict: dict[str, Tensor], version: int) -> dict[str, float]:
+        """Replace every weight of the draft (HF names, as :class:`miles.train.draft.DraftTrainer` sends them)
+        between two scheduler steps; ``version`` is the policy version it was pushed with.
+
+        All checks happen before any copy: on a ``ValueError`` the draft is unchanged. Rows in flight keep
+        the K/V the old draft wrote; the tokens they emit stay exact (the accept rule uses the ``q`` each
+        proposal was sampled from), only their acceptance can differ. Returns ``{"draft_update_s"}``.
+        """
+        t0 = time.perf_counter()
+        if self.draft is None:
+            raise ValueError(f"update_draft(version={version}): this engine has no draft model (draft.model)")
+        own = self.draft.model.state_dict()
+        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+        bad = [f"{k}: sent {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+               for k, v in state_dict.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if missing or unexpected or bad:
+            raise ValueError(f"update_draft(version={version}): send the draft's full HF state dict; missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {bad[:5]}")
+
+        def apply() -> None:
+            for k, v in state_dict.items():
+                own[k].copy_(v)  # shares the version counter with the parameter: fused decode weights refresh
+            self.draft_version = int(version)
+
+        self._run_op(apply)  # type: ignore[attr-defined]
+        return {"draft_update_s": time.perf_counter() - t0}
 
     def _draft_prefill(self, prompts: list[tuple[int, ...]], lo: int, hi: int, src: Tensor) -> None:
         """The draft's K/V of whole prompts (one per prompt row; slots ``[lo, hi)`` take ``prompts[src[i]]``)."""

@@ -263,6 +263,7 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
         self._prefix = PrefixStore(prefix_cache_tokens)
         self.draft_k = draft_k
         self.draft = None
+        self.draft_version = 0  # the policy version the draft's weights were last pushed with (update_draft)
         if draft_checkpoint_dir is not None:
             self.draft = DraftModel(str(draft_checkpoint_dir), self.dtype, self.device, max_batch_size)
             if self.draft.vocab_size != self.vocab_size:
