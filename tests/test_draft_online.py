@@ -76,7 +76,8 @@ def test_the_engines_acceptance_rises_as_the_draft_learns_the_policy_from_its_sa
     _, after = _samples(eng, _prompts(32, offset=500))
     assert eng.draft_version == 40
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
-    assert after > before + 0.12, (before, after)  # measured: 0.08 -> 0.26 after 30 steps
+    print(f"acceptance {before:.3f} -> {after:.3f}")
+    assert after > before + 0.12, (before, after)
 
 
 def test_the_loss_covers_only_the_policys_tokens_at_the_rollout_temperature(models: dict[str, Path]) -> None:
@@ -179,3 +180,15 @@ def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray
         assert 0 < m["rollout/spec_accept_rate"] <= 1
     saved = tmp_path / "ckpt" / "step_000002" / "draft"
     assert json.loads((saved / "draft_state.json").read_text())["steps"] == 2 and (saved / "model.safetensors").is_file()
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miles.core.resume import export_draft
+
+    (base_draft,) = (tmp_path / "warm").glob("qwen3-tiny-*")  # the draft's build: the policy's flavor and task
+    out = export_draft(tmp_path / "ckpt" / "step_000002", base_draft, tmp_path / "exported")
+    got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for k, v in load_file(str(saved / "model.safetensors")).items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="exists"):
+        export_draft(tmp_path / "ckpt" / "step_000002", base_draft, out)

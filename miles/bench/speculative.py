@@ -107,10 +107,8 @@ def bench(
     distill_steps: int = 0,
 ) -> dict[str, Any]:
     from miles.bench.rollout import build_model, make_prompts
-    from miles.config.schema import PrecisionConfig
     from miles.models.checkpoint import TOKENIZER_VOCAB_SIZE
     from miles.rollout.speculative import truncated_draft
-    from miles.rollout.torch_engine import TorchEngine
 
     torch.set_num_threads(threads)
     out: dict[str, Any] = {
@@ -142,56 +140,126 @@ def bench(
                 flush=True,
             )
         prompts = make_prompts(requests, TOKENIZER_VOCAB_SIZE, seed=0)
-        for bs in batch_sizes:
-            plain = TorchEngine(str(policy), PrecisionConfig(), max_batch_size=bs, num_threads=threads)
-            spec = TorchEngine(
-                str(policy),
-                PrecisionConfig(),
-                max_batch_size=bs,
-                num_threads=threads,
-                draft_checkpoint_dir=str(draft),
-                draft_k=k,
+        out["rows"] = compare(policy, draft, prompts, batch_sizes, max_new, repeats, k, threads)
+    return out
+
+
+def compare(policy: str | Path, draft: str | Path, prompts: list[tuple[int, ...]], batch_sizes: list[int],
+            max_new: int, repeats: int, k: int, threads: int) -> list[dict[str, Any]]:
+    """Tokens/s of ``prompts`` on the torch engine with against without ``draft``, greedy (outputs checked
+    equal) and sampled at T = 1, at each engine batch size; one row per (batch size, mode)."""
+    from miles.config.schema import PrecisionConfig
+    from miles.rollout.torch_engine import TorchEngine
+
+    rows = []
+    for bs in batch_sizes:
+        plain = TorchEngine(str(policy), PrecisionConfig(), max_batch_size=bs, num_threads=threads)
+        spec = TorchEngine(
+            str(policy),
+            PrecisionConfig(),
+            max_batch_size=bs,
+            num_threads=threads,
+            draft_checkpoint_dir=str(draft),
+            draft_k=k,
+        )
+        for greedy in (True, False):
+            times: dict[str, list[float]] = {"plain": [], "spec": []}
+            tokens: dict[str, list[int]] = {"plain": [], "spec": []}
+            rates = []
+            for r in range(repeats):
+                for side in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+                    secs, results = _run(plain if side == "plain" else spec, prompts, max_new, greedy)
+                    times[side].append(secs)
+                    tokens[side].append(sum(len(x.response_ids) for x in results))
+                    if side == "spec":
+                        spec_results = results
+                        prop = sum(x.spec_counts[0] for x in results)
+                        rates.append(sum(x.spec_counts[1] for x in results) / max(prop, 1))
+                    else:
+                        plain_results = results
+                if greedy and [x.response_ids for x in spec_results] != [
+                    x.response_ids for x in plain_results
+                ]:
+                    raise SystemExit(f"batch size {bs}: greedy outputs differ with and without the draft")
+            tps = {
+                s: statistics.median(n / t for n, t in zip(tokens[s], times[s], strict=True))
+                for s in times
+            }
+            row = {
+                "batch_size": bs,
+                "mode": "greedy" if greedy else "sampled",
+                "plain_tok_s": round(tps["plain"]),
+                "spec_tok_s": round(tps["spec"]),
+                "ratio": round(tps["spec"] / tps["plain"], 2),
+                "accept_rate": round(statistics.median(rates), 3),
+                "greedy_outputs_equal": greedy or None,
+            }
+            print(
+                f"batch {bs:3d} {row['mode']:7s}: {row['plain_tok_s']:6d} tok/s without, {row['spec_tok_s']:6d} "
+                f"with the draft = {row['ratio']:.2f}x (acceptance {row['accept_rate']:.2f})",
+                flush=True,
             )
-            for greedy in (True, False):
-                times: dict[str, list[float]] = {"plain": [], "spec": []}
-                tokens: dict[str, list[int]] = {"plain": [], "spec": []}
-                rates = []
-                for r in range(repeats):
-                    for side in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
-                        secs, results = _run(plain if side == "plain" else spec, prompts, max_new, greedy)
-                        times[side].append(secs)
-                        tokens[side].append(sum(len(x.response_ids) for x in results))
-                        if side == "spec":
-                            spec_results = results
-                            prop = sum(x.spec_counts[0] for x in results)
-                            rates.append(sum(x.spec_counts[1] for x in results) / max(prop, 1))
-                        else:
-                            plain_results = results
-                    if greedy and [x.response_ids for x in spec_results] != [
-                        x.response_ids for x in plain_results
-                    ]:
-                        raise SystemExit(f"batch size {bs}: greedy outputs differ with and without the draft")
-                tps = {
-                    s: statistics.median(n / t for n, t in zip(tokens[s], times[s], strict=True))
-                    for s in times
-                }
-                row = {
-                    "batch_size": bs,
-                    "mode": "greedy" if greedy else "sampled",
-                    "plain_tok_s": round(tps["plain"]),
-                    "spec_tok_s": round(tps["spec"]),
-                    "ratio": round(tps["spec"] / tps["plain"], 2),
-                    "accept_rate": round(statistics.median(rates), 3),
-                    "greedy_outputs_equal": greedy or None,
-                }
-                print(
-                    f"batch {bs:3d} {row['mode']:7s}: {row['plain_tok_s']:6d} tok/s without, {row['spec_tok_s']:6d} "
-                    f"with the draft = {row['ratio']:.2f}x (acceptance {row['accept_rate']:.2f})",
-                    flush=True,
-                )
-                out["rows"].append(row)
-            plain.close()
-            spec.close()
+            rows.append(row)
+        plain.close()
+        spec.close()
+    return rows
+
+
+def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max_new: int, batch_sizes: list[int],
+       requests: int, repeats: int, threads: int, arms: list[str], lr: float, workdir: Path) -> dict[str, Any]:
+    """``--rl-steps``: speculative rollout through RL training, with the draft frozen and trained online.
+
+    The policy (``policy_flavor``) and the draft (``draft_flavor``) are built and warm-started on ``task``
+    as a run builds them. Speed on ``requests`` held-out prompts of the task (:func:`compare`) is measured at
+    the start; then, per arm, a GRPO run of ``steps`` steps with the draft (``draft.online`` false for
+    ``frozen``, true for ``online``) logs ``rollout/spec_accept_rate`` every step, and the speed is measured
+    again with that run's final policy and draft (:func:`miles.core.resume.export_policy`, ``export_draft``)."""
+    from transformers import AutoTokenizer
+
+    from miles.bench.e2e import built_checkpoint, compose
+    from miles.core.resume import export_draft, export_policy
+    from miles.core.run import _draft_checkpoint, build_components, run_job
+    from miles.models.tokenizer import encode_prompt
+
+    spec = f"{{_target_: miles.models.qwen3.qwen3_spec, flavor: {draft_flavor}, path: null}}"
+    base = ["tracking=none", "trainer.eval_every=0", f"task={task}", f"model.flavor={policy_flavor}",
+            f"draft.model={spec}", f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
+            "algo.num_prompts_per_step=8", "algo.num_samples_per_prompt=4", f"trainer.num_steps={steps}"]
+    t0 = time.perf_counter()
+    policy = Path(built_checkpoint(base, threads))
+    run, _ = compose(base)
+    parts = build_components(run)
+    draft = _draft_checkpoint(run, policy, parts["task"])
+    assert draft is not None
+    tok = AutoTokenizer.from_pretrained(str(policy))
+    prompts = [tuple(encode_prompt(tok, run.rollout.prompt_template.replace("{prompt}", q.prompt)))
+               for q in parts["task"].eval_problems(requests)]
+    print(f"policy {policy}, draft {draft} ({time.perf_counter() - t0:.0f} s); speed at the start:", flush=True)
+    out: dict[str, Any] = {"steps": steps, "task": task, "policy": policy_flavor, "draft": draft_flavor, "k": k,
+                           "start": compare(policy, draft, prompts, batch_sizes, max_new, repeats, k, threads)}
+    torch.set_num_threads(threads)
+    for arm in arms:
+        save = workdir / arm
+        overrides = [*base, f"draft.online={'true' if arm == 'online' else 'false'}", f"trainer.save_dir={save}",
+                     f"trainer.save_every={steps}"]
+        arm_run, resolved = compose(overrides)
+        rates: dict[int, float] = {}
+
+        def seen(m: dict[str, float], step: int, rates: dict[int, float] = rates) -> None:
+            if "rollout/spec_accept_rate" in m:
+                rates.setdefault(step, m["rollout/spec_accept_rate"])
+
+        t1 = time.perf_counter()
+        run_job(arm_run, resolved_yaml=resolved, overrides=overrides, on_metrics=seen)
+        first, last = (statistics.mean(rates[s] for s in sorted(rates)[sl]) for sl in (slice(0, 5), slice(-5, None)))
+        trained = export_policy(save, policy, workdir / f"{arm}_policy")
+        arm_draft = export_draft(save, draft, workdir / f"{arm}_draft") if arm == "online" else draft
+        print(f"{arm}: {steps} RL steps in {time.perf_counter() - t1:.0f} s; rollout/spec_accept_rate "
+              f"{first:.3f} (steps 1-5) -> {last:.3f} (last 5) = {last / first:.2f} of the start; speed after:",
+              flush=True)
+        out[arm] = {"accept_first5": round(first, 4), "accept_last5": round(last, 4),
+                    "retained": round(last / first, 3), "accept_per_step": {s: round(r, 4) for s, r in rates.items()},
+                    "after": compare(trained, arm_draft, prompts, batch_sizes, max_new, repeats, k, threads)}
     return out
 
 
@@ -220,7 +288,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="seconds, for tests: batch size 4, 8 requests, 16 tokens, 1 repeat",
     )
+    p.add_argument("--rl-steps", type=int, default=0,
+                   help="instead: a trained policy and draft on --task, speed and acceptance before and after this "
+                        "many GRPO steps, with the draft frozen and trained online (draft.online)")
+    p.add_argument("--task", default="count", help="--rl-steps: the task (default count: long, predictable answers)")
+    p.add_argument("--policy-flavor", default="20m", help="--rl-steps: the policy's qwen3 flavor (default 20m)")
+    p.add_argument("--draft-flavor", default="tiny", help="--rl-steps: the draft's qwen3 flavor (default tiny)")
+    p.add_argument("--arms", default="frozen,online", help="--rl-steps: frozen, online or both (default both)")
+    p.add_argument("--lr", type=float, default=1e-4, help="--rl-steps: the policy's trainer.lr (default 1e-4)")
     args = p.parse_args(argv)
+    if args.rl_steps:
+        arms = [a for a in args.arms.split(",") if a]
+        if not arms or set(arms) - {"frozen", "online"} or args.rl_steps < 5:
+            p.error("--arms: frozen and/or online; --rl-steps >= 5")
+        from miles.bench.rollout import parse_batch_sizes
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = rl(args.rl_steps, args.task, args.policy_flavor, args.draft_flavor, args.k, args.max_new_tokens,
+                        parse_batch_sizes(p, args.batch_sizes), args.requests, args.repeats, args.threads, arms,
+                        args.lr, Path(tmp))
+        print(json.dumps(result))
+        return 0
     if args.quick:
         args.batch_sizes, args.requests, args.max_new_tokens, args.repeats = "4", 8, 16, 1
     from miles.bench.rollout import parse_batch_sizes

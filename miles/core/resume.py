@@ -224,10 +224,6 @@ def export_policy(checkpoint: str | Path, base_model: str | Path, out: str | Pat
     settings are kept. The trained weights (either trainer, any world size: shards are joined) replace its
     weights in ``out``, which must not exist. A LoRA run's checkpoint is refused: its adapters are exported in
     PEFT format (``adapter.export_dir``)."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
     from miles.config import checkpoints
     from miles.train.optim import read_train_tensors
 
@@ -240,12 +236,39 @@ def export_policy(checkpoint: str | Path, base_model: str | Path, out: str | Pat
         raise ValueError(f"export_policy: {state.path} is a LoRA run's checkpoint; its adapters are in "
                          f"{state.path / 'trainer' / 'adapters'} (PEFT format)")
     weights, _ = read_train_tensors(state.path / "trainer")
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    return _export(weights, state, base_model, out, "policy")
+
+
+def export_draft(checkpoint: str | Path, base_draft: str | Path, out: str | Path) -> Path:
+    """The online-trained draft of a run checkpoint (``draft.online``; its ``draft/`` part) as an HF checkpoint
+    directory, loadable as a ``draft.model`` path. ``base_draft``: the draft the run started from (config,
+    tokenizer); ``checkpoint`` and ``out`` as in :func:`export_policy`."""
+    from safetensors.torch import load_file
+
+    from miles.config import checkpoints
+
+    state = checkpoints.load(checkpoint)
+    checkpoints.verify(state)
+    if not (state.path / "draft" / "model.safetensors").is_file():
+        raise ValueError(f"export_draft: {state.path} holds no draft (it was written without draft.online)")
+    if Path(out).exists():
+        raise ValueError(f"export_draft: {out} exists; export into a new directory")
+    return _export(load_file(str(state.path / "draft" / "model.safetensors")), state, base_draft, Path(out), "draft")
+
+
+def _export(weights: dict[str, torch.Tensor], state: Any, base: str | Path, out: Path, what: str) -> Path:
+    """``base``'s directory with ``weights`` in place of its own, written to ``out``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"export_policy: {state.path} does not hold {base_model}'s weights: missing "
+    tied = {k for k in model.state_dict() if k not in dict(model.named_parameters())}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"export_{what}: {state.path} does not hold {base}'s weights: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    shutil.copytree(base_model, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
     model.save_pretrained(out, safe_serialization=True)
-    log.info("exported the policy of %s (step %d) to %s", state.path, state.step, out)
+    log.info("exported the %s of %s (step %d) to %s", what, state.path, state.step, out)
     return out
