@@ -102,7 +102,8 @@ def test_opd_token_advantages_by_hand() -> None:
 
 # ---- the config ----------------------------------------------------------------------------------
 
-TEACHER = "teacher.model={_target_: miles.models.qwen3.qwen3_spec, flavor: tiny, path: null}"
+TEACHER_SPEC = "{_target_: miles.models.qwen3.qwen3_spec, flavor: tiny, path: null}"
+TEACHER = f"teacher.model={TEACHER_SPEC}"
 
 
 def _compose(overrides: list[str]):
@@ -114,7 +115,13 @@ def _compose(overrides: list[str]):
 @pytest.mark.parametrize(("overrides", "match"), [
     (["algo=opd"], r"algo.distill_coef=1 \(algo=opd\) needs a teacher .*set teacher.model"),
     ([TEACHER], r"teacher.model is set, but algo.distill_coef is 0"),
-    (["algo=ppo", TEACHER, "+algo.distill_coef=1"], r"teacher.model cannot be combined with algo.estimator=gae"),
+    (["algo=ppo", TEACHER, "+algo.distill_coef=1"], r"teacher cannot be combined with algo.estimator=gae"),
+    (["algo=opd", "adapter=lora", f"+tenants=[{{name: a, task: count, teacher: {TEACHER_SPEC}}}, {{name: b, task: largest}}]"],
+     r"tenant\(s\) b have no teacher; give each tenant one \(tenants\[i\].teacher\) or set teacher.model"),
+    (["adapter=lora", f"+tenants=[{{name: a, task: count, teacher: {TEACHER_SPEC}}}]"],
+     r"tenants\[i\].teacher is set, but algo.distill_coef is 0"),
+    (["algo=opd", "adapter=lora", "+tenants=[{name: a, task: count, teacher: {_target_: miles.models.qwen3.qwen3_spec, "
+      "flavor: tiny, path: /nonexistent}}]"], r"tenants\[a\].teacher: teacher.model.path: no config.json"),
     (["algo=opd", TEACHER, "teacher.num_engines=0"], r"teacher.num_engines: must be > 0"),
     (["algo=opd", TEACHER, "teacher.cpus_per_engine=2"], r"teacher.cpus_per_engine applies to teacher.placement=own"),
     (["algo=opd", TEACHER, "algo.task_reward_weight=-1"], r"algo.task_reward_weight: must be >= 0"),
@@ -156,6 +163,21 @@ def test_the_plan_places_teacher_engines_colocated_or_in_a_pool_of_their_own() -
     assert own.key() != make_plan(_compose([]), Machine(cpus=4)).key()
     assert "prefix_cache_tokens" not in own.teacher_kwargs
     assert make_plan(_compose([]), Machine(cpus=4)).teachers == ()
+
+
+def test_each_tenant_gets_teacher_engines_of_its_own_and_its_own_or_the_default_teacher() -> None:
+    from miles.config.teacher import teacher_models
+    from miles.core.plan import make_plan
+    from miles.machine import Machine
+
+    flat = "{_target_: miles.models.qwen3.qwen3_spec, flavor: 20m, path: null}"
+    run = _compose(["algo=opd", "adapter=lora", TEACHER, "teacher.num_engines=2",
+                    f"+tenants=[{{name: a, task: count, teacher: {flat}}}, {{name: b, task: largest}}]"])
+    assert [(n, m.flavor) for n, m in teacher_models(run)] == [("a", "20m"), ("b", "tiny")]
+    plan = make_plan(run, Machine(cpus=4))
+    assert plan.teacher_names == ("a", "b") and len(plan.teachers) == 4
+    assert [plan.teacher_name(i) for i in range(4)] == ["a", "a", "b", "b"]
+    assert "2 for each of the tenants' teachers (a, b)" in plan.describe()
 
 
 # ---- end to end ----------------------------------------------------------------------------------
@@ -215,6 +237,31 @@ def test_opd_pulls_the_student_toward_its_teacher(ray_cluster, tmp_path: Path, w
     print(f"{trainer} {schedule}: reverse KL {kl[0]:.3f} -> {kl[-1]:.3f}, entropy {entropy[0]:.3f} -> {entropy[-1]:.3f}")
     assert entropy[-1] > 1.5 * entropy[0]
     assert kl[-1] < 0.8 * kl[0]
+
+
+def test_each_tenant_is_distilled_from_its_own_teacher(ray_cluster, tmp_path: Path) -> None:
+    """Multi-LoRA tenants with a teacher each: tenant ``same``'s teacher is the base model itself, so at step 1
+    (LoRA adapters start as the identity) its reverse KL, and with it its PPO-clip loss, is 0 to rounding;
+    tenant ``flat``'s teacher is the base with a flattened output layer, so its loss is the KL to it. Samples
+    scored by the wrong teacher would swap the two."""
+    from miles.bench.e2e import built_checkpoint, compose
+    from miles.core.run import run_job
+
+    base = ["tracking=none", "trainer.eval_every=0", "task.num_eval_prompts=4", "algo.num_prompts_per_step=4",
+            "algo.num_samples_per_prompt=4", "warm_start.steps=0", f"warm_start.cache_dir={tmp_path / 'warm'}",
+            "adapter=lora", "+tenants=[{name: same, task: arithmetic}, {name: flat, task: largest}]"]
+    policy = Path(built_checkpoint(base, 2))
+    flat = _flat_teacher(policy, tmp_path / "flat")
+    tenants = (f"+tenants=[{{name: same, task: arithmetic, teacher: {TEACHER_SPEC}}}, {{name: flat, task: largest, "
+               f"teacher: {{_target_: miles.models.hf.hf_spec, flavor: checkpoint, path: {flat}}}}}]")
+    overrides = [*base[:-1], tenants, "algo=opd", "trainer.num_steps=1"]
+    run, resolved = compose(overrides)
+    seen: dict[int, dict] = {}
+    run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.setdefault(s, dict(m)))
+    m = seen[1]
+    assert m["distill/teacher_engines"] == 2 and m["distill/scored_samples"] == 32
+    assert abs(m["tenant/same/train/loss"]) < 1e-4, m["tenant/same/train/loss"]
+    assert m["tenant/flat/train/loss"] > 0.01, m["tenant/flat/train/loss"]  # measured 0.026
 
 
 # ---- the teacher pool ----------------------------------------------------------------------------

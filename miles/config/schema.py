@@ -550,6 +550,9 @@ class TenantConfig:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None
+    teacher: ModelConfig | None = None
+    """On-policy distillation: this tenant's own teacher, a model spec like ``teacher.model``, served by
+    ``teacher.num_engines`` engines of its own; null: ``teacher.model`` (each tenant still gets engines of its own)."""
 
 
 @dataclass(**_frozen)

@@ -167,19 +167,20 @@ def _new_teacher(actors: Actors, index: int, run: MilesConfig) -> Any:
     s = plan.teachers[index]
     return _place(locate(plan.engine_class), s, actors.placement_groups,
                   track=f"teacher {s.index}" if _timed(run) else None, max_concurrency=ENGINE_MAX_CONCURRENCY).remote(
-        plan.teacher_checkpoint, run.precision, **dict(plan.teacher_kwargs, seed=run.seed + 1000 * s.index + 7,
+        plan.teacher_checkpoints[plan.teacher_name(index)], run.precision, **dict(plan.teacher_kwargs, seed=run.seed + 1000 * s.index + 7,
                                                        num_threads=s.threads, engine_id=s.index, device=plan.device))
 
 
 def _start_job_actors(actors: Actors, run: MilesConfig) -> Actors:
     """The actors started for each job, never parked: the plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`,
-    actors of the engine class on their bundles, built from the teacher's checkpoint) and the draft trainer
+    actors of the engine class on their bundles, built from their teacher's checkpoint) and the draft trainer
     (:attr:`~miles.core.plan.Plan.draft_trainer`); returns once each answers ``health``."""
     plan = actors.plan
     if not plan.teachers and not plan.draft_trainer:
         return actors
-    if plan.teacher_checkpoint is None and plan.teachers:
-        raise ValueError("the plan has teacher engines but no teacher_checkpoint")
+    if set(plan.teacher_names) - set(plan.teacher_checkpoints):
+        raise ValueError(f"the plan has teacher engines for {plan.teacher_names} but checkpoints for "
+                         f"{sorted(plan.teacher_checkpoints)} only")
     actors.teachers = [_new_teacher(actors, s.index, run) for s in plan.teachers]
     if plan.draft_trainer:
         actors.draft_trainer = _new_draft_trainer(actors, run)

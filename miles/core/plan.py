@@ -33,6 +33,7 @@ from typing import Any
 
 from miles.config import ConfigError, MilesConfig, check_allowed, locate
 from miles.config.schema import PlacementConfig
+from miles.config.teacher import teacher_models
 from miles.machine import Machine, resolve_device
 from miles.train.megatron.dims import ParallelDims
 
@@ -107,12 +108,15 @@ class Plan:
     rank_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """What every trainer rank is constructed with besides the driver's arguments (tenants' adapter names)."""
     teachers: tuple[Slot, ...] = ()
-    """On-policy distillation's teacher engines (``teacher.model``), of :attr:`engine_class`; empty: none."""
+    """On-policy distillation's teacher engines, of :attr:`engine_class`: ``teacher.num_engines`` for each of
+    :attr:`teacher_names`, in that order; empty: none."""
+    teacher_names: tuple[str, ...] = ()
+    """The teachers (:func:`miles.config.teacher.teacher_models`): ``teacher``, or one per tenant, named after it."""
     teacher_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """What every teacher engine is constructed with besides the driver's arguments: ``rollout.engine``'s
     keys, without the policy's own (prefix cache, routing capture, adapters, draft)."""
-    teacher_checkpoint: str | None = None
-    """The teacher's checkpoint directory, set once it is built (:func:`miles.core.run.run_job`)."""
+    teacher_checkpoints: Mapping[str, str] = field(default_factory=dict)
+    """Each teacher's checkpoint directory by name, set once they are built (:func:`miles.core.run.run_job`)."""
     draft_trainer: tuple[Slot, ...] = ()
     """``draft.online``: the actor that trains the draft (:class:`miles.train.draft.DraftTrainer`), on trainer
     rank 0's bundle with no CPUs of its own (it trains while the ranks do); empty: none."""
@@ -127,6 +131,10 @@ class Plan:
         """What the engines do with their memory while the trainer trains, in words."""
         kept = "release" if self.offload else "keep"
         return f"{kept} their memory while the trainer trains" if self.placement == "colocate" else "have bundles of their own"
+
+    def teacher_name(self, index: int) -> str:
+        """The teacher (of :attr:`teacher_names`) that teacher engine ``index`` serves."""
+        return self.teacher_names[index // (len(self.teachers) // len(self.teacher_names))]
 
     def key(self) -> str:
         """What fixes the actors' processes: classes, bundles, resources, threads and environment. Jobs
@@ -163,7 +171,9 @@ class Plan:
         if self.teachers:
             where = ("on the engines' bundles, no CPUs of their own" if self.teachers[0].pool == self.engines[0].pool
                      else "a pool of their own")
-            lines.append(f"teacher: {len(self.teachers)} engine(s) x {self.engine_class}, {where}")
+            lines.append(f"teacher: {len(self.teachers)} engine(s) x {self.engine_class}, {where}"
+                         + (f"; {len(self.teachers) // len(self.teacher_names)} for each of the tenants' teachers "
+                            f"({', '.join(self.teacher_names)})" if self.teacher_names != ("teacher",) else ""))
             lines += self._slots(self.teachers)
         if self.draft_trainer:
             lines.append("draft trainer (draft.online): miles.train.draft.DraftTrainer, on trainer rank 0's bundle, "
@@ -222,9 +232,10 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         engine_cpus, trainer_cpus = p.cpus_per_engine, p.cpus_per_trainer_rank
         engine_gpus, trainer_gpus = (1.0, 0.5) if gpu else (0, 0)
     engine_pool, trainer_pool = 0, len(pools) - 1
-    tc = run.teacher
-    if tc.model is not None and tc.placement == "own":
-        pools = (*pools, Pool("teacher", tc.num_engines, tc.cpus_per_engine, engine_res, gpu))
+    tc, teacher_names = run.teacher, tuple(n for n, _ in teacher_models(run))
+    n_teachers = tc.num_engines * len(teacher_names)
+    if teacher_names and tc.placement == "own":
+        pools = (*pools, Pool("teacher", n_teachers, tc.cpus_per_engine, engine_res, gpu))
     if not joined:
         _check_fits(run, pools, machine)
     classes = backends(run)
@@ -252,10 +263,11 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         engine_kwargs=classes.engine_kwargs,
         rank_kwargs={"adapter_names": tuple(t.name for t in run.tenants)} if run.tenants else {},
         # colocated: on the engines' bundles with no CPUs of their own; they score between rollouts
-        teachers=(() if tc.model is None else
-                  slots("teacher", tc.num_engines, engine_pool, 0, 0, engine_threads) if tc.placement == "colocate"
-                  else slots("teacher", tc.num_engines, len(pools) - 1, tc.cpus_per_engine, engine_gpus, engine_threads)),
-        teacher_kwargs=teacher_kwargs(run) if tc.model is not None else {},
+        teachers=(() if not teacher_names else
+                  slots("teacher", n_teachers, engine_pool, 0, 0, engine_threads) if tc.placement == "colocate"
+                  else slots("teacher", n_teachers, len(pools) - 1, tc.cpus_per_engine, engine_gpus, engine_threads)),
+        teacher_names=teacher_names,
+        teacher_kwargs=teacher_kwargs(run) if teacher_names else {},
         draft_trainer=slots("draft_trainer", 1, trainer_pool, 0, 0, trainer_threads)
         if run.draft.model is not None and run.draft.online else (),
         cores=cores if not joined else int(sum(pool.cpus for pool in pools)),
@@ -365,7 +377,7 @@ def backends(run: MilesConfig) -> Backends:
     contract.check_engine_class(engine, kwargs=kwargs, offload=offload, run=run)
     trainer = locate(run.trainer.target)
     contract.check_trainer_class(trainer, run)
-    if run.teacher.model is not None and not callable(getattr(engine, "score", None)):
+    if teacher_models(run) and not callable(getattr(engine, "score", None)):
         raise ConfigError(f"teacher.model: the teacher is served by rollout.engine's class {node.target}, which has "
                           "no score() (per-token log-probs of given sequences); use rollout=torch or rollout=sglang")
     critic = None

@@ -234,7 +234,7 @@ def run_job(
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
     draft_checkpoint = _draft_checkpoint(run, checkpoint, base_task)
-    teacher_checkpoint = _teacher_checkpoint(run, checkpoint, base_task)
+    teacher_checkpoints = _teacher_checkpoints(run, checkpoint, base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     fingerprint = resume.fingerprint(checkpoint, tokenizer)
     if run.trainer.resume_from is not None:  # another model shape or tokenizer: refused before Ray starts
@@ -257,8 +257,8 @@ def run_job(
         if draft_checkpoint is not None:  # every engine (and every replacement) loads the draft beside the policy
             plan = dataclasses.replace(plan, engine_kwargs={**plan.engine_kwargs, "draft_k": run.draft.k,
                                                             "draft_checkpoint_dir": str(draft_checkpoint)})
-        if teacher_checkpoint is not None:  # the teacher engines load it (miles.core.actors)
-            plan = dataclasses.replace(plan, teacher_checkpoint=str(teacher_checkpoint))
+        if teacher_checkpoints:  # the teacher engines load them (miles.core.actors)
+            plan = dataclasses.replace(plan, teacher_checkpoints=teacher_checkpoints)
         actors = create_actors(plan, run, str(checkpoint))
         log.info("cluster ready in %.1fs: %d engine(s), %d trainer rank(s); the engines %s%s", time.perf_counter() - t_start,
                  len(actors.engines), len(actors.trainers), plan.engine_memory,
@@ -276,12 +276,7 @@ def run_job(
             recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
         if actors.teachers:
-            from miles.core.actors import replace_teacher
-            from miles.rollout.teacher import TeacherPool
-
-            ctx.teacher = TeacherPool(actors.teachers, temperature=run.rollout.temperature, top_k=run.teacher.top_k,
-                                      timeout_s=run.teacher.timeout_s,
-                                      replace=lambda i: replace_teacher(actors, i, run))
+            ctx.teacher = _teacher_pools(actors, run)
         ctx.draft = actors.draft_trainer  # draft.online
         if run.profile.steps:
             from miles.core.profiling import StepProfiler
@@ -408,16 +403,40 @@ def _draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> P
     return path
 
 
-def _teacher_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
-    """On-policy distillation's teacher checkpoint (``teacher.model``), refused when its vocabulary is not the
-    policy's; None without a teacher."""
-    if run.teacher.model is None:
-        return None
-    path = _second_checkpoint(run, run.teacher.model, "teacher", policy_checkpoint, task)
-    log.info("on-policy distillation: teacher %s (%s) on %d engine(s), distill_coef %g, task_reward_weight %g",
-             run.teacher.model.flavor, path, run.teacher.num_engines, run.algo.distill_coef,
-             run.algo.task_reward_weight)
-    return path
+def _teacher_pools(actors: Any, run: MilesConfig) -> Any:
+    """The teacher engines as the driver scores with them: one :class:`~miles.rollout.teacher.TeacherPool`
+    (``teacher.model``), or one per tenant (:class:`~miles.rollout.teacher.TenantTeachers`), each sampling at
+    its tenant's temperature; a lost engine is replaced in its bundle (:func:`miles.core.actors.replace_teacher`)."""
+    from miles.core.actors import replace_teacher
+    from miles.rollout.teacher import TeacherPool, TenantTeachers
+
+    plan, n = actors.plan, run.teacher.num_engines
+    temperature = {t.name: t.temperature for t in run.tenants}
+    pools = {}
+    for g, name in enumerate(plan.teacher_names):
+        pools[name] = TeacherPool(
+            actors.teachers[g * n:(g + 1) * n], top_k=run.teacher.top_k, timeout_s=run.teacher.timeout_s,
+            temperature=run.rollout.temperature if temperature.get(name) is None else temperature[name],
+            replace=lambda i, base=g * n: replace_teacher(actors, base + i, run))
+    return TenantTeachers(pools) if run.tenants else pools["teacher"]
+
+
+def _teacher_checkpoints(run: MilesConfig, policy_checkpoint: Path, task: Any) -> dict[str, str]:
+    """On-policy distillation's teacher checkpoints by teacher name (:func:`miles.config.teacher.teacher_models`:
+    ``teacher.model``, or each tenant's), each refused when its vocabulary is not the policy's; empty without
+    a teacher. A model spec shared by several tenants is built once."""
+    from miles.config.teacher import teacher_models
+
+    out: dict[str, str] = {}
+    built: dict[Any, str] = {}
+    for name, m in teacher_models(run):
+        if m not in built:
+            built[m] = str(_second_checkpoint(run, m, "teacher", policy_checkpoint, task))
+        out[name] = built[m]
+        log.info("on-policy distillation: teacher %s%s (%s) on %d engine(s), distill_coef %g, task_reward_weight %g",
+                 m.flavor, "" if name == "teacher" else f" of tenant {name}", out[name], run.teacher.num_engines,
+                 run.algo.distill_coef, run.algo.task_reward_weight)
+    return out
 
 
 def _second_checkpoint(run: MilesConfig, m: Any, role: str, policy_checkpoint: Path, task: Any) -> Path:

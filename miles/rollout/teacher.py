@@ -135,3 +135,33 @@ class TeacherPool:
                 self.lost[i] += f"; its replacement did not answer within teacher.timeout_s={self.timeout_s:g}s"
                 ray.kill(self.engines[i], no_restart=True)
         self.alive.sort()
+
+
+class TenantTeachers:
+    """The teachers of a multi-LoRA run (``tenants[i].teacher``, else ``teacher.model``): one :class:`TeacherPool`
+    per tenant, by name; each sample is scored by the pool of the tenant that generated it (``Sample.adapter``)."""
+
+    def __init__(self, pools: dict[str, TeacherPool]) -> None:
+        if not pools:
+            raise ValueError("TenantTeachers: no teacher pools")
+        self.pools = pools
+
+    @property
+    def live_engines(self) -> list[Any]:
+        return [e for p in self.pools.values() for e in p.live_engines]
+
+    def score(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """:meth:`TeacherPool.score` of each tenant's samples on its pool, one tenant after the other; the
+        metrics are summed over the pools. ValueError for a sample of a tenant without a teacher."""
+        by: dict[str | None, list[Sample]] = {}
+        for s in samples:
+            by.setdefault(s.adapter, []).append(s)
+        unknown = sorted(str(a) for a in by if a not in self.pools)
+        if unknown:
+            raise ValueError(f"samples of tenant(s) {', '.join(unknown)}, which have no teacher "
+                             f"(teachers: {', '.join(self.pools)})")
+        out: dict[str, float] = {}
+        for name, group in by.items():
+            for k, v in self.pools[name].score(group).items():  # type: ignore[index]
+                out[k] = out.get(k, 0.0) + v
+        return out
