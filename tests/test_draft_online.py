@@ -66,33 +66,53 @@ def test_the_engines_acceptance_rises_as_the_draft_learns_the_policy_from_its_sa
     loads it (update_draft), as in a run; the acceptance rate on fresh prompts rises, the training loss falls."""
     eng = TorchEngine(str(models["policy"]), FP32, max_batch_size=16, draft_checkpoint_dir=str(models["draft"]),
                       draft_k=3)
-    trainer = DraftTrainer(str(models["draft"]), lr=1e-2)
+    trainer = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2)
     _, before = _samples(eng, _prompts(32, offset=500))
-    losses = []
+    kls = []
     for step in range(40):
         samples, _ = _samples(eng, _prompts(32, offset=32 * step))
-        losses.append(trainer.train(draft_sequences(samples))["draft/loss"])
+        kls.append(trainer.train(draft_sequences(samples))["draft/kl"])
         assert eng.update_draft(trainer.state(), step + 1)["draft_update_s"] >= 0
     _, after = _samples(eng, _prompts(32, offset=500))
     assert eng.draft_version == 40
-    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
-    print(f"acceptance {before:.3f} -> {after:.3f}")
+    assert sum(kls[-5:]) < 0.7 * sum(kls[:5])
+    print(f"acceptance {before:.3f} -> {after:.3f}, KL {kls[0]:.3f} -> {kls[-1]:.3f}")
     assert after > before + 0.12, (before, after)
 
 
-def test_the_loss_covers_only_the_policys_tokens_at_the_rollout_temperature(models: dict[str, Path]) -> None:
-    """Hand-computed: the mean over response tokens with loss_mask 1 of -log softmax(z / T)[token]."""
+def test_a_draft_that_is_its_policy_has_kl_and_gradient_0(models: dict[str, Path]) -> None:
+    """The distillation target is the policy's distribution, not its sampled tokens: for a draft equal to the
+    policy the loss and its gradient are 0 to rounding, and its argmax is the policy's. (Cross-entropy on the
+    sampled tokens has a gradient there as large as the policy's entropy: 14 on these samples.)"""
+    eng = TorchEngine(str(models["policy"]), FP32, max_batch_size=16)
+    trainer = DraftTrainer(str(models["policy"]), str(models["policy"]), lr=1e-3)
+    results = eng.generate(_prompts(32), SamplingParams(temperature=1.0, max_new_tokens=12))
+    seqs = [(list(q.prompt_ids), list(r.response_ids), [1] * len(r.response_ids))
+            for q, r in zip(_prompts(32), results, strict=True)]
+    m = trainer.train(seqs)
+    assert abs(m["draft/kl"]) < 1e-6 and m["draft/top1"] == 1.0 and m["draft/grad_norm"] < 1e-5, m
+
+
+def test_the_loss_is_the_kl_to_the_policy_set_last_on_its_tokens_at_the_rollout_temperature(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """Hand-computed: the mean over response tokens with loss_mask 1 of KL(p_T || q_T), p from the policy that
+    set_policy gave it last (here an engine's weights of another model than the one it was built with)."""
     from transformers import AutoModelForCausalLM
 
     prompt, response, mask = [3, 4, 5], [6, 7, 8, 9], [1, 0, 1, 1]
-    trainer = DraftTrainer(str(models["draft"]), lr=1e-3, temperature=0.5)
+    other = _tiny(tmp_path / "other", 5, layers=2, head_scale=3.0)
+    trainer = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-3, temperature=0.5)
+    trainer.set_policy(TorchEngine(str(other), FP32, max_batch_size=2).state_dict())
     got = trainer.train([(prompt, response, mask)])
-    model = AutoModelForCausalLM.from_pretrained(str(models["draft"]), dtype=torch.float32)
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logp = (model(input_ids=ids).logits[0].float() / 0.5).log_softmax(-1)
-    want = -sum(float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(response) if mask[j]) / 3
-    assert got["draft/loss"] == pytest.approx(want, rel=1e-5)
+        logp, logq = ((AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)(input_ids=ids).logits[0]
+                       .float() / 0.5).log_softmax(-1) for d in (other, models["draft"]))
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    want = sum(float(kl[len(prompt) - 1 + j]) for j in range(len(response)) if mask[j]) / 3
+    assert got["draft/kl"] == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="not the policy's weights"):
+        trainer.set_policy({"lm_head.weight": torch.zeros(48, 64)})
     assert got["draft/tokens"] == 3 and got["draft/nonfinite_skipped"] == 0
     assert trainer.train([(prompt, response, [0, 0, 0, 0])]) == {}  # nothing the policy generated: no step
     assert draft_sequences([Sample(group_id=0, index=0, prompt_ids=prompt, response_ids=[6], rollout_logprobs=[0.0],
@@ -102,10 +122,10 @@ def test_the_loss_covers_only_the_policys_tokens_at_the_rollout_temperature(mode
 def test_a_saved_draft_state_continues_exactly(models: dict[str, Path], tmp_path: Path) -> None:
     """save_state / load_state keep the weights, AdamW's moments and the step count: the next step is the same."""
     seqs = [([3, 4, 5], [6 + i, 7, 8], [1, 1, 1]) for i in range(6)]
-    a = DraftTrainer(str(models["draft"]), lr=1e-2)
+    a = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2)
     a.train(seqs[:3])
     a.save_state(str(tmp_path / "draft"))
-    b = DraftTrainer(str(models["draft"]), lr=1e-2)
+    b = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2)
     b.load_state(str(tmp_path / "draft"))
     assert b.steps == 1
     ma, mb = a.train(seqs[3:]), b.train(seqs[3:])
@@ -122,7 +142,7 @@ def test_a_saved_draft_state_continues_exactly(models: dict[str, Path], tmp_path
 def test_update_draft_refuses_a_state_of_another_shape_and_keeps_its_draft(models: dict[str, Path]) -> None:
     eng = TorchEngine(str(models["policy"]), FP32, max_batch_size=4, draft_checkpoint_dir=str(models["draft"]),
                       draft_k=2)
-    state = DraftTrainer(str(models["draft"]), lr=1e-3).state()
+    state = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-3).state()
     before = {k: v.clone() for k, v in eng.draft.model.state_dict().items()}  # type: ignore[union-attr]
     wrong = {**state, "lm_head.weight": torch.zeros(3, 3)}
     with pytest.raises(ValueError, match="wrong shapes"):

@@ -206,13 +206,15 @@ def compare(policy: str | Path, draft: str | Path, prompts: list[tuple[int, ...]
 
 
 def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max_new: int, batch_sizes: list[int],
-       requests: int, repeats: int, threads: int, arms: list[str], lr: float, workdir: Path) -> dict[str, Any]:
+       requests: int, repeats: int, threads: int, arms: list[str], lr: float, workdir: Path,
+       prompts_per_step: int = 4) -> dict[str, Any]:
     """``--rl-steps``: speculative rollout through RL training, with the draft frozen and trained online.
 
     The policy (``policy_flavor``) and the draft (``draft_flavor``) are built and warm-started on ``task``
     as a run builds them. Speed on ``requests`` held-out prompts of the task (:func:`compare`) is measured at
     the start; then, per arm, a GRPO run of ``steps`` steps with the draft (``draft.online`` false for
-    ``frozen``, true for ``online``) logs ``rollout/spec_accept_rate`` every step, and the speed is measured
+    ``frozen``, true for ``online``; ``prompts_per_step`` x 4 samples) logs ``rollout/spec_accept_rate`` every
+    step, and the speed is measured
     again with that run's final policy and draft (:func:`miles.core.resume.export_policy`, ``export_draft``)."""
     from transformers import AutoTokenizer
 
@@ -224,7 +226,8 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     spec = f"{{_target_: miles.models.qwen3.qwen3_spec, flavor: {draft_flavor}, path: null}}"
     base = ["tracking=none", "trainer.eval_every=0", f"task={task}", f"model.flavor={policy_flavor}",
             f"draft.model={spec}", f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
-            "algo.num_prompts_per_step=8", "algo.num_samples_per_prompt=4", f"trainer.num_steps={steps}"]
+            f"algo.num_prompts_per_step={prompts_per_step}", "algo.num_samples_per_prompt=4",
+            f"trainer.num_steps={steps}"]
     t0 = time.perf_counter()
     policy = Path(built_checkpoint(base, threads))
     run, _ = compose(base)
@@ -232,7 +235,7 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     draft = _draft_checkpoint(run, policy, parts["task"])
     assert draft is not None
     tok = AutoTokenizer.from_pretrained(str(policy))
-    prompts = [tuple(encode_prompt(tok, run.rollout.prompt_template.replace("{prompt}", q.prompt)))
+    prompts = [tuple(encode_prompt(tok, q.prompt))
                for q in parts["task"].eval_problems(requests)]
     print(f"policy {policy}, draft {draft} ({time.perf_counter() - t0:.0f} s); speed at the start:", flush=True)
     out: dict[str, Any] = {"steps": steps, "task": task, "policy": policy_flavor, "draft": draft_flavor, "k": k,
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-flavor", default="tiny", help="--rl-steps: the draft's qwen3 flavor (default tiny)")
     p.add_argument("--arms", default="frozen,online", help="--rl-steps: frozen, online or both (default both)")
     p.add_argument("--lr", type=float, default=1e-4, help="--rl-steps: the policy's trainer.lr (default 1e-4)")
+    p.add_argument("--prompts-per-step", type=int, default=4,
+                   help="--rl-steps: algo.num_prompts_per_step, 4 samples each (default 4)")
     args = p.parse_args(argv)
     if args.rl_steps:
         arms = [a for a in args.arms.split(",") if a]
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             result = rl(args.rl_steps, args.task, args.policy_flavor, args.draft_flavor, args.k, args.max_new_tokens,
                         parse_batch_sizes(p, args.batch_sizes), args.requests, args.repeats, args.threads, arms,
-                        args.lr, Path(tmp))
+                        args.lr, Path(tmp), args.prompts_per_step)
         print(json.dumps(result))
         return 0
     if args.quick:

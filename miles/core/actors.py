@@ -110,7 +110,8 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     warm = _take_parked(plan, run.cluster.reuse_actors)
     if warm is not None and warm.trainers:
         try:
-            return _ready(_start_job_actors(_reinit(warm, plan, run, checkpoint_dir), run), reused=True)
+            return _ready(_start_job_actors(_reinit(warm, plan, run, checkpoint_dir), run, checkpoint_dir),
+                          reused=True)
         except Exception as e:  # e.g. an actor that died while parked: start new ones, as without reuse
             log.warning("the last job's actors could not be reused (%s); starting new ones", _first_line(e))
             warm.shutdown()
@@ -147,7 +148,7 @@ def create_actors(plan: Plan, run: MilesConfig, checkpoint_dir: str) -> Actors:
     if kept is not None:
         log.info("kept the last job's %d engine(s) and their pool; new trainer ranks", len(engines))
     try:
-        _start_job_actors(actors, run)
+        _start_job_actors(actors, run, checkpoint_dir)
     except BaseException:
         actors.shutdown()
         raise
@@ -171,7 +172,7 @@ def _new_teacher(actors: Actors, index: int, run: MilesConfig) -> Any:
                                                        num_threads=s.threads, engine_id=s.index, device=plan.device))
 
 
-def _start_job_actors(actors: Actors, run: MilesConfig) -> Actors:
+def _start_job_actors(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Actors:
     """The actors started for each job, never parked: the plan's teacher engines (:attr:`~miles.core.plan.Plan.teachers`,
     actors of the engine class on their bundles, built from their teacher's checkpoint) and the draft trainer
     (:attr:`~miles.core.plan.Plan.draft_trainer`); returns once each answers ``health``."""
@@ -183,7 +184,7 @@ def _start_job_actors(actors: Actors, run: MilesConfig) -> Actors:
                          f"{sorted(plan.teacher_checkpoints)} only")
     actors.teachers = [_new_teacher(actors, s.index, run) for s in plan.teachers]
     if plan.draft_trainer:
-        actors.draft_trainer = _new_draft_trainer(actors, run)
+        actors.draft_trainer = _new_draft_trainer(actors, run, checkpoint_dir)
     try:
         ray.get([t.health.remote() for t in actors.teachers + actors._draft()])
     except BaseException:  # the caller decides about the rest
@@ -194,9 +195,9 @@ def _start_job_actors(actors: Actors, run: MilesConfig) -> Actors:
     return actors
 
 
-def _new_draft_trainer(actors: Actors, run: MilesConfig) -> Any:
+def _new_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Any:
     """``draft.online``'s :class:`~miles.train.draft.DraftTrainer` on its plan slot, from the draft's checkpoint
-    (the one every engine loads)."""
+    (the one every engine loads) and the policy's (``checkpoint_dir``)."""
     from miles.train.draft import DraftTrainer
 
     plan = actors.plan
@@ -205,7 +206,7 @@ def _new_draft_trainer(actors: Actors, run: MilesConfig) -> Any:
         raise ValueError("the plan has a draft trainer but its engines load no draft (draft_checkpoint_dir)")
     s = plan.draft_trainer[0]
     return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None).remote(
-        str(checkpoint), lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
+        str(checkpoint), checkpoint_dir, lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
         seed=run.seed + 11)
 
 

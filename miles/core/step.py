@@ -214,7 +214,8 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
 def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
     """``draft.online``: wait for the draft's training on the last batch (its ``draft/*`` metrics), then load
     its weights into every engine in rotation; an engine that died or hangs meanwhile leaves the rotation,
-    as in generation. The state goes through the object store once, whatever the number of engines."""
+    as in generation. The state goes through the object store once, whatever the number of engines. Then the
+    draft trainer gets one engine's weights (``state_dict``, as served) to distil the next samples from."""
     assert ctx.draft is not None
     out: dict[str, float] = {}
     ref, ctx.draft_training = ctx.draft_training, None
@@ -227,6 +228,9 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
                                          for e in list(pool.alive)}, what="draft push")
     if done:
         out["draft/update_s"] = max(r["draft_update_s"] for r in done.values())
+        # the next samples come from the engines' weights as of now: the draft learns those (queued before
+        # the next train call; an actor runs a caller's calls in order)
+        ctx.draft.set_policy.remote(pool.engines[next(iter(done))].state_dict.remote())
     return out
 
 
