@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from test_speculative import _tiny  # a random tiny Qwen3 checkpoint
 
 from miles.config import ConfigError, validate
 from miles.config.schema import PrecisionConfig
@@ -25,25 +26,11 @@ def _run(overrides: list[str]):
         return validate(compose("config", overrides=overrides))
 
 
-def _tiny(path: Path, seed: int, layers: int, head_scale: float) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("draft_online")
-    return {"policy": _tiny(root / "policy", 0, layers=2, head_scale=20.0),
-            "draft": _tiny(root / "draft", 1, layers=1, head_scale=1.0)}
+    return {"policy": _tiny(root / "policy", 0, layers=2, vocab=48, head_scale=20.0),
+            "draft": _tiny(root / "draft", 1, layers=1, vocab=48, head_scale=1.0)}
 
 
 def _prompts(n: int, offset: int = 0) -> list[GenerateRequest]:
@@ -100,7 +87,7 @@ def test_the_loss_is_the_kl_to_the_policy_set_last_on_its_tokens_at_the_rollout_
     from transformers import AutoModelForCausalLM
 
     prompt, response, mask = [3, 4, 5], [6, 7, 8, 9], [1, 0, 1, 1]
-    other = _tiny(tmp_path / "other", 5, layers=2, head_scale=3.0)
+    other = _tiny(tmp_path / "other", 5, layers=2, vocab=48, head_scale=3.0)
     trainer = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-3, temperature=0.5)
     trainer.set_policy(TorchEngine(str(other), FP32, max_batch_size=2).state_dict())
     got = trainer.train([(prompt, response, mask)])

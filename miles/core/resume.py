@@ -262,10 +262,11 @@ def _export(weights: dict[str, torch.Tensor], state: Any, base: str | Path, out:
 
     from transformers import AutoModelForCausalLM
 
+    from miles.train.draft import tied_names
+
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {k for k in model.state_dict() if k not in dict(model.named_parameters())}
-    if set(missing) - tied or unexpected:
+    if set(missing) - tied_names(model) or unexpected:
         raise ValueError(f"export_{what}: {state.path} does not hold {base}'s weights: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))

@@ -72,7 +72,7 @@ class DraftTrainer:
     def set_policy(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The policy the next samples come from: an engine's weights (``state_dict()``, HF names)."""
         own = self.policy.state_dict()
-        missing = sorted(own.keys() - state_dict.keys() - _tied(self.policy))
+        missing = sorted(own.keys() - state_dict.keys() - tied_names(self.policy))
         if missing or state_dict.keys() - own.keys():
             raise ValueError(f"set_policy: not the policy's weights (missing {missing[:5]}, unexpected "
                              f"{sorted(state_dict.keys() - own.keys())[:5]})")
@@ -160,7 +160,7 @@ class DraftTrainer:
         path = Path(directory)
         meta = json.loads((path / "draft_state.json").read_text())
         missing, unexpected = self.model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
-        if [k for k in missing if k not in _tied(self.model)] or unexpected:
+        if [k for k in missing if k not in tied_names(self.model)] or unexpected:
             raise ValueError(f"draft state {path}: not this draft's weights (missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]})")
         named = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")), meta["param_groups"])
@@ -178,7 +178,7 @@ class DraftTrainer:
                 "param_groups": [g | {"params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
-def _tied(model: torch.nn.Module) -> set[str]:
+def tied_names(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias another parameter (tied embeddings), which a load may leave out."""
     names = {n for n, _ in model.named_parameters()}
     return {k for k in model.state_dict() if k not in names}
