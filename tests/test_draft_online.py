@@ -119,6 +119,13 @@ def test_a_saved_draft_state_continues_exactly(models: dict[str, Path], tmp_path
     assert {k: v for k, v in ma.items() if k != "draft/train_s"} == {k: v for k, v in mb.items() if k != "draft/train_s"}
     for k, v in a.state().items():
         torch.testing.assert_close(v, b.state()[k], rtol=0, atol=0)
+    c = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2)  # a replaced trainer's successor
+    c.load_weights(a.state())
+    assert c.steps == 0 and not c.optimizer.state  # the weights only: its optimizer starts anew
+    for k, v in a.state().items():
+        torch.testing.assert_close(v, c.state()[k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not this draft's weights"):
+        c.load_weights(c.policy.state_dict())
     with torch.no_grad():
         next(a.model.parameters()).fill_(float("nan"))
     with pytest.raises(ValueError, match="NaN or inf"):
@@ -163,30 +170,68 @@ def test_the_plan_places_the_draft_trainer_on_trainer_rank_0s_bundle() -> None:
     assert "draft trainer (draft.online)" in plan.describe()
 
 
+class KillDraftTrainer:
+    """Hook: at ``step``, before its train step, send ``sig`` (SIGKILL, or SIGSTOP: a hung trainer) to this run's
+    draft trainer (found in Ray's actor table); :attr:`pids` records the process."""
+
+    pids: list[int] = []
+
+    def __init__(self, step: int, sig: str = "SIGKILL") -> None:
+        self.step, self.sig = step, sig
+
+    def before_train(self, ctx, batch) -> None:
+        import os
+        import signal
+
+        import ray
+
+        if ctx.step != self.step:
+            return
+        job = ray.get_runtime_context().get_job_id()
+        (pid,) = [a["Pid"] for a in ray._private.state.actors().values()
+                  if a["ActorClassName"] == "DraftTrainer" and a["State"] == "ALIVE" and a["JobID"] == job]
+        os.kill(pid, getattr(signal, self.sig))
+        KillDraftTrainer.pids.append(pid)
+
+
 def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray_cluster, tmp_path: Path) -> None:
     """``draft.online`` through the driver: every step trains the draft (``draft/*``) and pushes it to the engine;
-    the run checkpoint holds the draft's state, and a run resumed from it continues the draft's step count."""
+    a draft trainer killed (step 1) or stopped (step 4: its liveness probe finds it) is replaced and the run
+    goes on with the engine in rotation; the run checkpoint holds the draft's state, and a run resumed from it
+    continues the draft's step count."""
     import json
+
+    import psutil
 
     from miles.bench.e2e import compose
     from miles.core.run import run_job
 
     base = ["tracking=none", "trainer.eval_every=0", "task.num_eval_prompts=4", "algo.num_prompts_per_step=4",
             "algo.num_samples_per_prompt=4", "warm_start.steps=5", f"warm_start.cache_dir={tmp_path / 'warm'}",
-            DRAFT, "draft.online=true", "draft.k=2", f"trainer.save_dir={tmp_path / 'ckpt'}", "trainer.save_every=2"]
+            DRAFT, "draft.online=true", "draft.k=2", f"trainer.save_dir={tmp_path / 'ckpt'}", "trainer.save_every=2",
+            "plugins.allow=[test_draft_online.,miles.]", "trainer.hang_timeout_s=5"]
+    KillDraftTrainer.pids = []
     seen: dict[int, dict] = {}
-    for steps in (2, 3):
-        overrides = [*base, f"trainer.num_steps={steps}", "trainer.resume_from=auto"]
+    for steps, kill in ((2, "{step: 1}"), (4, "{step: 4, sig: SIGSTOP}")):  # the second resumes at step 3
+        overrides = [*base, f"trainer.num_steps={steps}", "trainer.resume_from=auto",
+                     f"hooks=[{{_target_: test_draft_online.KillDraftTrainer, {kill[1:-1]}}}]"]
         run, resolved = compose(overrides)
-        run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.setdefault(s, dict(m)))
-    assert [s for s in sorted(seen) if s > 0] == [1, 2, 3]
-    for step, m in seen.items():
-        if step == 0:  # the run's start
-            continue
-        assert m["draft/steps"] == step and m["draft/tokens"] > 0 and m["draft/update_s"] >= 0
-        assert 0 < m["rollout/spec_accept_rate"] <= 1
+        run_job(run, resolved_yaml=resolved, overrides=overrides,
+                on_metrics=lambda m, s: seen.setdefault(s, {}).update(m))
+    assert [s for s in sorted(seen) if s > 0] == [1, 2, 3, 4]
+    # step 1's draft update died with its trainer; the new one trained at step 2, and (resumed) at step 3
+    assert seen[1]["draft/restarts"] == 1 and "draft/steps" not in seen[1] and "draft/stopped" not in seen[1]
+    assert (seen[2]["draft/steps"], seen[2]["draft/restarts"]) == (1, 1)
+    assert (seen[3]["draft/steps"], seen[3]["draft/restarts"]) == (2, 0)
+    assert seen[4]["draft/restarts"] == 1 and "draft/steps" not in seen[4]  # stopped: found hung, replaced
+    assert not psutil.pid_exists(KillDraftTrainer.pids[1]) or psutil.Process(KillDraftTrainer.pids[1]).status() \
+        == psutil.STATUS_ZOMBIE  # the stopped process was killed, not left behind
+    for step in (2, 3):
+        assert seen[step]["draft/tokens"] > 0 and seen[step]["draft/update_s"] >= 0
+    for step in (1, 2, 3, 4):  # the engine never left the rotation
+        assert 0 < seen[step]["rollout/spec_accept_rate"] <= 1 and seen[step]["rollout/engines_alive"] == 1
     saved = tmp_path / "ckpt" / "step_000002" / "draft"
-    assert json.loads((saved / "draft_state.json").read_text())["steps"] == 2 and (saved / "model.safetensors").is_file()
+    assert json.loads((saved / "draft_state.json").read_text())["steps"] == 1 and (saved / "model.safetensors").is_file()
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

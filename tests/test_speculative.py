@@ -269,17 +269,17 @@ def test_the_driver_builds_the_draft_and_the_rollout_reports_its_acceptance_rate
     """The driver's draft build (``draft.model``: a flavor warm-started on the run's task like the policy;
     here the policy's own flavor, so the same build and nearly every proposal accepted) feeds an engine
     whose results become ``rollout/spec_accept_rate``."""
-    from miles.core.run import _draft_checkpoint, build_components
+    from miles.core.run import build_components, ensure_draft_checkpoint
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rollout.generate import spec_metadata
     from miles.rollout.manager import sample_counts
     from miles.types import Sample, Status
 
     run = _run([DRAFT, "warm_start.steps=5", f"warm_start.cache_dir={tmp_path}"])
-    assert _draft_checkpoint(_run([]), tmp_path, None) is None  # no draft: nothing built
+    assert ensure_draft_checkpoint(_run([]), tmp_path, None) is None  # no draft: nothing built
     parts = build_components(run)
     policy = ensure_checkpoint(run, parts["spec"], parts["task"])
-    draft = _draft_checkpoint(run, policy, parts["task"])
+    draft = ensure_draft_checkpoint(run, policy, parts["task"])
     assert draft == policy  # same spec, task and seed: the cached build
     eng = TorchEngine(str(policy), FP32, max_batch_size=8, draft_checkpoint_dir=str(draft), draft_k=3)
     results = eng.generate(

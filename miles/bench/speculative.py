@@ -220,7 +220,7 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
 
     from miles.bench.e2e import built_checkpoint, compose
     from miles.core.resume import export_draft, export_policy
-    from miles.core.run import _draft_checkpoint, build_components, run_job
+    from miles.core.run import build_components, ensure_draft_checkpoint, run_job
     from miles.models.tokenizer import encode_prompt
 
     spec = f"{{_target_: miles.models.qwen3.qwen3_spec, flavor: {draft_flavor}, path: null}}"
@@ -232,7 +232,7 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     policy = Path(built_checkpoint(base, threads))
     run, _ = compose(base)
     parts = build_components(run)
-    draft = _draft_checkpoint(run, policy, parts["task"])
+    draft = ensure_draft_checkpoint(run, policy, parts["task"])
     assert draft is not None
     tok = AutoTokenizer.from_pretrained(str(policy))
     prompts = [tuple(encode_prompt(tok, q.prompt))

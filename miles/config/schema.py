@@ -566,9 +566,10 @@ class DraftConfig:
     k: int = 4
     """Tokens the draft proposes per row and step (the policy verifies all ``k + 1`` positions at once)."""
     online: bool = False
-    """Train the draft on the policy's samples of every step (cross-entropy on their response tokens at the
-    rollout temperature) in an actor of its own, and push its weights to the engines with the policy's; false:
-    the draft stays as loaded, and its acceptance rate falls as the policy moves away from it."""
+    """Train the draft on the policy's samples of every step (the forward KL from the policy at their response
+    tokens, at the rollout temperature) in an actor of its own, and push its weights to the engines with the
+    policy's; a draft trainer that dies is replaced up to ``trainer.max_failures`` times. false: the draft stays
+    as loaded, and its acceptance rate falls as the policy moves away from it."""
     lr: float = 1e-3
     """The online draft's AdamW learning rate (``draft.online``)."""
 

@@ -205,9 +205,21 @@ def _new_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) ->
     if checkpoint is None:
         raise ValueError("the plan has a draft trainer but its engines load no draft (draft_checkpoint_dir)")
     s = plan.draft_trainer[0]
-    return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None).remote(
+    return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None,
+                  probed=True).remote(
         str(checkpoint), checkpoint_dir, lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
         seed=run.seed + 11)
+
+
+def replace_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Any:
+    """Kill the draft trainer (``draft.online``) and start a new one on its slot, as at the start of the run
+    (the draft's checkpoint); returns it once its ``health`` answers. ``actors.draft_trainer`` holds it."""
+    if actors.draft_trainer is not None:
+        ray.kill(actors.draft_trainer, no_restart=True)
+        actors.draft_trainer = None
+    actors.draft_trainer = _new_draft_trainer(actors, run, checkpoint_dir)
+    ray.get(actors.draft_trainer.health.remote())
+    return actors.draft_trainer
 
 
 def replace_engine(actors: Actors, index: int, run: MilesConfig, checkpoint_dir: str) -> Any:

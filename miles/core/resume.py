@@ -88,7 +88,12 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
     if critics:
         ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
     if draft is not None:
-        ray.get(draft.save_state.remote(str(tmp / "draft")))
+        try:
+            ray.get(draft.save_state.remote(str(tmp / "draft")))
+        except ray.exceptions.RayActorError as err:  # the next weight push replaces it (miles.core.step.recover_draft)
+            shutil.rmtree(tmp / "draft.tmp", ignore_errors=True)
+            log.warning("step %d: the draft trainer died (%s); this checkpoint holds no draft state, a resume from it "
+                        "continues with the draft as loaded", step, str(err).splitlines()[0] if str(err) else "")
     write_loop(tmp, step, rng_state, next_group_id, config, ledger=ledger, stream=stream, fingerprint=fingerprint)
     seal(tmp)
     return publish(tmp, keep)

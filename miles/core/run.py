@@ -204,7 +204,7 @@ def run_job(
 
     from miles.config import checkpoints
     from miles.core import resume
-    from miles.core.actors import create_actors, park_actors
+    from miles.core.actors import create_actors, park_actors, replace_draft_trainer
     from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
     from miles.core.plan import Machine, make_plan
@@ -233,7 +233,7 @@ def run_job(
 
         base_task = MixedTask(tenant_tasks, [t.prompt_template for t in run.tenants])
     checkpoint = ensure_checkpoint(run, parts["spec"], base_task)
-    draft_checkpoint = _draft_checkpoint(run, checkpoint, base_task)
+    draft_checkpoint = ensure_draft_checkpoint(run, checkpoint, base_task)
     teacher_checkpoints = _teacher_checkpoints(run, checkpoint, base_task)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     fingerprint = resume.fingerprint(checkpoint, tokenizer)
@@ -278,6 +278,8 @@ def run_job(
         if actors.teachers:
             ctx.teacher = _teacher_pools(actors, run)
         ctx.draft = actors.draft_trainer  # draft.online
+        if ctx.draft is not None:
+            ctx.restart_draft = functools.partial(replace_draft_trainer, actors, run, str(checkpoint))
         if run.profile.steps:
             from miles.core.profiling import StepProfiler
             from miles.tracking.mlflow_tracker import default_run_name
@@ -392,9 +394,9 @@ def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, f
     return call
 
 
-def _draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
-    """The draft model's checkpoint (``draft.model``), refused when its vocabulary is not the policy's; None
-    without a draft."""
+def ensure_draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
+    """The draft model's checkpoint (``draft.model``), built and cached like the policy's when it is not a path;
+    refused when its vocabulary is not the policy's. None without a draft."""
     if run.draft.model is None:
         return None
     path = _second_checkpoint(run, run.draft.model, "draft", policy_checkpoint, task)

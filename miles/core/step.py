@@ -26,7 +26,13 @@ from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
 from miles.core.profiling import StepProfiler, step_actors
-from miles.core.recovery import EngineRecovery, TrainerRankDiedError, TrainerRecovery, get_ranks
+from miles.core.recovery import (
+    EngineRecovery,
+    TrainerRankDiedError,
+    TrainerRankHungError,
+    TrainerRecovery,
+    get_ranks,
+)
 from miles.core.timeline import StepTimeline
 from miles.hooks.chain import HookChain
 from miles.rollout.manager import RolloutManager
@@ -91,6 +97,15 @@ class LoopContext:
     (:func:`push_weights`); None: the draft stays as loaded."""
     draft_training: Any | None = None
     """The object ref of the draft's training call on the last batch, until :func:`push_draft` takes it."""
+    draft_state: Any | None = None
+    """The object ref of the draft weights the engines were given last (:func:`push_draft`): what a new draft
+    trainer starts from when the last one died."""
+    restart_draft: Callable[[], Any] | None = None
+    """Kills the draft trainer and starts a new one on its slot, from the draft's checkpoint
+    (:func:`miles.core.actors.replace_draft_trainer`); returns it once it answers. None: a draft trainer that
+    dies or hangs is not replaced (the draft stays as the engines have it)."""
+    draft_restarts: int = 0
+    """Draft trainers replaced so far in this run (``draft/restarts``)."""
     engine_readings: dict[int, EngineReading] | None = None
     """The engines' health read last in a step (:func:`push_weights`' check with ``ctx.recovery``,
     else :func:`engine_busy` at the step's end), kept as the next step's first reading when nothing ran
@@ -215,23 +230,71 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
     """``draft.online``: wait for the draft's training on the last batch (its ``draft/*`` metrics), then load
     its weights into every engine in rotation; an engine that died or hangs meanwhile leaves the rotation,
     as in generation. The state goes through the object store once, whatever the number of engines. Then the
-    draft trainer gets one engine's weights (``state_dict``, as served) to distil the next samples from."""
+    draft trainer gets one engine's weights (``state_dict``, as served) to distil the next samples from.
+
+    A draft trainer that died, or does not answer a liveness probe within ``trainer.hang_timeout_s`` (probed
+    as the trainer ranks are, :func:`miles.core.recovery.get_ranks`: a slow step is not a hang), is replaced
+    (:func:`recover_draft`) and the engines keep the draft they have."""
     assert ctx.draft is not None
     out: dict[str, float] = {}
     ref, ctx.draft_training = ctx.draft_training, None
+    hang_s = ctx.run.trainer.hang_timeout_s  # probed as the trainer ranks are: slow is not hung
     with span("draft_push"):
-        if ref is not None:
-            out |= ray.get(ref)
-        state = ctx.draft.state.remote()
+        try:
+            if ref is not None:
+                out |= get_ranks([ref], [ctx.draft], "draft trainer", hang_s)[0]
+            state = ctx.draft.state.remote()
+            # the actor answers in call order: health answers once state is in the object store, so an
+            # engine never loads from a trainer that died under it (that would take the engine out of rotation)
+            get_ranks([ctx.draft.health.remote()], [ctx.draft], "draft trainer", hang_s)
+        except (ray.exceptions.RayActorError, TrainerRankHungError) as err:
+            return out | recover_draft(ctx, err)
         pool = ctx.rollout.pool
         done = ctx.rollout.settle_calls({e: pool.engines[e].update_draft.remote(state, version)
                                          for e in list(pool.alive)}, what="draft push")
+    ctx.draft_state = state
     if done:
         out["draft/update_s"] = max(r["draft_update_s"] for r in done.values())
         # the next samples come from the engines' weights as of now: the draft learns those (queued before
         # the next train call; an actor runs a caller's calls in order)
         ctx.draft.set_policy.remote(pool.engines[next(iter(done))].state_dict.remote())
-    return out
+    return out | {"draft/restarts": float(ctx.draft_restarts)}
+
+
+def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
+    """The draft trainer died or hangs (``err``): a new one (``ctx.restart_draft``) gets the draft the engines
+    were given last (:attr:`LoopContext.draft_state`; its optimizer state starts anew) and the policy one
+    engine serves, and trains from the next step on. The last step's draft update is lost; the engines keep
+    the draft they have. After ``trainer.max_failures`` replacements, or when the new one does not start, the
+    draft stops training (``ctx.draft`` None) and the run goes on with the draft the engines have: speculative
+    sampling stays exact whatever the draft, only its acceptance rate may fall."""
+    limit = ctx.run.trainer.max_failures
+    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if ctx.restart_draft is None or ctx.draft_restarts >= limit:
+        log.error("the draft trainer died or hangs (%s) and is not replaced (%d of trainer.max_failures=%d "
+                  "replacements done): the draft is no longer trained; the engines keep the draft they have",
+                  why, ctx.draft_restarts, limit)
+        ray.kill(ctx.draft)
+        ctx.draft = None
+        return {"draft/restarts": float(ctx.draft_restarts), "draft/stopped": 1.0}
+    log.warning("the draft trainer died or hangs (%s): replacing it (%d of trainer.max_failures=%d)", why,
+                ctx.draft_restarts + 1, limit)
+    ctx.draft_restarts += 1
+    try:
+        ctx.draft = ctx.restart_draft()
+        if ctx.draft_state is not None:
+            ray.get(ctx.draft.load_weights.remote(ctx.draft_state))
+        pool = ctx.rollout.pool
+        if pool.alive:
+            ray.get(ctx.draft.set_policy.remote(pool.engines[next(iter(pool.alive))].state_dict.remote()))
+    except Exception as again:  # noqa: BLE001 - whatever stops the new trainer ends online training, not the run
+        log.error("the new draft trainer failed (%s: %s): the draft is no longer trained; the engines keep the "
+                  "draft they have", type(again).__name__, again)
+        if ctx.draft is not None:
+            ray.kill(ctx.draft)
+        ctx.draft = None
+        return {"draft/restarts": float(ctx.draft_restarts), "draft/stopped": 1.0}
+    return {"draft/restarts": float(ctx.draft_restarts)}
 
 
 _SKIPPED = ("train/nonfinite_skipped", "critic/nonfinite_skipped")

@@ -129,6 +129,15 @@ class DraftTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return out | {"draft/steps": float(self.steps), "draft/train_s": time.perf_counter() - t0}
 
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The draft's weights from :meth:`state` of another trainer (a replaced one's, as the engines have them);
+        the optimizer state starts anew."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if [k for k in missing if k not in tied_names(self.model)] or unexpected:
+            raise ValueError(f"load_weights: not this draft's weights (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+
     def state(self) -> dict[str, torch.Tensor]:
         """CPU copies of the draft's weights (HF names), what the engines load."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
