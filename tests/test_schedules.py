@@ -140,8 +140,15 @@ MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "sha
 """The config section of a run on the megatron trainer (``trainer=megatron``)."""
 
 
+DRAFT_ONLINE = {"draft": {"model": {"_target_": "miles.models.qwen3.qwen3_spec", "flavor": "tiny", "path": None},
+                          "online": True, "k": 2}}
+"""Speculative rollout with the draft trained online: the torch engine's fully_async run has it (weights and
+draft pushed while rows are in flight)."""
+
+
 @pytest.mark.parametrize("engine,schedule,extra", [
-    *(pytest.param("torch", schedule, extra, id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
+    *(pytest.param("torch", schedule, extra | (DRAFT_ONLINE if schedule == "fully_async" else {}),
+                   id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
     *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=[pytest.mark.sglang, SGLANG_ACTORS])
       for schedule, extra in SCHEDULES),
     # the product stack: the megatron trainer under both async schedules, on either engine (the jobs of
@@ -166,6 +173,7 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
     probe.TRAINED.clear()
     cfg = json.loads(json.dumps(SHORT))
     cfg["algo"] |= extra.get("algo", {})
+    cfg |= {k: v for k, v in extra.items() if k == "draft"}
     cfg["schedule"] = {"name": schedule, **({"max_staleness": 1} if schedule != "sync" else {}),
                        **extra.get("schedule", {})}
     cfg |= {"hooks": [{"_target_": "schedule_probe.Probe"}], "plugins": {"allow": ["schedule_probe."]}}
@@ -221,6 +229,10 @@ def test_every_prompt_is_trained_once_or_accounted_for_within_the_staleness_boun
         # SGLang admits a row over HTTP: under load the push after a short train step can land before a
         # batch has its first token, and a row interrupted then continues wholly on the new weights
         assert all(one_old) if engine == "torch" else any(one_old), one_old
+    if "draft" in extra:  # draft.online under an async schedule: trained every step, pushed, proposing
+        for step in range(1, steps + 1):
+            assert seen[step]["draft/steps"] == step and seen[step]["draft/tokens"] > 0, step
+            assert 0 < seen[step]["rollout/spec_accept_rate"] <= 1, step
     if schedule == "fully_async" and counts["filtered"]:
         assert all(seen[s]["train/reward_std"] > 0 for s in range(1, steps + 1))  # DAPO: no all-equal groups
 
