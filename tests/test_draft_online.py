@@ -244,3 +244,30 @@ def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray
         torch.testing.assert_close(got[k], v, rtol=0, atol=0)
     with pytest.raises(ValueError, match="exists"):
         export_draft(tmp_path / "ckpt" / "step_000002", base_draft, out)
+
+
+def test_a_lost_draft_trainer_with_no_replacement_stops_the_drafts_training_not_the_run(ray_cluster, models) -> None:
+    """trainer.max_failures=0, or a replacement that does not start (here: its draft checkpoint is missing):
+    the weight push returns ``draft/stopped`` 1, the loop holds no draft trainer from then on, and nothing is
+    raised."""
+    import ray
+
+    from miles.core.step import LoopContext, push_draft
+
+    def failing_start():
+        new = ray.remote(DraftTrainer).options(num_cpus=0).remote(str(models["draft"] / "missing"),
+                                                                  str(models["policy"]), lr=1e-2)
+        ray.get(new.health.remote())
+        return new
+
+    seqs = [([3, 4, 5], [6, 7, 8], [1, 1, 1])]
+    for max_failures, restart, restarts in ((0, None, 0.0), (1, failing_start, 1.0)):
+        trainer = ray.remote(DraftTrainer).options(num_cpus=0).remote(str(models["draft"]), str(models["policy"]),
+                                                                      lr=1e-2)
+        ray.kill(trainer, no_restart=True)  # its calls fail as a dead actor's (RayActorError)
+        ctx = LoopContext(run=validate({"trainer": {"max_failures": max_failures}}), task=None, rollout=None,
+                          trainers=[], engines=[], advantage_fn=None, log_metrics=None, draft=trainer,
+                          restart_draft=restart)
+        ctx.draft_training = trainer.train.remote(seqs)
+        assert push_draft(ctx, 1) == {"draft/restarts": restarts, "draft/stopped": 1.0}
+        assert ctx.draft is None and ctx.draft_restarts == restarts
