@@ -41,3 +41,14 @@ def test_no_import_circle_between_modules() -> None:
     found = {tuple(sorted(c)) for c in circles if len(c) > 1}
     assert not found, (f"modules that import each other, directly or through others: {sorted(found)}; move what "
                        "they share into a module of its own")
+
+
+def test_the_gpu_check_collects_without_ray() -> None:
+    """scripts/gpu_check.sh runs tests/test_gpu.py and ``miles.bench gpu`` on a machine without Ray: neither
+    may import it (here Ray's import is made to fail)."""
+    import subprocess
+
+    code = ("import sys; sys.modules['ray'] = None; import miles.bench.gpu, pytest; "
+            "sys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:cacheprovider', 'tests/test_gpu.py']))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
