@@ -207,14 +207,14 @@ def compare(policy: str | Path, draft: str | Path, prompts: list[tuple[int, ...]
 
 def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max_new: int, batch_sizes: list[int],
        requests: int, repeats: int, threads: int, arms: list[str], lr: float, workdir: Path,
-       prompts_per_step: int = 4) -> dict[str, Any]:
+       prompts_per_step: int = 4, draft_lr: float | None = None) -> dict[str, Any]:
     """``--rl-steps``: speculative rollout through RL training, with the draft frozen and trained online.
 
     The policy (``policy_flavor``) and the draft (``draft_flavor``) are built and warm-started on ``task``
     as a run builds them. Speed on ``requests`` held-out prompts of the task (:func:`compare`) is measured at
     the start; then, per arm, a GRPO run of ``steps`` steps with the draft (``draft.online`` false for
     ``frozen``, true for ``online``; ``prompts_per_step`` x 4 samples) logs ``rollout/spec_accept_rate`` every
-    step, and the speed is measured
+    step (``draft_lr``: the online arm's ``draft.lr``; None: its default), and the speed is measured
     again with that run's final policy and draft (:func:`miles.core.resume.export_policy`, ``export_draft``)."""
     from transformers import AutoTokenizer
 
@@ -244,7 +244,7 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     for arm in arms:
         save = workdir / arm
         overrides = [*base, f"draft.online={'true' if arm == 'online' else 'false'}", f"trainer.save_dir={save}",
-                     f"trainer.save_every={steps}"]
+                     f"trainer.save_every={steps}", *([f"draft.lr={draft_lr}"] if draft_lr is not None else [])]
         arm_run, resolved = compose(overrides)
         rates: dict[int, float] = {}
 
@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-flavor", default="tiny", help="--rl-steps: the draft's qwen3 flavor (default tiny)")
     p.add_argument("--arms", default="frozen,online", help="--rl-steps: frozen, online or both (default both)")
     p.add_argument("--lr", type=float, default=1e-4, help="--rl-steps: the policy's trainer.lr (default 1e-4)")
+    p.add_argument("--draft-lr", type=float, default=None,
+                   help="--rl-steps: the online arm's draft.lr (default: draft.lr's default)")
     p.add_argument("--prompts-per-step", type=int, default=4,
                    help="--rl-steps: algo.num_prompts_per_step, 4 samples each (default 4)")
     args = p.parse_args(argv)
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             result = rl(args.rl_steps, args.task, args.policy_flavor, args.draft_flavor, args.k, args.max_new_tokens,
                         parse_batch_sizes(p, args.batch_sizes), args.requests, args.repeats, args.threads, arms,
-                        args.lr, Path(tmp), args.prompts_per_step)
+                        args.lr, Path(tmp), args.prompts_per_step, args.draft_lr)
         print(json.dumps(result))
         return 0
     if args.quick:
