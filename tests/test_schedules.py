@@ -142,12 +142,12 @@ MEGATRON = {"trainer": {"_target_": "miles.train.megatron.MegatronTrainer", "sha
 
 DRAFT_ONLINE = {"draft": {"model": {"_target_": "miles.models.qwen3.qwen3_spec", "flavor": "tiny", "path": None},
                           "online": True, "k": 2}}
-"""Speculative rollout with the draft trained online: the torch engine's fully_async run has it (weights and
-draft pushed while rows are in flight)."""
+"""Speculative rollout with the draft trained online: the torch engine's async runs have it (under fully_async,
+weights and draft are pushed while rows are in flight)."""
 
 
 @pytest.mark.parametrize("engine,schedule,extra", [
-    *(pytest.param("torch", schedule, extra | (DRAFT_ONLINE if schedule == "fully_async" else {}),
+    *(pytest.param("torch", schedule, extra | (DRAFT_ONLINE if schedule != "sync" else {}),
                    id=f"torch-{schedule}") for schedule, extra in SCHEDULES),
     *(pytest.param("sglang", schedule, extra, id=f"sglang-{schedule}", marks=[pytest.mark.sglang, SGLANG_ACTORS])
       for schedule, extra in SCHEDULES),
