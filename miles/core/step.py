@@ -271,12 +271,7 @@ def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
     limit = ctx.run.trainer.max_failures
     why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if ctx.restart_draft is None or ctx.draft_restarts >= limit:
-        log.error("the draft trainer died or hangs (%s) and is not replaced (%d of trainer.max_failures=%d "
-                  "replacements done): the draft is no longer trained; the engines keep the draft they have",
-                  why, ctx.draft_restarts, limit)
-        ray.kill(ctx.draft)
-        ctx.draft = None
-        return {"draft/restarts": float(ctx.draft_restarts), "draft/stopped": 1.0}
+        return _stop_draft(ctx, f"{why}, and {ctx.draft_restarts} of trainer.max_failures={limit} replacements done")
     log.warning("the draft trainer died or hangs (%s): replacing it (%d of trainer.max_failures=%d)", why,
                 ctx.draft_restarts + 1, limit)
     ctx.draft_restarts += 1
@@ -288,13 +283,18 @@ def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
         if pool.alive:
             ray.get(ctx.draft.set_policy.remote(pool.engines[next(iter(pool.alive))].state_dict.remote()))
     except Exception as again:  # noqa: BLE001 - whatever stops the new trainer ends online training, not the run
-        log.error("the new draft trainer failed (%s: %s): the draft is no longer trained; the engines keep the "
-                  "draft they have", type(again).__name__, again)
-        if ctx.draft is not None:
-            ray.kill(ctx.draft)
-        ctx.draft = None
-        return {"draft/restarts": float(ctx.draft_restarts), "draft/stopped": 1.0}
+        return _stop_draft(ctx, f"its replacement failed: {type(again).__name__}: {again}")
     return {"draft/restarts": float(ctx.draft_restarts)}
+
+
+def _stop_draft(ctx: LoopContext, why: str) -> dict[str, float]:
+    """End the draft's online training (``ctx.draft`` None): the engines keep the draft they have."""
+    log.error("the draft trainer is lost (%s): the draft is no longer trained; the engines keep the draft they "
+              "have", why)
+    if ctx.draft is not None:
+        ray.kill(ctx.draft)
+    ctx.draft = None
+    return {"draft/restarts": float(ctx.draft_restarts), "draft/stopped": 1.0}
 
 
 _SKIPPED = ("train/nonfinite_skipped", "critic/nonfinite_skipped")
