@@ -2,7 +2,7 @@
 (:mod:`miles.core.recovery`): SIGSTOP of one engine, SIGKILL of every engine, and the clear error once
 no restart is left. A trainer rank SIGKILLed mid-run (FSDP and Megatron), or stopped (SIGSTOP: found by
 the step's probes and killed), is restarted with its group and restored from the last checkpoint; without
-a checkpoint, or under the async schedules, the run ends."""
+a checkpoint, or in a run with tenants, the run ends."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from miles.bench.e2e import compose
+from miles.core.ledger import OUTCOMES
 from miles.rollout.dispatch import AllEnginesDeadError
 
 pytestmark = pytest.mark.slow
@@ -181,6 +182,31 @@ def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster,
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
 
 
+def test_a_killed_trainer_rank_under_an_async_schedule_is_restored(ray_cluster, cache: Path, tmp_path: Path) -> None:
+    """Under schedule=fully_async (one_step_off runs the same code with a smaller buffer), step 3: one of two FSDP ranks SIGKILLed before the train step while the
+    stream generates ahead. The stream is stopped, the ranks restored from step 2's checkpoint, and a new
+    stream regenerates the prompts open there before drawing new ones: the run finishes with one restart,
+    each step logged once, and the ledger counts every prompt trained once or accounted for."""
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "schedule=fully_async", "placement=disaggregated", "placement.num_engines=1",
+                 "placement.cpus_per_engine=0.5", "placement.cpus_per_trainer_rank=0.5", "placement.trainer_world_size=2",
+                 "trainer.num_steps=4",
+                 "trainer.save_every=1", f"trainer.save_dir={tmp_path}", f"warm_start.cache_dir={cache}",
+                 "hooks=[{_target_: test_recovery.KillTrainerRank, step: 3}]"]
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float]]] = []
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append((s, dict(m))))
+    steps = [s for s, _ in seen if s > 0]
+    assert steps == [1, 2, 3, 4]
+    by = dict(seen)
+    assert by[3]["hooks/kill_trainer_rank/killed"] == 1.0
+    assert [by[s]["fault/trainer_restarts"] for s in steps] == [0, 0, 1, 1] and by[3]["fault/trainer_restore_s"] > 0
+    assert len(KillTrainerRank.batches) == 2 and by[3]["train/trainable_samples"] > 0
+    assert final["ledger/open"] == 0 and final["ledger/trained"] == 16  # 4 steps x 4 prompts, each once
+    assert final["ledger/drawn"] == sum(final[f"ledger/{o}"] for o in OUTCOMES)
+
+
 def test_a_hung_trainer_rank_is_killed_and_restored(ray_cluster, cache: Path, tmp_path: Path) -> None:
     """Step 2: one of two FSDP ranks stopped (SIGSTOP) before the train step; its peer waits on it in a
     collective. The step's probes find it (trainer.hang_timeout_s=5), it is killed, and the run goes on
@@ -252,12 +278,15 @@ def test_no_checkpoint_to_restore_is_one_clear_error() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
-    (["schedule=one_step_off", "placement=disaggregated"], "schedule=one_step_off does not recover trainer ranks"),
+    (["schedule=one_step_off", "placement=disaggregated"], None),
+    (["adapter=lora", "+tenants=[{name: a, task: count}, {name: b, task: largest}]"],
+     "runs with tenants do not recover trainer ranks"),
     (["trainer.max_failures=0"], None),
     ([], None),
 ])
-def test_trainer_recovery_only_under_the_sync_schedule(overrides: list[str], why: str | None) -> None:
-    """The async schedules do not recover trainer ranks: the run says so at start, and a dead rank ends it."""
+def test_trainer_recovery_is_off_only_in_runs_with_tenants(overrides: list[str], why: str | None) -> None:
+    """Every schedule recovers trainer ranks; runs with tenants do not: the run says so at start, and a
+    dead rank ends it."""
     from miles.config import ConfigError
     from miles.core.recovery import trainer_recovery_off
 

@@ -330,10 +330,10 @@ class TrainerConfig:
     """Stop the run when this many steps in a row skipped an update because the loss or gradient norm was
     not finite (each such update is skipped and counted in ``train/nonfinite_skipped``); 0: never stop."""
     max_failures: int = 3
-    """How many times over the run a trainer (or critic) rank that dies is recovered under ``schedule=sync``:
+    """How many times over the run a trainer (or critic) rank that dies is recovered, under every schedule:
     the rank group is restarted in its placement bundles, restored from the run's last checkpoint (which
     ``save_every`` must have written) and the step retried (:mod:`miles.core.recovery`); 0: a dead rank
-    ends the run. The async schedules and runs with ``tenants`` do not recover: a dead rank ends them."""
+    ends the run. Runs with ``tenants`` do not recover: a dead rank ends them."""
     hang_timeout_s: float = 30.0
     """While a step waits on the trainer (and critic) ranks, each is probed every 10 s at most, in a thread
     of its own that answers while the rank computes or waits on a peer; a rank that does not answer within

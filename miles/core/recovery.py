@@ -23,18 +23,20 @@ loses every engine still ends the run.
 Metrics: ``fault/engine_restarts`` (over the run), ``fault/engine_outage_s`` (seconds the replaced
 engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start).
 
-Trainer ranks (:class:`TrainerRecovery`, ``schedule=sync``): while a step waits on the trainer and
-critic ranks, it probes them (:func:`get_ranks`, in a thread of each rank's own, so a rank busy computing
-or waiting in a collective answers); a rank that does not answer within ``trainer.hang_timeout_s`` is
-hung and is killed. When a step fails, the driver asks every trainer and critic rank whether it is alive
-(:meth:`TrainerRecovery.find_dead`; a dead actor, a killed hung one among them, answers with its death at
-once). With a dead rank the step is abandoned (:class:`TrainerRankDiedError`); then, at most
-``trainer.max_failures`` times over the run, :func:`miles.core.step.recover_trainers` restarts both
-groups in their bundles (:func:`miles.core.actors.restart_trainers`), restores them from the run's last
-checkpoint with its ledger and loop state, gives the engines its weights, and the loop runs again from
-the step after it. Metrics: ``fault/trainer_restarts`` (over the run), ``fault/trainer_detect_s`` (the
-last failure: from the failed call to the dead ranks named), ``fault/trainer_restore_s`` (the last
-restore: restart, checkpoint load and weight push).
+Trainer ranks (:class:`TrainerRecovery`, every schedule; not in runs with tenants): while a step waits
+on the trainer and critic ranks, it probes them (:func:`get_ranks`, in a thread of each rank's own, so a
+rank busy computing or waiting in a collective answers); a rank that does not answer within
+``trainer.hang_timeout_s`` is hung and is killed. When a step fails, the driver asks every trainer and
+critic rank whether it is alive (:meth:`TrainerRecovery.find_dead`; a dead actor, a killed hung one
+among them, answers with its death at once). With a dead rank the step is abandoned
+(:class:`TrainerRankDiedError`); then, at most ``trainer.max_failures`` times over the run,
+:func:`miles.core.step.recover_trainers` restarts both groups in their bundles
+(:func:`miles.core.actors.restart_trainers`), restores them from the run's last checkpoint with its
+ledger and loop state, gives the engines its weights, and the loop runs again from the step after it
+(under the async schedules the rollout stream is stopped first and the prompts open at the checkpoint
+are generated again: :mod:`miles.core.schedules`). Metrics: ``fault/trainer_restarts`` (over the run),
+``fault/trainer_detect_s`` (the last failure: from the failed call to the dead ranks named),
+``fault/trainer_restore_s`` (the last restore: restart, checkpoint load and weight push).
 """
 
 from __future__ import annotations
@@ -232,7 +234,4 @@ def trainer_recovery_off(run: MilesConfig) -> str | None:
         return None
     if run.tenants:
         return "runs with tenants do not recover trainer ranks: a dead trainer rank ends this run"
-    if run.schedule.name != "sync":
-        return (f"schedule={run.schedule.name} does not recover trainer ranks (only schedule=sync does): a dead "
-                "trainer rank ends this run; resume it with trainer.resume_from=auto")
     return None

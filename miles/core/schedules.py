@@ -39,6 +39,14 @@ takes it out of rotation (a weight push that finds an engine dead drops it and g
 rest). When no engine is left, the groups in flight are settled ``failed``, those waiting or taken
 for the failing step ``unused``, and the run raises with the ledger's accounting in the error's notes.
 
+Trainer failures: when a step fails because a trainer or critic rank died or hung
+(:mod:`miles.core.recovery`), the stream stops drawing and its generations in flight finish; with
+``trainer.max_failures`` left, the ranks are restarted and restored from the run's last checkpoint with
+its ledger (:func:`miles.core.step.recover_trainers`), and a new stream starts from the checkpoint's
+sampler state: the prompts open at the checkpoint are generated again under their ids, then new ones.
+What the old stream generated after the checkpoint is discarded with its ledger, so no prompt is lost or
+trained twice. Without a restart left, the run raises as for an engine failure.
+
 Run checkpoints (``trainer.save_every``) hold the ledger and the prompts still open (in flight or
 waiting for the trainer) as their group ids plus the sampler's RNG state when the oldest of them was
 drawn: every group draws one prompt with ``task.sample(1, rng)`` in id order, so replaying the draws
@@ -70,6 +78,7 @@ from miles.core.step import (
     learn,
     log_batch_sizes,
     push_weights,
+    recover_trainers,
     resume_checkpoint,
     sampling_params,
     save_checkpoint,
@@ -280,68 +289,93 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
         metrics = evaluate(ctx, eval_set)
         hooks.after_eval(0, metrics)
         ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
-    stream = GroupStream(ctx, rng=rng, sampling=sampling_params(run),
-                         capacity=sched.buffer_batches * algo.num_prompts_per_step, ledger=ctx.ledger,
-                         next_group_id=next_group_id, reopened=reopened)
-    stream.start()
     progress = Progress(run.trainer.num_steps, first=first)
     pushed, dropped_total, taken_total, metrics = first - 1, 0, 0, {}
-    taken: list[list[Sample]] = []  # the step's groups until the ledger has them
     step = first
     try:
-        for step in range(first, run.trainer.num_steps + 1):
-            if hooks.stop_reason is not None:
+        while True:  # once, or again from the last checkpoint after a dead trainer rank (recover_trainers)
+            stream = GroupStream(ctx, rng=rng, sampling=sampling_params(run),
+                                 capacity=sched.buffer_batches * algo.num_prompts_per_step, ledger=ctx.ledger,
+                                 next_group_id=next_group_id, reopened=reopened)
+            stream.start()
+            taken: list[list[Sample]] = []  # the step's groups until the ledger has them
+            try:
+                for step in range(first, run.trainer.num_steps + 1):
+                    if hooks.stop_reason is not None:
+                        break
+                    begin_profile(ctx, step)
+                    t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+                    version = step - 1  # the trainer's weights: the proximal policy of this update
+                    taken, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
+                    groups = taken
+                    dropped_total, taken_total = dropped_total + stale, taken_total + stale + len(groups)
+                    metrics = ctx.rollout.metrics(groups) | _staleness_metrics(groups, version, stale)
+                    hooks.after_rollout(step, groups)
+                    t1 = time.perf_counter()
+                    metrics, samples = learn(ctx, step, groups, metrics)
+                    ctx.ledger.settle_batch(groups)
+                    taken = []
+                    t2 = time.perf_counter()
+                    last = step == run.trainer.num_steps or hooks.stop_reason is not None
+                    evaluating = last or (run.trainer.eval_every and step % run.trainer.eval_every == 0)
+                    if last:
+                        metrics["ledger/unused_at_end"] = float(stream.close())
+                    if step % sched.update_interval == 0 or evaluating:  # in-flight generations go on with them
+                        metrics |= push_weights(ctx, step)
+                        hooks.after_weight_sync(step, step)
+                        pushed = step
+                    t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
+                    end_profile(ctx, step)
+                    if evaluating:
+                        evaluated = evaluate(ctx, eval_set)
+                        hooks.after_eval(step, evaluated)
+                        metrics |= evaluated
+                    metrics |= {
+                        "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0, "perf/train_s": t2 - t1,
+                        "perf/sync_s": t3 - t2, "perf/rollout_wait_s": wait_s,
+                        "train/stale_dropped_frac": dropped_total / max(taken_total, 1),
+                        "async/engine_version_lag": float(step - pushed),
+                    } | engine_busy_metrics(busy0, busy3)
+                    metrics |= ctx.ledger.metrics() | hooks.pop_metrics()
+                    if ctx.trainer_recovery is not None:
+                        metrics |= ctx.trainer_recovery.metrics()
+                    ctx.log_metrics(metrics, step)
+                    if ctx.log_distributions is not None:
+                        ctx.log_distributions({"train/reward": [s.reward for s in samples],
+                                               "rollout/response_len": [float(len(s.response_ids)) for s in samples]},
+                                              step)
+                    progress.update(step, metrics)
+                    if run.trainer.save_every and (step % run.trainer.save_every == 0 or last):
+                        save_checkpoint(ctx, step, *stream.checkpoint())
                 break
-            begin_profile(ctx, step)
-            t0, busy0 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
-            version = step - 1  # the trainer's weights: the proximal policy of this update
-            taken, stale, wait_s = stream.take(algo.num_prompts_per_step, version, sched.max_staleness)
-            groups = taken
-            dropped_total, taken_total = dropped_total + stale, taken_total + stale + len(groups)
-            metrics = ctx.rollout.metrics(groups) | _staleness_metrics(groups, version, stale)
-            hooks.after_rollout(step, groups)
-            t1 = time.perf_counter()
-            metrics, samples = learn(ctx, step, groups, metrics)
-            ctx.ledger.settle_batch(groups)
-            taken = []
-            t2 = time.perf_counter()
-            last = step == run.trainer.num_steps or hooks.stop_reason is not None
-            evaluating = last or (run.trainer.eval_every and step % run.trainer.eval_every == 0)
-            if last:
-                metrics["ledger/unused_at_end"] = float(stream.close())
-            if step % sched.update_interval == 0 or evaluating:  # in-flight generations go on with them
-                metrics |= push_weights(ctx, step)
-                hooks.after_weight_sync(step, step)
-                pushed = step
-            t3, busy3 = time.perf_counter(), engine_busy(ctx.rollout.live_engines)
-            end_profile(ctx, step)
-            if evaluating:
-                evaluated = evaluate(ctx, eval_set)
-                hooks.after_eval(step, evaluated)
-                metrics |= evaluated
-            metrics |= {
-                "perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0, "perf/train_s": t2 - t1,
-                "perf/sync_s": t3 - t2, "perf/rollout_wait_s": wait_s,
-                "train/stale_dropped_frac": dropped_total / max(taken_total, 1),
-                "async/engine_version_lag": float(step - pushed),
-            } | engine_busy_metrics(busy0, busy3)
-            metrics |= ctx.ledger.metrics() | hooks.pop_metrics()
-            ctx.log_metrics(metrics, step)
-            if ctx.log_distributions is not None:
-                ctx.log_distributions({"train/reward": [s.reward for s in samples],
-                                       "rollout/response_len": [float(len(s.response_ids)) for s in samples]}, step)
-            progress.update(step, metrics)
-            if run.trainer.save_every and (step % run.trainer.save_every == 0 or last):
-                save_checkpoint(ctx, step, *stream.checkpoint())
-    except Exception as e:
-        _account_for_failure(ctx, stream, taken, step, e)
-        raise
+            except Exception as e:
+                state = _recover(ctx, stream, taken, step, e)  # raises e (accounted for) unless a rank died
+                first, next_group_id, pushed = state.step + 1, state.next_group_id, state.step
+                rng.setstate(state.rng_state)
+                reopened = reopen(ctx.task, state)
+                log.warning("%d prompt(s) open at the checkpoint are generated again", len(reopened))
+            finally:
+                if stream.thread.is_alive():
+                    stream.close()
     finally:
-        if stream.thread.is_alive():
-            stream.close()
         progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
+
+
+def _recover(ctx: LoopContext, stream: GroupStream, taken: list[list[Sample]], step: int,
+             error: Exception) -> LoopState:
+    """After ``step`` failed with ``error``: stop the stream (the generations in flight finish) and, when a
+    trainer rank died and can be recovered, restore the run's last checkpoint
+    (:func:`~miles.core.step.recover_trainers`, which starts a fresh ledger from it: what the stream held
+    since is drawn again, under the same ids) and return its loop state. Otherwise settle what the run
+    holds and raise, with the ledger's accounting in the error's notes."""
+    stream.close()
+    try:
+        return recover_trainers(ctx, step, error)
+    except Exception as final:
+        _account_for_failure(ctx, stream, taken, step, final)
+        raise
 
 
 def _account_for_failure(ctx: LoopContext, stream: GroupStream, taken: list[list[Sample]], step: int,
