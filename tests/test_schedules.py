@@ -322,14 +322,38 @@ def test_engine_dying_mid_rollout_loses_no_prompt(ray_cluster, probe, plugin_eng
     assert counts["open"] == 0 and settled == counts["drawn"] and counts["trained"] + counts["failed"] >= 32
 
 
+def test_every_engine_dead_is_replaced_and_the_stream_goes_on(ray_cluster, probe, plugin_engines,
+                                                             tmp_path: Path) -> None:
+    """The only engine dies once it has the weights of step 2, with groups in flight and finished ones
+    waiting: a replacement gets the trainer's weights, the groups the death ended are generated again
+    under their ids, the finished ones are kept, and every prompt is trained once; none fails."""
+    from miles.core.run import run_job
+
+    probe.TRAINED.clear()
+    dies = _dies([0], num_engines=1)
+    dies["rollout"]["engine"]["once_marker"] = str(tmp_path / "died")
+    run = validate(_async_job("fully_async", dies | {"schedule": {"buffer_batches": 2}}))
+    final = run_job(run, resolved_yaml="", overrides=[])
+
+    trained = [gid for batch in probe.TRAINED for gid, _ in batch]
+    assert (tmp_path / "died").exists() and final["fault/engine_restarts"] == 1
+    assert len(probe.TRAINED) == run.trainer.num_steps and len(set(trained)) == len(trained) == 4 * 8
+    counts = {k.removeprefix("ledger/"): int(v) for k, v in final.items() if k.startswith("ledger/")}
+    assert counts["open"] == 0 and counts["failed"] == 0
+    assert counts["drawn"] == sum(counts[o] for o in ("trained", "failed", "filtered", "surplus", "stale", "unused"))
+
+
 def test_every_engine_dead_fails_the_run_with_the_ledger_accounting(ray_cluster, probe, plugin_engines) -> None:
-    """The only engine dies: the run raises, and its error's notes account for every prompt drawn."""
+    """The only engine dies and no replacement is left (rollout.max_engine_restarts=0): the run raises, and
+    its error's notes account for every prompt drawn."""
     import re
 
     from miles.core.run import run_job
 
     probe.TRAINED.clear()
-    run = validate(_async_job("fully_async", _dies([0], num_engines=1) | {"schedule": {"buffer_batches": 2}}))
+    dies = _dies([0], num_engines=1)
+    dies["rollout"]["max_engine_restarts"] = 0
+    run = validate(_async_job("fully_async", dies | {"schedule": {"buffer_batches": 2}}))
     with pytest.raises(Exception, match="rollout engine") as failure:
         run_job(run, resolved_yaml="", overrides=[])
     note = next(n for n in getattr(failure.value, "__notes__", []) if n.startswith("sample ledger"))

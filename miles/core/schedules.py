@@ -35,9 +35,14 @@ is the oldest version behind its tokens. At the end the stream stops drawing, th
 flight finish, and every group not trained is settled ``unused`` (:mod:`miles.core.ledger`).
 
 Engine failures: the rollout manager retries the requests of an engine that died on the others and
-takes it out of rotation (a weight push that finds an engine dead drops it and goes on with the
-rest). When no engine is left, the groups in flight are settled ``failed``, those waiting or taken
-for the failing step ``unused``, and the run raises with the ledger's accounting in the error's notes.
+takes it out of rotation; the next weight push replaces it (:mod:`miles.core.recovery`). When no engine
+is left, the stream stops and keeps its groups: the step that finds it so (:class:`EngineOutage`)
+replaces the engines at once (a weight push of the trainer's weights, waiting up to
+``rollout.max_outage_s``) and runs again on a :meth:`GroupStream.successor`, which keeps the finished
+groups and generates the ones the outage ended again, under their ids and seeds. When no engine comes
+back (``rollout.max_engine_restarts`` spent, or none up in time), the groups the outage ended are
+settled ``failed``, those waiting or taken for the failing step ``unused``, and the run raises with the
+ledger's accounting in the error's notes.
 
 Trainer failures: when a step fails because a trainer or critic rank died or hung
 (:mod:`miles.core.recovery`), the stream stops drawing and its generations in flight finish; with
@@ -83,6 +88,7 @@ from miles.core.step import (
     sampling_params,
     save_checkpoint,
 )
+from miles.rollout.dispatch import AllEnginesDeadError
 from miles.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -113,6 +119,7 @@ class GroupStream:
         self.filtered_in_a_row = 0
         self.max_filtered_in_a_row = (ctx.run.rollout.max_oversample_rounds + 1) * ctx.run.algo.num_prompts_per_step
         self.error: BaseException | None = None
+        self.lost: list[tuple[int, Any]] = []  # (group id, problem) whose generation every engine's death ended
         self.cv = threading.Condition()
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -176,7 +183,10 @@ class GroupStream:
             with self.cv:
                 self.inflight -= 1
                 self.error = self.error or e
-                self._settle(group_id, "failed")
+                if isinstance(e, AllEnginesDeadError):  # open until the engines are back (successor) or failed
+                    self.lost.append((group_id, problem))
+                else:
+                    self._settle(group_id, "failed")
                 self.cv.notify_all()
             self._poke()
             return
@@ -210,7 +220,8 @@ class GroupStream:
                     self.cv.wait()
                 if self.error is not None:
                     self.buffer.extendleft(reversed(groups))
-                    raise RuntimeError(f"async rollout failed: {self.error}") from self.error
+                    kind = EngineOutage if isinstance(self.error, AllEnginesDeadError) else RuntimeError
+                    raise kind(f"async rollout failed: {self.error}") from self.error
                 group = self.buffer.popleft()
                 if staleness(group, version) > max_staleness:
                     self._settle(group[0].group_id, "stale")
@@ -233,19 +244,43 @@ class GroupStream:
                       if open_ids else None)
             return self.rng.getstate(), self.next_group_id, ledger, stream
 
-    def close(self) -> int:
-        """Stop drawing, let the generations in flight finish, settle what was never taken ``unused``."""
+    def close(self, settle: bool = True) -> int:
+        """Stop drawing, let the generations in flight finish, settle what was never taken ``unused`` (and
+        the groups an engine outage ended ``failed``). ``settle`` False: leave them open for
+        :meth:`successor`."""
         with self.cv:
             self.stopping = True
         self._poke()
         self.thread.join()
+        if not settle:
+            return 0
         with self.cv:
             unused = [group[0].group_id for group in self.buffer] + [g for g, _, _ in self.reopened]
             self.buffer.clear()
             self.reopened.clear()
             for group_id in unused:
                 self._settle(group_id, "unused")
+            for group_id, _ in self.lost:
+                self._settle(group_id, "failed")
+            self.lost.clear()
         return len(unused)
+
+    def successor(self) -> GroupStream:
+        """After an engine outage (:class:`EngineOutage`) and :meth:`close` without settling: a stream (not
+        started) that goes on where this one stopped, with its finished groups, the groups the outage
+        ended generated again first (under their ids and seeds), and the same sampler and ledger."""
+        new = GroupStream(self.ctx, rng=self.rng, sampling=self.sampling, capacity=self.capacity, ledger=self.ledger,
+                          next_group_id=self.next_group_id)
+        with self.cv:
+            again = sorted([(g, p, self.drawn_at[g]) for g, p in self.lost] + list(self.reopened), key=lambda t: t[0])
+            new.reopened, new.drawn_at, new.buffer = deque(again), dict(self.drawn_at), deque(self.buffer)
+            new.filtered_in_a_row = self.filtered_in_a_row
+            self.lost, self.buffer, self.reopened = [], deque(), deque()
+        return new
+
+
+class EngineOutage(RuntimeError):
+    """:meth:`GroupStream.take` found that every rollout engine died (:class:`AllEnginesDeadError`)."""
 
 
 def reopen(task: Any, state: LoopState) -> list[tuple[int, Any, tuple]]:
@@ -291,12 +326,15 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
         ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
     progress = Progress(run.trainer.num_steps, first=first)
     pushed, dropped_total, taken_total, metrics = first - 1, 0, 0, {}
-    step = first
+    step, carry = first, None
     try:
-        while True:  # once, or again from the last checkpoint after a dead trainer rank (recover_trainers)
-            stream = GroupStream(ctx, rng=rng, sampling=sampling_params(run),
-                                 capacity=sched.buffer_batches * algo.num_prompts_per_step, ledger=ctx.ledger,
-                                 next_group_id=next_group_id, reopened=reopened)
+        # once; again from the last checkpoint after a dead trainer rank (recover_trainers); again from the
+        # failed step, with the stream's groups, after the engines died and were replaced (_restore_engines)
+        while True:
+            stream = carry.successor() if carry is not None else GroupStream(
+                ctx, rng=rng, sampling=sampling_params(run), capacity=sched.buffer_batches * algo.num_prompts_per_step,
+                ledger=ctx.ledger, next_group_id=next_group_id, reopened=reopened)
+            carry = None
             stream.start()
             taken: list[list[Sample]] = []  # the step's groups until the ledger has them
             try:
@@ -349,6 +387,10 @@ def train_async(ctx: LoopContext) -> dict[str, float]:
                         save_checkpoint(ctx, step, *stream.checkpoint())
                 break
             except Exception as e:
+                if isinstance(e, EngineOutage) and ctx.recovery is not None:
+                    _restore_engines(ctx, stream, step)  # raises (accounted for) when none comes back
+                    carry, first, pushed = stream, step, step - 1
+                    continue
                 state = _recover(ctx, stream, taken, step, e)  # raises e (accounted for) unless a rank died
                 first, next_group_id, pushed = state.step + 1, state.next_group_id, state.step
                 rng.setstate(state.rng_state)
@@ -375,6 +417,23 @@ def _recover(ctx: LoopContext, stream: GroupStream, taken: list[list[Sample]], s
         return recover_trainers(ctx, step, error)
     except Exception as final:
         _account_for_failure(ctx, stream, taken, step, final)
+        raise
+
+
+def _restore_engines(ctx: LoopContext, stream: GroupStream, step: int) -> None:
+    """Every engine died before ``step`` could take its batch: stop ``stream`` without settling its groups,
+    replace the engines (:func:`~miles.core.step.push_weights`, which waits up to ``rollout.max_outage_s``)
+    and give them the trainers' weights (version ``step - 1``); the caller goes on with
+    :meth:`GroupStream.successor`. When none comes back, settle what the run holds and raise."""
+    stream.close(settle=False)
+    log.warning("step %d: every rollout engine died while generating; the rollout goes on once they are replaced "
+                "(%d group(s) they were generating are generated again, %d finished ones kept)", step,
+                len(stream.lost), len(stream.buffer))
+    try:
+        push_weights(ctx, step - 1)
+    except Exception as final:
+        stream.close()  # the groups it holds: unused, and those the outage ended failed
+        _account_for_failure(ctx, stream, [], step, final)
         raise
 
 
