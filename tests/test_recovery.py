@@ -73,11 +73,34 @@ class Fault:
         self._fire(ctx, "before_train")
 
 
-def _run(overrides: list[str], fault: str, cache: Path) -> list[dict[str, float]]:
+class WaitForEngines:
+    """Hook: after the rollout of ``step``, wait until ``count`` engine actors of this run are up (alive in
+    Ray's actor table: constructed), and a second more for their first health check to answer."""
+
+    def __init__(self, step: int, count: int) -> None:
+        self.step, self.count = step, count
+
+    def after_rollout(self, ctx, groups) -> None:
+        if ctx.step != self.step:
+            return
+        import time
+
+        import ray
+
+        job = ray.get_runtime_context().get_job_id()
+        deadline = time.monotonic() + 120
+        while sum(1 for a in ray._private.state.actors().values() if a["ActorClassName"] == "TorchEngine"
+                  and a["State"] == "ALIVE" and a["JobID"] == job) < self.count:
+            assert time.monotonic() < deadline, f"fewer than {self.count} engines up after 120 s"
+            time.sleep(0.2)
+        time.sleep(1.0)
+
+
+def _run(overrides: list[str], fault: str, cache: Path, more_hooks: str = "") -> list[dict[str, float]]:
     from miles.core.run import run_job
 
-    run, resolved = compose(TINY + [f"warm_start.cache_dir={cache}", f"hooks=[{{_target_: test_recovery.Fault, {fault}}}]"]
-                            + overrides)
+    hooks = f"hooks=[{{_target_: test_recovery.Fault, {fault}}}{', ' + more_hooks if more_hooks else ''}]"
+    run, resolved = compose(TINY + [f"warm_start.cache_dir={cache}", hooks] + overrides)
     seen: list[dict[str, float]] = []
     run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append(dict(m)))
     return seen
@@ -99,6 +122,20 @@ def test_hung_and_killed_engines_are_replaced_and_the_run_goes_on(ray_cluster, c
     assert [m["fault/engine_restarts"] for m in seen[1:]] == [1, 3, 3] and seen[2]["fault/engine_outage_s"] > 0
     assert [m["rollout/samples"] for m in seen[1:]] == [16, 16, 16] and seen[-1]["rollout/engines_alive"] == 2
     assert (seen[1]["weight_sync/version"], seen[3]["weight_sync/version"]) == (1, 3)  # step 2: new engines only
+
+
+def test_a_replacement_starts_while_the_run_goes_on(ray_cluster, cache: Path) -> None:
+    """placement=disaggregated: engine 0 of 2 SIGKILLed after step 1's rollout. Step 1's push starts its
+    replacement and returns without waiting for it; step 2 rolls out its whole batch on the other engine
+    alone; once the replacement is up, step 2's push gives it the weights and step 3 rolls out on both."""
+    seen = _run(["placement=disaggregated", "placement.cpus_per_engine=0.5", "placement.cpus_per_trainer_rank=0.5"],
+                "faults: [[1, after_rollout, 9, 1]]", cache, "{_target_: test_recovery.WaitForEngines, step: 2, count: 2}")
+    assert seen[1]["hooks/fault/signalled"] == 1.0
+    assert (seen[1]["fault/engines_starting"], seen[1]["fault/engine_blocked_s"]) == (1, 0)  # the push did not wait
+    assert [m["rollout/engines_alive"] for m in seen[1:]] == [2, 1, 2]  # step 1's was read before the kill
+    assert [m["fault/engine_restarts"] for m in seen[1:]] == [1, 1, 1] and seen[2]["fault/engines_starting"] == 0
+    assert [m["rollout/samples"] for m in seen[1:]] == [16, 16, 16] and seen[2]["fault/engine_outage_s"] > 0
+    assert seen[3]["weight_sync/version"] == 3
 
 
 def test_no_restart_left_is_one_clear_error(ray_cluster, cache: Path) -> None:

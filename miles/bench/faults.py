@@ -14,10 +14,12 @@ hook in the driver (:class:`FaultInjector`):
 
 ``--faults`` picks some of them (default: all that apply to the engine).
 
-Per fault: ``recovery_s``, from the signal to the end of that step's weight push (the engine replaced,
-synced and back in rotation); ``out_of_rotation_s``, the part of it the engine was taken out
-(``fault/engine_outage_s``); ``detect_s``, the rest (from the signal until the engine was taken out,
-plus the push to the other engines); ``restarts``; for ``trainer_kill`` and ``trainer_hang``, ``detect_s`` (from the failed
+Per fault: ``recovery_s``, from the signal to the end of the step whose weight push put the
+replacement in rotation (``back_at_step``: the fault's own step when the push waits for it, a later one
+when it starts in the background, ``placement=disaggregated``); ``out_of_rotation_s``, the part of it the
+engine was taken out (``fault/engine_outage_s``); ``detect_s``, the rest (from the signal until the
+engine was taken out, plus the push to the other engines); ``blocked_s``, how long the fault's step waited
+for the replacement (``fault/engine_blocked_s``); ``restarts``; for ``trainer_kill`` and ``trainer_hang``, ``detect_s`` (from the failed
 call to the dead rank named, ``fault/trainer_detect_s``; for a hang, from the last probe answered) and ``restore_s`` (the ranks restarted, restored
 from the checkpoint and the engines re-synced, ``fault/trainer_restore_s``) instead, and ``recovery_s`` up
 to the end of the retried step; ``steps_lost``, steps whose batch was not trained whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
@@ -49,18 +51,21 @@ TRAINER_CLASSES = ("FSDPTrainer", "MegatronTrainer")
 
 class FaultInjector:
     """Hook: ``faults`` lists ``[step, fault]``; sends each after that step's rollout (once: a step that
-    runs again after a trainer restart gets none) and records when."""
+    runs again after a trainer restart gets none) and records when. While a replacement engine is still
+    starting (``fault/engines_starting`` of the last step logged, :attr:`latest`), the next fault waits
+    for a later step, so that no two faults' recoveries overlap."""
 
     sent: dict[int, tuple[str, float]] = {}  # step -> (fault, time.monotonic()), read by the benchmark
+    latest: dict[str, float] = {}  # the metrics of the last step logged (set by the benchmark's run)
 
     def __init__(self, faults: list[list], engine_class: str) -> None:
-        self.faults, self.engine_class = {int(step): str(name) for step, name in faults}, engine_class
-        FaultInjector.sent = {}
+        self.faults, self.engine_class = sorted((int(step), str(name)) for step, name in faults), engine_class
+        FaultInjector.sent, FaultInjector.latest = {}, {}
 
     def after_rollout(self, ctx: Any, groups: Any) -> None:
-        fault = self.faults.pop(ctx.step, None)
-        if fault is None:
+        if not self.faults or self.faults[0][0] > ctx.step or FaultInjector.latest.get("fault/engines_starting"):
             return
+        _, fault = self.faults.pop(0)
         import psutil
 
         if fault in TRAINER_FAULTS:  # this driver's trainer ranks, from Ray's actor table
@@ -95,8 +100,12 @@ def _run(overrides: list[str]) -> tuple[list[tuple[int, dict[str, float], float]
 
     run, resolved = compose(overrides)
     seen: list[tuple[int, dict[str, float], float]] = []
-    final = run_job(run, resolved_yaml=resolved, overrides=overrides,
-                    on_metrics=lambda m, s: seen.append((s, dict(m), time.monotonic())))
+
+    def on_metrics(m: dict[str, float], s: int) -> None:
+        seen.append((s, dict(m), time.monotonic()))
+        FaultInjector.latest = dict(m)
+
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=on_metrics)
     return seen, final
 
 
@@ -138,23 +147,32 @@ def main(argv: list[str] | None = None) -> int:
     algo = compose(common)[0].algo
     full = algo.num_prompts_per_step * algo.num_samples_per_prompt
     report: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "faults": {}}
-    outage_before = 0.0
-    for step in sorted(by_step):
+    steps = sorted(by_step)
+
+    def before(key: str, step: int) -> float:  # a run-long metric as of the end of the step before ``step``
+        return next((by_step[s][0][key] for s in reversed(steps) if s < step and key in by_step[s][0]), 0.0)
+
+    for step, (name, sent_at) in sorted(FaultInjector.sent.items()):
         m, t = by_step[step]
-        outage = m.get("fault/engine_outage_s", outage_before)
-        if step in FaultInjector.sent:
-            name, sent_at = FaultInjector.sent[step]
-            recovery = t - sent_at
-            if name in TRAINER_FAULTS:
-                report["faults"][name] = {
-                    "step": step, "recovery_s": round(recovery, 2), "detect_s": round(m["fault/trainer_detect_s"], 3),
-                    "restore_s": round(m["fault/trainer_restore_s"], 2), "restarts": m["fault/trainer_restarts"]}
-                outage_before = outage
-                continue
+        if name in TRAINER_FAULTS:
             report["faults"][name] = {
-                "step": step, "recovery_s": round(recovery, 2), "out_of_rotation_s": round(outage - outage_before, 2),
-                "detect_s": round(recovery - (outage - outage_before), 2), "restarts": m.get("fault/engine_restarts")}
-        outage_before = outage
+                "step": step, "recovery_s": round(t - sent_at, 2), "detect_s": round(m["fault/trainer_detect_s"], 3),
+                "restore_s": round(m["fault/trainer_restore_s"], 2), "restarts": m["fault/trainer_restarts"]}
+            continue
+        # back in rotation: at the end of the first step from the fault's whose push added outage seconds (the
+        # same step when the push waits for the replacement, a later one when it starts in the background)
+        outage0 = before("fault/engine_outage_s", step)
+        back = next((s for s in steps if s >= step and by_step[s][0].get("fault/engine_outage_s", 0.0) > outage0), None)
+        if back is None:
+            report["faults"][name] = {"step": step, "recovery_s": None, "restarts": m.get("fault/engine_restarts")}
+            continue
+        mb, tb = by_step[back]
+        recovery, out = tb - sent_at, mb["fault/engine_outage_s"] - outage0
+        report["faults"][name] = {
+            "step": step, "back_at_step": back, "recovery_s": round(recovery, 2), "out_of_rotation_s": round(out, 2),
+            "detect_s": round(recovery - out, 2),
+            "blocked_s": round(m.get("fault/engine_blocked_s", 0.0) - before("fault/engine_blocked_s", step), 2),
+            "restarts": mb.get("fault/engine_restarts")}
     ledger = {k: v for k, v in faulted.items() if k.startswith("ledger/")}
     trained_steps = [m for s, (m, _) in by_step.items() if s > 0]
     report |= {
@@ -165,14 +183,21 @@ def main(argv: list[str] | None = None) -> int:
         "restarts": faulted.get("fault/engine_restarts"), "trainer_restarts": faulted.get("fault/trainer_restarts"),
         "eval_accuracy_faulted": faulted.get("eval/accuracy"), "eval_accuracy_uninterrupted": clean.get("eval/accuracy"),
         "ledger": ledger,
+        "not_sent": sorted(set(faults.values()) - {name for name, _ in FaultInjector.sent.values()}),
     }
     for name, f in report["faults"].items():
         if name in TRAINER_FAULTS:
             print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.3f} s, "
                   f"restore {f['restore_s']:5.1f} s), restarts {f['restarts']:.0f}")
             continue
+        if f["recovery_s"] is None:
+            print(f"{name:12s} step {f['step']:3d}: not back in rotation by the end of the run")
+            continue
         print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.1f} s, "
-              f"out of rotation {f['out_of_rotation_s']:5.1f} s), restarts {f['restarts']:.0f}")
+              f"out of rotation {f['out_of_rotation_s']:5.1f} s; back at step {f['back_at_step']}, the step waited "
+              f"{f['blocked_s']:.1f} s for it), restarts {f['restarts']:.0f}")
+    if report["not_sent"]:
+        print(f"not sent (a replacement was still starting until the end; raise --steps): {', '.join(report['not_sent'])}")
     print(f"steps lost {report['steps_lost']}, prompts lost {report['prompts_lost']:.0f}, duplicated "
           f"{report['prompts_duplicated']:.0f}; eval/accuracy {report['eval_accuracy_faulted']:.3f} with the faults, "
           f"{report['eval_accuracy_uninterrupted']:.3f} without")

@@ -282,14 +282,16 @@ class RolloutConfig:
     """Queued requests sent together in one engine call (1: every request its own call)."""
     max_engine_restarts: int = 3
     """Engines that died or hung replaced by new actors over the run, in their placement bundles, at weight
-    pushes (:mod:`miles.core.recovery`); 0: a dead engine leaves the rotation for good."""
+    pushes (:mod:`miles.core.recovery`; with ``placement=disaggregated`` and other engines in rotation the
+    push starts a replacement without waiting for it, and a later push puts it in rotation); 0: a dead
+    engine leaves the rotation for good."""
     engine_timeout_s: float = 30.0
     """Calls to an engine other than generation (the health check at each weight push, the memory offload
     of ``placement.offload_engines``): an engine that does not answer within it is taken out as hung (and
     replaced, within ``max_engine_restarts``)."""
     max_outage_s: float = 300.0
     """With no engine in rotation, how long the run waits for replacements to come up before it ends
-    with an error."""
+    with an error; also how long a replacement may take to start before it is killed and started again."""
     health_interval_s: float = 10.0
     """While a rollout has calls in flight on an engine, the engine is asked for its health this often;
     one that does not answer within ``engine_timeout_s`` (hung) is taken out of rotation at once and its

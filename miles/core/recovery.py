@@ -10,18 +10,23 @@ then:
    ``rollout.engine_timeout_s`` is taken out as hung (as is one that does not finish the memory offload
    of the train step within it);
 2. kills each engine out of rotation and starts a new actor in its placement bundle, constructed as at
-   the start of the run (:func:`miles.core.actors.replace_engine`), and waits until it answers;
+   the start of the run (:func:`miles.core.actors.replace_engine`), and waits until it answers; with
+   engines of their own bundles (``placement=disaggregated``) and others still in rotation it does not
+   wait, and a later push finds it up (:class:`EngineRecovery`);
 3. pushes the weights of the current version to the new engines alone, and only then puts them in
    rotation: no request reaches an engine before it holds the version the others hold.
 
 This happens at most ``rollout.max_engine_restarts`` times over the run; after that an engine that
 dies stays out, as it did before. With no engine in rotation (every engine died in one rollout) the
 synchronous loop waits for replacements, up to ``rollout.max_outage_s``, and repeats the rollout; the
-prompts of the failed rollout were never counted as drawn. Under the async schedules a rollout that
-loses every engine still ends the run.
+prompts of the failed rollout were never counted as drawn. Under the async schedules the rollout
+stream stops, the engines are replaced the same way, and the groups they were generating are generated
+again (:mod:`miles.core.schedules`).
 
 Metrics: ``fault/engine_restarts`` (over the run), ``fault/engine_outage_s`` (seconds the replaced
-engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start).
+engines were out of rotation, over the run), ``fault/engine_start_s`` (the last replacement's start),
+``fault/engine_blocked_s`` (seconds pushes waited for replacements, over the run),
+``fault/engines_starting`` (replacements not yet in rotation).
 
 Trainer ranks (:class:`TrainerRecovery`, every schedule; not in runs with tenants): while a step waits
 on the trainer and critic ranks, it probes them (:func:`get_ranks`, in a thread of each rank's own, so a
@@ -58,45 +63,56 @@ log = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """Replaces the engines of ``rollout`` that are out of rotation (see the module docstring)."""
+    """Replaces the engines of ``rollout`` that are out of rotation (see the module docstring).
 
-    def __init__(self, actors: Actors, rollout: RolloutManager, run: MilesConfig, checkpoint_dir: str) -> None:
+    ``background`` (default: engines with bundles of their own, ``placement=disaggregated``): while other
+    engines are in rotation, a push starts the replacements and returns without waiting for them; a later
+    push gives each one that is up the weights and puts it in rotation. Otherwise (and always when no
+    engine is left) the push waits for them. Colocated engines share their bundles with trainer ranks,
+    whose memory a starting engine must not compete with during a train step, so they are waited for.
+    """
+
+    def __init__(self, actors: Actors, rollout: RolloutManager, run: MilesConfig, checkpoint_dir: str,
+                 background: bool | None = None) -> None:
         self.actors, self.rollout, self.run, self.checkpoint_dir = actors, rollout, run, checkpoint_dir
         self.cfg = run.rollout
-        self.restarts, self.outage_s, self.start_s = 0, 0.0, 0.0
+        self.background = actors.plan.placement == "disaggregated" if background is None else background
+        self.restarts, self.outage_s, self.start_s, self.blocked_s = 0, 0.0, 0.0, 0.0
+        self.starting: dict[int, tuple[Any, Any, float]] = {}  # engine -> (new actor, its health ref, started at)
 
     def metrics(self) -> dict[str, float]:
         return {"fault/engine_restarts": float(self.restarts), "fault/engine_outage_s": self.outage_s,
-                "fault/engine_start_s": self.start_s}
+                "fault/engine_start_s": self.start_s, "fault/engine_blocked_s": self.blocked_s,
+                "fault/engines_starting": float(len(self.starting))}
 
     def restore(self, trainers: Sequence[Any], version: int, transport: Transport | None) -> dict[str, float]:
-        """Replace the engines out of rotation (while restarts are left), give the new ones ``version``
-        (the trainers' current weights) and put them in rotation. The caller checked the engines in
-        rotation (:func:`miles.core.step.push_weights`).
+        """Start replacements for the engines out of rotation (while restarts are left); give those that are
+        up ``version`` (the trainers' current weights) and put them in rotation. With engines left in
+        rotation and ``background``, returns without waiting for the others; else waits for them, up to
+        ``rollout.max_outage_s``. The caller checked the engines in rotation
+        (:func:`miles.core.step.push_weights`).
 
         Raises :class:`~miles.rollout.dispatch.AllEnginesDeadError` when no engine is in rotation and none
         could be brought back within ``rollout.max_outage_s``.
         """
         pool = self.rollout.pool
-        down = [e for e in range(len(pool.engines)) if e not in pool.alive]
-        deadline = time.monotonic() + self.cfg.max_outage_s
-        while down and self.restarts < self.cfg.max_engine_restarts and time.monotonic() < deadline:
-            fresh = self._start(down[: self.cfg.max_engine_restarts - self.restarts], deadline)
-            if not fresh:
-                continue  # none started: counted, tried again while restarts and time are left
-            try:
-                sync_weights(trainers, list(fresh.values()), version=version, transport=transport)
-            except Exception as err:  # noqa: BLE001 - the new engines failed; the next round replaces them again
-                log.warning("rollout engine(s) %s: the replacements did not take version %d (%s)", sorted(fresh),
-                            version, first_line(err))
-                continue
-            for e, engine in fresh.items():
-                out = pool.revive(e, engine)
-                self.outage_s += out
-                down.remove(e)
-                log.warning("rollout engine %d replaced: a new actor holds version %d and is in rotation again "
-                            "(out for %.1f s, %d of %d restart(s) used)", e, version, out, self.restarts,
-                            self.cfg.max_engine_restarts)
+        t0 = time.monotonic()
+        deadline, waited = t0 + self.cfg.max_outage_s, False
+        while True:
+            self._launch([e for e in range(len(pool.engines)) if e not in pool.alive and e not in self.starting])
+            wait = not (self.background and pool.alive)
+            if not self.starting:
+                break
+            waited |= wait
+            fresh = self._ready(max(deadline - time.monotonic(), 0.0) if wait else 0.0)
+            if fresh:
+                self._join(fresh, trainers, version, transport)
+            if not wait or not self.starting and self.restarts >= self.cfg.max_engine_restarts:
+                break
+            if time.monotonic() >= deadline:
+                break
+        if waited:
+            self.blocked_s += time.monotonic() - t0
         if not pool.alive:
             why = "no restarts left" if self.restarts >= self.cfg.max_engine_restarts else (
                 f"none came up within rollout.max_outage_s ({self.cfg.max_outage_s:g} s)")
@@ -104,25 +120,62 @@ class EngineRecovery:
                                       f"rollout.max_engine_restarts={self.cfg.max_engine_restarts}; {why}.")
         return self.metrics()
 
-    def _start(self, engines: list[int], deadline: float) -> dict[int, Any]:
-        """New actors for ``engines``, started together; those that answer their health check before
-        ``deadline``, by engine index (the others are killed)."""
-        t0 = time.perf_counter()
-        self.restarts += len(engines)
-        fresh = {e: replace_engine(self.actors, e, self.run, self.checkpoint_dir) for e in engines}
-        checks = {e: a.health.remote() for e, a in fresh.items()}
+    def _launch(self, down: list[int]) -> None:
+        """Start new actors for engines ``down``, as many as restarts are left (each counts as one)."""
+        for e in down[: max(self.cfg.max_engine_restarts - self.restarts, 0)]:
+            self.restarts += 1
+            actor = replace_engine(self.actors, e, self.run, self.checkpoint_dir)
+            self.starting[e] = (actor, actor.health.remote(), time.monotonic())
+            log.warning("rollout engine %d: starting a replacement (%d of rollout.max_engine_restarts=%d)%s", e,
+                        self.restarts, self.cfg.max_engine_restarts,
+                        "; the run goes on with the engines in rotation meanwhile"
+                        if self.background and self.rollout.pool.alive else "")
+
+    def _ready(self, timeout: float) -> dict[int, Any]:
+        """The starting replacements whose health check answered within ``timeout`` (0: those done now), by
+        engine index. One that failed, or took longer than ``rollout.max_outage_s`` since it started, is
+        killed and dropped (its engine is started again while restarts are left)."""
+        refs = {ref: e for e, (_, ref, _) in self.starting.items()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         up = {}
-        for e, ref in checks.items():
+        for ref in done:
+            e = refs[ref]
+            actor, _, started = self.starting.pop(e)
             try:
-                health = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+                health = ray.get(ref)
                 if not health.get("ok", True):
                     raise RuntimeError(f"health check: {health}")
-                up[e] = fresh[e]
+                up[e] = actor
+                self.start_s = time.monotonic() - started
             except Exception as err:  # noqa: BLE001 - a failed start is counted and logged, then tried again
                 log.warning("rollout engine %d: the replacement did not start (%s)", e, first_line(err))
-                ray.kill(fresh[e], no_restart=True)
-        self.start_s = time.perf_counter() - t0
+                ray.kill(actor, no_restart=True)
+        now = time.monotonic()
+        for e in [e for e, (_, _, started) in self.starting.items() if now - started > self.cfg.max_outage_s]:
+            actor, _, _ = self.starting.pop(e)
+            log.warning("rollout engine %d: the replacement did not answer within rollout.max_outage_s (%g s); "
+                        "killed", e, self.cfg.max_outage_s)
+            ray.kill(actor, no_restart=True)
         return up
+
+    def _join(self, fresh: dict[int, Any], trainers: Sequence[Any], version: int,
+              transport: Transport | None) -> None:
+        """Give the replacements ``fresh`` the weights of ``version``, then put them in rotation: no request
+        reaches one before it holds the version the others hold."""
+        try:
+            sync_weights(trainers, list(fresh.values()), version=version, transport=transport)
+        except Exception as err:  # noqa: BLE001 - the new engines failed; they are started again while restarts are left
+            log.warning("rollout engine(s) %s: the replacements did not take version %d (%s)", sorted(fresh),
+                        version, first_line(err))
+            for actor in fresh.values():
+                ray.kill(actor, no_restart=True)
+            return
+        for e, engine in fresh.items():
+            out = self.rollout.pool.revive(e, engine)
+            self.outage_s += out
+            log.warning("rollout engine %d replaced: a new actor holds version %d and is in rotation again "
+                        "(out for %.1f s, %d of %d restart(s) used)", e, version, out, self.restarts,
+                        self.cfg.max_engine_restarts)
 
 
 class TrainerRankDiedError(RuntimeError):
