@@ -31,7 +31,8 @@ class DiesAtVersion(TorchEngine):
     """The torch engine, whose process exits (as an out-of-memory kill would end it) at the first
     ``generate`` call once it holds weights of version ``die_at_version``, if its id is in ``die_engines``:
     the calls it is serving die with it. With ``once_marker`` (a file path) only the first engine to get
-    there dies, creating the file first: the engine that replaces it lives."""
+    there dies, creating the file first: the engine that replaces it lives. ``{engine}`` in the path is
+    the engine's id: each engine dies once."""
 
     def __init__(self, checkpoint_dir: str, precision: Any, *, die_at_version: int, die_engines: list[int],
                  once_marker: str | None = None, **kwargs: Any) -> None:
@@ -44,7 +45,7 @@ class DiesAtVersion(TorchEngine):
             if self.once_marker is None:
                 os._exit(1)
             try:
-                Path(self.once_marker).touch(exist_ok=False)
+                Path(self.once_marker.format(engine=self.engine_id)).touch(exist_ok=False)
             except FileExistsError:
                 pass  # a replacement: the engine it replaces died already
             else:

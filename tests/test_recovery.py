@@ -157,6 +157,42 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
                                       "trainer_kill, trainer_hang (with --engine torch)") in capsys.readouterr().err
 
 
+@pytest.fixture
+def plugin_engines():
+    """``tests/plugin_backends`` for the engine actors (the Ray workers get the module by value)."""
+    import plugin_backends
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(plugin_backends)
+    yield plugin_backends
+    cloudpickle.unregister_pickle_by_value(plugin_backends)
+
+
+def test_the_engines_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, cache: Path, tmp_path: Path) -> None:
+    """Multi-LoRA tenants share one engine pool. Both engines die (once each) at their first generate call
+    with step 2's adapters, in tenant a's rollout of step 3: both are replaced, get the base and both
+    adapters, a's rollout runs again with the same prompts, and every tenant rolls out its whole batch at
+    every step; the ledger counts each prompt trained once."""
+    from miles.config import validate
+    from miles.core.run import run_job
+
+    cfg = {"seed": 1, "tracking": {"backend": "none"}, "plugins": {"allow": ["plugin_backends."]},
+           "warm_start": {"steps": 20, "cache_dir": str(cache)}, "trainer": {"num_steps": 3, "eval_every": 0},
+           "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4}, "cluster": {"reuse_actors": False},
+           "adapter": {"kind": "lora", "rank": 4, "alpha": 8.0}, "placement": {"num_engines": 2},
+           "rollout": {"engine": {"_target_": "plugin_backends.DiesAtVersion", "die_at_version": 2,
+                                  "die_engines": [0, 1], "once_marker": str(tmp_path / "died_{engine}")}},
+           "tenants": [{"name": "a", "task": "count"}, {"name": "b", "task": "largest"}]}
+    seen: dict[int, dict[str, float]] = {}
+    final = run_job(validate(cfg), resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
+    assert (tmp_path / "died_0").exists() and (tmp_path / "died_1").exists()
+    assert [seen[s]["fault/engine_restarts"] for s in (1, 2, 3)] == [0, 0, 2]
+    assert all(seen[s][f"tenant/{t}/rollout/samples"] == 16 and seen[s][f"tenant/{t}/rollout/failed"] == 0
+               for s in (1, 2, 3) for t in ("a", "b"))
+    assert seen[3]["tenant/b/rollout/engines_alive"] == 2  # the replacements serve the next tenant too
+    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (24, 24, 0)
+
+
 class KillTrainerRank:
     """Hook: at ``step`` (before its train step, the first ``times`` times it runs) send ``sig`` (SIGKILL,
     or SIGSTOP: a hung rank) to one trainer rank of this run, found in Ray's actor table by its class

@@ -273,7 +273,7 @@ def run_job(
             advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,
             fingerprint=fingerprint,
             start_offload=actors.start_offload, log_distributions=tracker.log_distributions, hooks=hooks,
-            recovery=None if run.tenants else EngineRecovery(actors, rollout, run, str(checkpoint)),
+            recovery=EngineRecovery(actors, rollout, run, str(checkpoint)),
             log_metrics=tracker.log_metrics if on_metrics is None else _tee(tracker.log_metrics, on_metrics))
         if actors.teachers:
             ctx.teacher = _teacher_pools(actors, run)
@@ -309,7 +309,7 @@ def run_job(
                 t_eval = _eval_runner(trun.task, run.plugins.allow, f"tenants[{len(tenants)}].task")
                 manager = RolloutManager(actors.engines, tokenizer, t_reward, eval_reward=t_eval, config=trun.rollout,
                                          generate_fn=parts["generate_fn"], filters=parts["filters"], adapter=t.name,
-                                         prompt_template=t.prompt_template)
+                                         prompt_template=t.prompt_template, pool=rollout.pool)
                 tenant_parts.append((manager, t_reward, t_eval))
                 tenants.append(Tenant(name=t.name, run=trun, task=task, rollout=manager))
             ctx.rollout = tenants[0].rollout

@@ -14,7 +14,10 @@ source, reward (any ``_target_``, in its own reward workers), prompt template an
    (:meth:`miles.train.fsdp.FSDPTrainer.train_step`). Samples of one tenant never reach another's
    adapter; a tenant whose every sample failed (e.g. its reward raised) sits the step out while the
    others train.
-3. **Sync**: the adapters' tensors only, as one version.
+3. **Sync**: the adapters' tensors only, as one version. The tenants' rollouts share one engine pool:
+   an engine that dies or hangs leaves the rotation for all of them, and the push replaces it (its
+   replacement gets the base and every adapter before it serves a tenant; :mod:`miles.core.recovery`).
+   When every engine dies in a tenant's rollout, they are replaced and that rollout runs again.
 4. **Log**: each tenant's rollout, train and eval metrics under ``tenant/<name>/...`` (its request latency
    and time to first token quantiles among them), and its reward (scored samples) and response-length
    distributions as ``tenant/<name>/train/reward`` and ``tenant/<name>/rollout/response_len``; evaluation
@@ -93,8 +96,15 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     """``trainer.num_steps`` steps over every tenant (module docstring); returns the last step's metrics."""
     from miles.core.evaluate import evaluate
     from miles.core.progress import Progress
-    from miles.core.step import begin_profile, end_profile, learn, log_batch_sizes, sampling_params
-    from miles.weights.sync import sync_weights
+    from miles.core.step import (
+        begin_profile,
+        end_profile,
+        learn,
+        log_batch_sizes,
+        push_weights,
+        sampling_params,
+    )
+    from miles.rollout.dispatch import AllEnginesDeadError
 
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
     rng = {t.name: random.Random(f"{run.seed}:{t.name}") for t in tenants}
@@ -131,9 +141,22 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         metrics = {}
         spread: dict[str, list[float]] = {}  # per-sample values of each tenant, logged as distributions
         for t in tenants:  # 1-2. each tenant's rollout through its adapter, scored by its reward
-            got, m = t.rollout.collect(
-                lambda k, t=t: t.task.sample(k, rng[t.name]), algo.num_prompts_per_step, algo.num_samples_per_prompt,
-                sampling_params(t.run), seed=run.seed * 1_000_003 + next_group_id, first_group_id=next_group_id)
+            def collect(t: Tenant = t, first: int = next_group_id) -> tuple[list[list[Any]], dict[str, float]]:
+                return t.rollout.collect(
+                    lambda count: t.task.sample(count, rng[t.name]), algo.num_prompts_per_step, algo.num_samples_per_prompt,
+                    sampling_params(t.run), seed=run.seed * 1_000_003 + first, first_group_id=first)
+
+            state = rng[t.name].getstate()
+            try:
+                got, m = collect()
+            except AllEnginesDeadError:  # every engine died in this rollout: new ones (the step's weights), again
+                if ctx.recovery is None:
+                    raise
+                log.warning("step %d: every rollout engine died in tenant %s's rollout; replacing them and rolling "
+                            "out again", step, t.name)
+                ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)
+                rng[t.name].setstate(state)  # the same prompts
+                got, m = collect()
             ctx.ledger.draw(range(next_group_id, next_group_id + int(m["rollout/groups"])))
             for group_id, outcome in t.rollout.left_out.items():
                 ctx.ledger.settle(group_id, outcome)
@@ -155,7 +178,7 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         metrics, _ = learn(ctx, step, groups, metrics)  # 3-4. one batch; the trainer splits it per adapter
         ctx.ledger.settle_batch(groups)
         t2 = time.perf_counter()
-        metrics |= sync_weights(ctx.trainers, ctx.rollout.live_engines, version=step, transport=ctx.transport)
+        metrics |= push_weights(ctx, step)  # the adapters; engines out of rotation replaced (miles.core.recovery)
         hooks.after_weight_sync(step, step)
         t3 = time.perf_counter()
         end_profile(ctx, step)

@@ -110,6 +110,7 @@ class RolloutManager:
     when its ``kind`` is ``"group"``); ``eval_reward``, another one, scores ``rollout(..., evaluation=True)``
     (held-out prompts) instead of ``reward`` when given.
     ``generate_fn`` and ``filters`` are the built ``rollout.generate_fn`` / ``rollout.filters``.
+    ``pool``: share another manager's :class:`~miles.rollout.dispatch.EnginePool` instead of ``engines``.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class RolloutManager:
         adapter: str | None = None,
         prompt_template: str = "{prompt}",
         image_processor: Any = None,
+        pool: EnginePool | None = None,
     ) -> None:
         for name, runner in (("reward", reward), ("eval_reward", eval_reward)):
             if (runner is not None or name == "reward") and getattr(runner, "kind", None) not in ("sample", "group"):
@@ -137,7 +139,9 @@ class RolloutManager:
         self.cfg = config or RolloutConfig()
         self.generate_fn = generate_fn
         self.filters = [(_fn_name(f), f) for f in filters]
-        self.pool = EnginePool(engines, self.cfg)
+        # ``pool``: another manager's, shared (multi-LoRA tenants: an engine that dies, or its replacement,
+        # is seen by every tenant); else this manager's own over ``engines``
+        self.pool = pool if pool is not None else EnginePool(engines, self.cfg)
         self.counts: Counter[str] = Counter()  # reward_ms
         self._prompt_cache: dict[str, tuple[int, ...]] = {}
         self.reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward")
