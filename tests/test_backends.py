@@ -119,6 +119,15 @@ def test_class_checks_say_what_a_backend_lacks(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="schedule=fully_async: the rollout engine .*Unversioned does not report"):
         check_engine_class(Unversioned, run=asynchronous)
     check_engine_class(Unversioned, run=validate({}))  # sync does not need it
+    # adapter=lora takes an engine class that holds adapters (a subclass of the torch engine inherits it)
+    lora = validate({"adapter": {"kind": "lora"}})
+    check_engine_class(plugin_backends.NoPause, run=lora)
+
+    class NoAdapters(TorchEngine):
+        takes_adapter_updates = False
+
+    with pytest.raises(ConfigError, match="adapter=lora: the rollout engine .*NoAdapters does not take adapter-only"):
+        check_engine_class(NoAdapters, run=lora)
 
 
 def test_backends_resolve_from_config_and_refuse_unlisted_targets_before_import() -> None:

@@ -85,8 +85,9 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
                        key: str = "rollout.engine", run: Any = None) -> None:
     """An engine class the driver can use: the Protocol's methods, a constructor taking the driver's
     arguments and the config's, ``release_memory`` / ``resume_memory`` when ``offload``, and, given
-    ``run``, a true ``reports_token_versions`` class attribute under an async schedule and the class's
-    own ``check_config(run)`` when it has one."""
+    ``run``, a true ``reports_token_versions`` class attribute under an async schedule, a true
+    ``takes_adapter_updates`` one with ``adapter`` LoRA, and the class's own ``check_config(run)`` when it
+    has one."""
     _check_methods(cls, RolloutEngine, f"{key}._target_")
     shadow = sorted(set(kwargs) & set(ENGINE_INIT_ARGS))
     if shadow:
@@ -103,6 +104,10 @@ def check_engine_class(cls: Any, *, kwargs: Mapping[str, Any] = {}, offload: boo
                 f"Set placement.offload_engines=false or use an engine that can offload.{' ' + hint if hint else ''}")
     if run is not None and run.schedule.name != "sync" and not getattr(cls, "reports_token_versions", False):
         raise ConfigError(no_token_versions(run.schedule.name, _name(cls)))
+    if run is not None and run.adapter.kind != "none" and not getattr(cls, "takes_adapter_updates", False):
+        raise ConfigError(f"adapter={run.adapter.kind}: the rollout engine {_name(cls)} does not take adapter-only "
+                          "weight updates (a true takes_adapter_updates class attribute); use rollout=torch or "
+                          f"rollout=sglang with adapter={run.adapter.kind}, or adapter=none")
     check = getattr(cls, "check_config", None)
     if run is not None and callable(check):
         check(run)

@@ -399,10 +399,8 @@ def _check_adapter(run: MilesConfig) -> None:
     if not run.trainer.target.endswith(ADAPTER_TRAINERS):
         raise ConfigError(f"adapter=lora: the trainer {run.trainer.target} does not train adapters; use trainer=fsdp "
                           "or trainer=megatron with adapter=lora, or adapter=none")
-    if not run.rollout.engine.target.endswith(("torch_engine.TorchEngine", "sglang_engine.SGLangEngine",
-                                                "sglang_engine.SGLangOffloadingEngine")):
-        raise ConfigError(f"adapter=lora: the rollout engine {run.rollout.engine.target} does not take adapter-only "
-                          "weight updates; use rollout=torch or rollout=sglang with adapter=lora, or adapter=none")
+    # the engine class is checked where it is imported (miles.backends.contract.check_engine_class:
+    # ``takes_adapter_updates``), so an engine that subclasses the torch or SGLang engine qualifies
     if run.precision.true_on_policy:
         raise ConfigError("adapter=lora with precision.true_on_policy=true: the exact single-sequence path runs the "
                           "model without per-row adapters; use one of the two")

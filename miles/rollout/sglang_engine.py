@@ -176,6 +176,9 @@ class SGLangEngine(SGLangCalls, SGLangScoring, SGLangEngineWeights, Reusable):
 
     reports_token_versions = True
     """Every result carries the weight version of each token (``token_versions``): async schedules need it."""
+    takes_adapter_updates = True
+    """Holds LoRA adapters by name beside the base and takes weight pushes of their tensors alone
+    (``adapter=lora``)."""
 
     @staticmethod
     def check_config(run: Any) -> None:

@@ -150,6 +150,9 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
 
     reports_token_versions = True
     """Every result carries the weight version of each token (``token_versions``): async schedules need it."""
+    takes_adapter_updates = True
+    """Holds LoRA adapters by name beside the base and takes weight pushes of their tensors alone
+    (``adapter=lora``)."""
 
     def __init__(
         self,
