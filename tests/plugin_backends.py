@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,26 @@ class CountingTrainer(FSDPTrainer):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self.steps += 1
         return {**super().train_step(batch), "train/plugin_steps": float(self.steps)}
+
+
+class StopsInPush(FSDPTrainer):
+    """The FSDP trainer, whose rank 1 stops itself (SIGSTOP: a hung rank) when asked to send the weights of
+    version 2, while rank 0 waits on it in the gather; once per run: it first creates ``stopped-in-push`` in
+    ``trainer.save_dir``, so the ranks that replace it send as usual."""
+
+    def __init__(self, *, config: RankConfig, **kwargs: Any) -> None:
+        super().__init__(config=config, **kwargs)
+        self.marker = Path(config.trainer.save_dir) / "stopped-in-push" if config.trainer.save_dir else None
+
+    def send_weights(self, sender: Any, version: int) -> Any:
+        if self.rank == 1 and version == 2 and self.marker is not None:
+            try:
+                self.marker.touch(exist_ok=False)
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return super().send_weights(sender, version)
 
 
 class NoPause(TorchEngine):

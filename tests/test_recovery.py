@@ -302,6 +302,28 @@ def test_a_hung_trainer_rank_is_killed_and_restored(ray_cluster, cache: Path, tm
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
 
 
+def test_a_rank_hung_in_the_weight_push_is_killed_and_restored(ray_cluster, plugin_engines, cache: Path,
+                                                               tmp_path: Path) -> None:
+    """Step 2: FSDP rank 1 of 2 stops (SIGSTOP) inside the weight push while rank 0 waits on it in the gather.
+    The push's probes find it (trainer.hang_timeout_s=5) and kill it, and the run goes on as after a death:
+    restored from step 1's checkpoint, step 2 retried and its push sent."""
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "placement.num_engines=1", "placement.trainer_world_size=2", "trainer.num_steps=2",
+                 "trainer.save_every=1", f"trainer.save_dir={tmp_path}", f"warm_start.cache_dir={cache}",
+                 "trainer.hang_timeout_s=5", "trainer._target_=plugin_backends.StopsInPush",
+                 "plugins.allow=[plugin_backends.,miles.]", "hooks=[]"]
+    run, resolved = compose(overrides)
+    seen: list[tuple[int, dict[str, float]]] = []
+    final = run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append((s, dict(m))))
+    assert (tmp_path / "stopped-in-push").exists()
+    assert [s for s, _ in seen if s > 0] == [1, 2]
+    by = dict(seen)
+    assert by[2]["fault/trainer_restarts"] == 1 and by[2]["weight_sync/version"] == 2
+    assert 0 < by[2]["fault/trainer_detect_s"] < 60  # probes every 5 s, answered within 5 s, or killed
+    assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
+
+
 def test_a_hang_without_recovery_is_one_clear_error(ray_cluster, cache: Path, tmp_path: Path) -> None:
     """trainer.max_failures=0: the stopped rank is found and killed, and the run ends with an error that
     says it hung, instead of waiting out the process group's timeout."""

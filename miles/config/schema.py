@@ -337,11 +337,11 @@ class TrainerConfig:
     ``save_every`` must have written) and the step retried (:mod:`miles.core.recovery`); 0: a dead rank
     ends the run. Runs with ``tenants`` do not recover: a dead rank ends them."""
     hang_timeout_s: float = 30.0
-    """While a step waits on the trainer (and critic) ranks, each is probed every 10 s at most, in a thread
-    of its own that answers while the rank computes or waits on a peer; a rank that does not answer within
-    this many seconds is hung (stopped, or stuck holding the interpreter): it is killed, and handled as a
-    dead rank (see ``max_failures``). 0: no probes; a hung rank blocks the step until its process group's
-    own timeout."""
+    """While the driver waits on the trainer (and critic) ranks (a train step, the weight push, a
+    checkpoint's save or load), each is probed every 10 s at most, in a thread of its own that answers
+    while the rank computes or waits on a peer; a rank that does not answer within this many seconds is
+    hung (stopped, or stuck holding the interpreter): it is killed, and handled as a dead rank (see
+    ``max_failures``). 0: no probes; a hung rank blocks the step until its process group's own timeout."""
     max_tokens_per_microbatch: int = 8192
     """Padded tokens (rows x longest row) per forward/backward, rows sorted by length so each pass pads
     only to its own longest (the responses alone when the prompts are shared); gradients accumulate over

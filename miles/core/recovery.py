@@ -269,7 +269,8 @@ class TrainerRecovery:
                     pass  # alive but slow to answer (a loaded machine); restarted with the group
                 except ray.exceptions.RayActorError:
                     dead[kind].append(rank)
-        self.detect_s = time.perf_counter() - t0 + getattr(cause, "detect_s", 0.0)  # with a hang's own
+        hang = next((e for e in (cause, cause.__cause__) if hasattr(e, "detect_s")), None)  # e.g. in a weight push
+        self.detect_s = time.perf_counter() - t0 + (hang.detect_s if hang is not None else 0.0)  # with a hang's own
         if not any(dead.values()):
             return None
         return TrainerRankDiedError(step, dead, cause)

@@ -74,19 +74,23 @@ _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every",
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
          config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
          stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None,
-         draft: Any | None = None) -> Path:
+         draft: Any | None = None, hang_timeout_s: float = 0.0) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
     its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`;
-    ``draft``: the online draft's trainer (``draft.online``), whose state goes into ``draft/``.
+    ``draft``: the online draft's trainer (``draft.online``), whose state goes into ``draft/``;
+    ``hang_timeout_s``: the ranks are probed while they write (:func:`miles.core.recovery.get_ranks`): one that
+    hangs is killed, and the checkpoint is not published.
 
     The steps, each a function: :func:`begin` (an empty ``step_<k>.tmp``), the ranks' state, :func:`write_loop`,
     :func:`seal` (the manifest), :func:`publish` (the rename, then pruning)."""
     import ray
 
+    from miles.core.recovery import get_ranks
+
     tmp = begin(save_dir, step)
-    ray.get([t.save_state.remote(str(tmp / "trainer")) for t in trainers])
+    get_ranks([t.save_state.remote(str(tmp / "trainer")) for t in trainers], trainers, "trainer", hang_timeout_s)
     if critics:
-        ray.get([c.save_state.remote(str(tmp / "critic")) for c in critics])
+        get_ranks([c.save_state.remote(str(tmp / "critic")) for c in critics], critics, "critic", hang_timeout_s)
     if draft is not None:
         try:
             ray.get(draft.save_state.remote(str(tmp / "draft")))

@@ -9,6 +9,7 @@ is :mod:`miles.core.loop`, the asynchronous schedules :mod:`miles.core.schedules
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -208,7 +209,8 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
         raise ctx.rollout.pool.all_dead_error()
     metrics = {}
     try:
-        metrics = sync_weights(ctx.trainers, engines, version=version, transport=ctx.transport) if engines else {}
+        metrics = sync_weights(ctx.trainers, engines, version=version, transport=ctx.transport,
+                               wait_trainers=_probed(ctx)) if engines else {}
     except RuntimeError:
         ctx.rollout.drop_dead_engines()
         left = ctx.rollout.live_engines
@@ -218,12 +220,19 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
             raise ctx.rollout.pool.all_dead_error() from None
         log.warning("weight push of version %d: %d engine(s) died; retried on the %d left", version,
                     len(engines) - len(left), len(left))
-        metrics = sync_weights(ctx.trainers, left, version=version, transport=ctx.transport) if left else {}
+        metrics = sync_weights(ctx.trainers, left, version=version, transport=ctx.transport,
+                               wait_trainers=_probed(ctx)) if left else {}
     if ctx.recovery is not None:
         metrics |= ctx.recovery.restore(ctx.trainers, version, ctx.transport)
     if ctx.draft is not None:  # after the recovery: a replacement engine gets the trained draft too
         metrics |= push_draft(ctx, version)
     return metrics
+
+
+def _probed(ctx: LoopContext) -> Callable[[list[Any]], list[Any]]:
+    """Wait for one call on each trainer rank while probing them (:func:`miles.core.recovery.get_ranks`): a
+    rank that hangs (``trainer.hang_timeout_s``) is killed instead of waited on for ever."""
+    return functools.partial(get_ranks, ranks=ctx.trainers, kind="trainer", timeout_s=ctx.run.trainer.hang_timeout_s)
 
 
 def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
@@ -335,7 +344,7 @@ def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
                        keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream,
-                       fingerprint=ctx.fingerprint, draft=ctx.draft)
+                       fingerprint=ctx.fingerprint, draft=ctx.draft, hang_timeout_s=ctx.run.trainer.hang_timeout_s)
     ctx.last_checkpoint = str(path)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))
@@ -354,10 +363,12 @@ def resume_checkpoint(ctx: LoopContext, path: str | None = None) -> checkpoints.
                     + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
     if state.ledger is not None:
         ctx.ledger.restore(state.ledger)
-    ray.get([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers])
+    hang_s = ctx.run.trainer.hang_timeout_s  # a rank that hangs while it loads is killed, not waited on
+    get_ranks([t.load_state.remote(str(state.path / "trainer")) for t in ctx.trainers], ctx.trainers, "trainer", hang_s)
     if critic is not None:
-        ray.get([c.load_state.remote(str(critic)) for c in ctx.critics])
-    sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport)
+        get_ranks([c.load_state.remote(str(critic)) for c in ctx.critics], ctx.critics, "critic", hang_s)
+    sync_weights(ctx.trainers, ctx.rollout.live_engines, version=state.step, transport=ctx.transport,
+                 wait_trainers=_probed(ctx))
     if ctx.draft is not None:  # draft.online: the draft it had, or (a checkpoint without one) the draft as loaded
         ctx.draft_training = None  # a batch after the checkpoint: not trained on
         if (state.path / "draft").is_dir():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.config.schema import WeightSyncConfig
@@ -76,13 +76,19 @@ def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequ
 
 def sync_weights(
     trainers: Sequence[Any], engines: Sequence[Any], version: int, transport: Transport | None = None,
+    wait_trainers: Callable[[list[Any]], list[Any]] | None = None,
 ) -> dict[str, float]:
     """Send the trainers' current weights to every engine as ``version``; returns timing metrics.
 
-    ``transport`` None uses the object store. On failure raises ``RuntimeError`` naming the
-    transport and the version; engines that did not receive the whole version keep their old one.
+    ``transport`` None uses the object store. ``wait_trainers``: how to wait for the trainer ranks' sends
+    (default ``ray.get``; the loop passes :func:`miles.core.recovery.get_ranks`, which kills a rank that
+    hangs instead of waiting on it for ever). On failure raises ``RuntimeError`` naming the transport and
+    the version; engines that did not receive the whole version keep their old one.
     """
     import ray
+
+    wait_trainers = wait_trainers or ray.get
+    recv_refs: list[Any] = []
 
     if transport is None:
         transport = make_transport(WeightSyncConfig(transport="object_store"), trainers, engines)
@@ -96,9 +102,8 @@ def sync_weights(
             recv_refs = [e.update_weights_from.remote(transport.receiver(i, version, None), version)
                          for i, e in enumerate(engines)]
             # let every side finish or fail (each waits at most weight_sync.timeout_s for the others), so
-            # that no engine is still inside this sync when we return or raise
-            ray.wait(send_refs + recv_refs, num_returns=len(send_refs) + len(recv_refs))
-            sent = _rank0(ray.get(send_refs))
+            # that no engine is still inside this sync when we return or raise (the except below)
+            sent = _rank0(wait_trainers(send_refs))
             t_sent = time.perf_counter()
             applied = ray.get(recv_refs)
         elif pipelined:  # the engines take rank 0's answer from its call themselves
@@ -106,15 +111,16 @@ def sync_weights(
             pending = PendingSent(send_refs[0])
             recv_refs = [e.update_weights_from.remote(transport.receiver(i, version, pending), version)
                          for i, e in enumerate(engines)]
-            ray.wait(send_refs + recv_refs, num_returns=len(send_refs) + len(recv_refs))
-            sent = _rank0(ray.get(send_refs))
+            sent = _rank0(wait_trainers(send_refs))
             applied = ray.get(recv_refs)
         else:
-            sent = _rank0(ray.get([t.send_weights.remote(sender, version) for t in trainers]))
+            sent = _rank0(wait_trainers([t.send_weights.remote(sender, version) for t in trainers]))
             t_sent = time.perf_counter()
             applied = ray.get([e.update_weights_from.remote(transport.receiver(i, version, sent), version)
                                for i, e in enumerate(engines)])
     except Exception as e:
+        if recv_refs:  # no engine is still inside this sync (each waits at most weight_sync.timeout_s)
+            ray.wait(recv_refs, num_returns=len(recv_refs))
         transport.failed()
         raise RuntimeError(f"weight sync of version {version} over '{transport.name}' failed; engines that did "
                            f"not apply it keep their previous version. Cause: {e}") from e
