@@ -107,6 +107,59 @@ def test_sweep_logs_a_parent_with_one_child_per_job_and_a_summary(tmp_path: Path
     assert parent.data.metrics["sweep/best_return"] == 0.2 and parent.data.metrics["sweep/best_job"] == 1
 
 
+PORTS_APP = '''
+import random, subprocess, sys
+from pathlib import Path
+
+import hydra
+
+from miles.config import validate
+from miles.core.cluster import rendezvous
+from miles.core.plan import Machine, make_plan
+
+RANK = """
+import sys, torch, torch.distributed as dist
+from miles.train.rank import init_device_and_group
+rank, addr, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+init_device_and_group(rank=rank, world_size=2, master_addr=addr, master_port=port)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+assert t.item() == 3.0, t
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name="ports")
+def main(cfg):
+    run = validate({"seed": cfg.seed})
+    random.seed(run.seed)  # as a run seeds: a port drawn from `random` would be every job's
+    addr, store = rendezvous(make_plan(run, Machine.here()))  # where a run's trainer group meets
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), addr, str(store.port)]) for r in range(2)]
+    codes = [p.wait(timeout=180) for p in ranks]
+    assert codes == [0, 0], codes
+    Path(cfg.out, f"{cfg.x}.port").write_text(str(store.port))
+
+
+main()
+'''
+
+
+@pytest.mark.slow
+def test_parallel_joblib_jobs_with_one_seed_form_their_groups_without_a_port_collision(tmp_path: Path) -> None:
+    """Four joblib jobs at once, seeded alike, each hosting a trainer group's store where a run's driver does
+    (:func:`miles.core.cluster.rendezvous`) and forming a two-rank gloo group on it: every group forms on a port of its own (the store binds the
+    port the kernel gives as it chooses it), and no job hits the loky start-method error."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install -e '.[sweep]'")
+    (tmp_path / "ports.py").write_text(PORTS_APP)
+    (tmp_path / "ports.yaml").write_text(f"x: 0\nseed: 0\nout: {tmp_path}\nhydra:\n  sweep: {{dir: {tmp_path / 'multirun'}}}\n")
+    p = _run([str(tmp_path / "ports.py"), "-m", "x=1,2,3,4", "hydra/launcher=joblib", "hydra.launcher.n_jobs=4"],
+             cwd=tmp_path)
+    ports = [int((tmp_path / f"{x}.port").read_text()) for x in (1, 2, 3, 4)]
+    assert len(set(ports)) == 4, ports
+    assert "cannot find context" not in p.stderr
+
+
 def test_a_failed_job_fails_the_parent_and_shows_in_the_summary(tmp_path: Path) -> None:
     p = _run([str(_app(tmp_path)), "-m", "x=1,fail"], cwd=tmp_path, check=False)
     assert p.returncode != 0
