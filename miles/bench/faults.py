@@ -95,6 +95,12 @@ class FaultInjector:
         FaultInjector.sent[ctx.step] = (fault, time.monotonic())
 
 
+def _samples(m: dict[str, float]) -> float:
+    """A step's rolled-out samples: ``rollout/samples``, or with tenants the sum of each one's."""
+    per_tenant = [v for k, v in m.items() if k.startswith("tenant/") and k.endswith("/rollout/samples")]
+    return sum(per_tenant) if per_tenant else m.get("rollout/samples", 0.0)
+
+
 def _run(overrides: list[str]) -> tuple[list[tuple[int, dict[str, float], float]], dict[str, float]]:
     from miles.core.run import run_job
 
@@ -144,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(save_dir)
     seen, faulted = _run(common + [hook])
     by_step = {s: (m, t) for s, m, t in seen}
-    algo = compose(common)[0].algo
-    full = algo.num_prompts_per_step * algo.num_samples_per_prompt
+    composed = compose(common)[0]
+    algo, tenants = composed.algo, max(len(composed.tenants), 1)  # a run with tenants rolls out each's batch
+    full = algo.num_prompts_per_step * algo.num_samples_per_prompt * tenants
     report: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "faults": {}}
     steps = sorted(by_step)
 
@@ -176,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ledger = {k: v for k, v in faulted.items() if k.startswith("ledger/")}
     trained_steps = [m for s, (m, _) in by_step.items() if s > 0]
     report |= {
-        "steps_lost": sum(1 for m in trained_steps if m.get("rollout/samples", 0) < full),
+        "steps_lost": sum(1 for m in trained_steps if _samples(m) < full),
         "prompts_lost": ledger.get("ledger/open", 0.0),
-        "prompts_duplicated": max(ledger.get("ledger/trained", 0.0) - len(trained_steps) * algo.num_prompts_per_step,
+        "prompts_duplicated": max(ledger.get("ledger/trained", 0.0)
+                                  - len(trained_steps) * algo.num_prompts_per_step * tenants,
                                   0.0),
         "restarts": faulted.get("fault/engine_restarts"), "trainer_restarts": faulted.get("fault/trainer_restarts"),
         "eval_accuracy_faulted": faulted.get("eval/accuracy"), "eval_accuracy_uninterrupted": clean.get("eval/accuracy"),
