@@ -150,11 +150,28 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
 
     with pytest.raises(SystemExit) as exit_:
         main(["--steps", "3"])
-    assert exit_.value.code == 2 and "--steps 3: at least 5 steps for 4 faults" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--steps 3: at least 6 steps for 5 faults" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["--faults", "trainer_kill,server_kill"])
     assert exit_.value.code == 2 and ("--faults trainer_kill,server_kill: choose from engine_kill, engine_hang, "
-                                      "trainer_kill, trainer_hang (with --engine torch)") in capsys.readouterr().err
+                                      "trainer_kill, trainer_hang, nonfinite_step (with --engine torch)"
+                                      ) in capsys.readouterr().err
+
+
+def test_the_benchs_nonfinite_step_is_skipped_and_the_run_goes_on(ray_cluster, cache: Path) -> None:
+    """bench faults' ``nonfinite_step``: step 1's batch gets NaN advantages before its train step; the
+    trainer skips that update and counts it, and step 2 updates as usual."""
+    from miles.bench.faults import FaultInjector
+    from miles.core.run import run_job
+
+    overrides = [*TINY, "placement.num_engines=1", "trainer.num_steps=2", f"warm_start.cache_dir={cache}",
+                 "hooks=[{_target_: miles.bench.faults.FaultInjector, engine_class: TorchEngine, "
+                 "faults: [[1, nonfinite_step]]}]"]
+    run, resolved = compose(overrides)
+    seen: dict[int, dict[str, float]] = {}
+    run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
+    assert [name for name, _ in FaultInjector.sent.values()] == ["nonfinite_step"] and 1 in FaultInjector.sent
+    assert seen[1]["train/nonfinite_skipped"] >= 1 and seen[2]["train/nonfinite_skipped"] == 0
 
 
 @pytest.fixture

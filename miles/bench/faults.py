@@ -10,7 +10,10 @@ hook in the driver (:class:`FaultInjector`):
 - ``trainer_kill``: SIGKILL of one trainer rank's actor process (both runs then write a run checkpoint
   every step, ``trainer.save_every=1``, which the restarted ranks restore);
 - ``trainer_hang``: SIGSTOP of one trainer rank's actor process, found by the train step's probes
-  (``trainer.hang_timeout_s``) and killed; then as ``trainer_kill``.
+  (``trainer.hang_timeout_s``) and killed; then as ``trainer_kill``;
+- ``nonfinite_step``: the step's batch gets NaN advantages before its train step (the hook's
+  ``before_train``), so its loss is not finite: the trainer skips the update and counts it
+  (``train/nonfinite_skipped``), and the run goes on.
 
 ``--faults`` picks some of them (default: all that apply to the engine).
 
@@ -23,9 +26,10 @@ for the replacement (``fault/engine_blocked_s``); ``restarts``; for ``trainer_ki
 call to the dead rank named, ``fault/trainer_detect_s``; for a hang, from the last probe answered) and ``restore_s`` (the ranks restarted, restored
 from the checkpoint and the engines re-synced, ``fault/trainer_restore_s``) instead, and ``recovery_s`` up
 to the end of the retried step; ``steps_lost``, steps whose batch was not trained whole; ``prompts_lost`` (the sample ledger's prompts without an outcome) and ``prompts_duplicated``
-(trained more than once: ``ledger/trained`` over the number of training steps' prompts).
-Then ``eval/accuracy`` of both runs. Not injected yet: a non-finite step (:doc:`docs/faults.md` says
-what a run survives). JSON last.
+(trained more than once: ``ledger/trained`` over the number of training steps' prompts). For
+``nonfinite_step``: ``updates_skipped`` (``train/nonfinite_skipped`` of its step), ``detect_s`` (from
+the poisoning to the end of its step, whose metrics report the skip) and ``recovery_s`` (to the end of
+the next step that updated the weights). Then ``eval/accuracy`` of both runs. JSON last.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from miles.bench.e2e import compose
 
 log = logging.getLogger("miles.bench.faults")
 
-FAULTS = ("engine_kill", "engine_hang", "server_kill", "trainer_kill", "trainer_hang")
+FAULTS = ("engine_kill", "engine_hang", "server_kill", "trainer_kill", "trainer_hang", "nonfinite_step")
 TRAINER_FAULTS = ("trainer_kill", "trainer_hang")
 TRAINER_CLASSES = ("FSDPTrainer", "MegatronTrainer")
 
@@ -62,10 +66,28 @@ class FaultInjector:
         self.faults, self.engine_class = sorted((int(step), str(name)) for step, name in faults), engine_class
         FaultInjector.sent, FaultInjector.latest = {}, {}
 
-    def after_rollout(self, ctx: Any, groups: Any) -> None:
-        if not self.faults or self.faults[0][0] > ctx.step or FaultInjector.latest.get("fault/engines_starting"):
+    def _due(self, step: int, in_train: bool) -> str | None:
+        """The next fault, taken off the list, when it is due at ``step`` and sent from this point (the
+        non-finite step before the train step, the others after the rollout)."""
+        if not self.faults or self.faults[0][0] > step or FaultInjector.latest.get("fault/engines_starting"):
+            return None
+        if (self.faults[0][1] == "nonfinite_step") != in_train:
+            return None
+        return self.faults.pop(0)[1]
+
+    def before_train(self, ctx: Any, batch: Any) -> None:
+        if self._due(ctx.step, in_train=True) is None:
             return
-        _, fault = self.faults.pop(0)
+        nan = float("nan")
+        batch.advantages = [nan] * len(batch.advantages)
+        if batch.token_advantages is not None:
+            batch.token_advantages = [[nan] * len(row) for row in batch.token_advantages]
+        FaultInjector.sent[ctx.step] = ("nonfinite_step", time.monotonic())
+
+    def after_rollout(self, ctx: Any, groups: Any) -> None:
+        fault = self._due(ctx.step, in_train=False)
+        if fault is None:
+            return
         import psutil
 
         if fault in TRAINER_FAULTS:  # this driver's trainer ranks, from Ray's actor table
@@ -161,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for step, (name, sent_at) in sorted(FaultInjector.sent.items()):
         m, t = by_step[step]
+        if name == "nonfinite_step":
+            after = next((s for s in steps if s > step and by_step[s][0].get("train/nonfinite_skipped", 0.0) == 0), None)
+            report["faults"][name] = {
+                "step": step, "updates_skipped": m.get("train/nonfinite_skipped", 0.0), "detect_s": round(t - sent_at, 3),
+                "recovery_s": None if after is None else round(by_step[after][1] - sent_at, 2)}
+            continue
         if name in TRAINER_FAULTS:
             report["faults"][name] = {
                 "step": step, "recovery_s": round(t - sent_at, 2), "detect_s": round(m["fault/trainer_detect_s"], 3),
@@ -194,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         "not_sent": sorted(set(faults.values()) - {name for name, _ in FaultInjector.sent.values()}),
     }
     for name, f in report["faults"].items():
+        if name == "nonfinite_step":
+            print(f"{name:12s} step {f['step']:3d}: {f['updates_skipped']:.0f} update(s) skipped, reported {f['detect_s']:.3f} s "
+                  f"after the poisoning; the next update {f['recovery_s']} s after it")
+            continue
         if name in TRAINER_FAULTS:
             print(f"{name:12s} step {f['step']:3d}: recovery {f['recovery_s']:6.1f} s (detect {f['detect_s']:5.3f} s, "
                   f"restore {f['restore_s']:5.1f} s), restarts {f['restarts']:.0f}")
