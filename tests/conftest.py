@@ -119,3 +119,14 @@ def _actor_sharers_together(items: list[pytest.Item]) -> list[pytest.Item]:
             ordered.append(other)
             placed.add(id(other))
     return ordered
+
+
+@pytest.fixture
+def plugin_engines():
+    """``tests/plugin_backends`` for the engine actors (the Ray workers get the module by value)."""
+    import plugin_backends
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(plugin_backends)
+    yield plugin_backends
+    cloudpickle.unregister_pickle_by_value(plugin_backends)

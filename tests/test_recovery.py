@@ -174,17 +174,6 @@ def test_the_benchs_nonfinite_step_is_skipped_and_the_run_goes_on(ray_cluster, c
     assert seen[1]["train/nonfinite_skipped"] >= 1 and seen[2]["train/nonfinite_skipped"] == 0
 
 
-@pytest.fixture
-def plugin_engines():
-    """``tests/plugin_backends`` for the engine actors (the Ray workers get the module by value)."""
-    import plugin_backends
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(plugin_backends)
-    yield plugin_backends
-    cloudpickle.unregister_pickle_by_value(plugin_backends)
-
-
 def test_the_engines_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, cache: Path, tmp_path: Path) -> None:
     """Multi-LoRA tenants share one engine pool. Both engines die (once each) at their first generate call
     with step 2's adapters, in tenant a's rollout of step 3: both are replaced, get the base and both

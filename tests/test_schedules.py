@@ -267,17 +267,6 @@ def test_sync_schedule_computes_what_the_loop_did_before_schedules(ray_cluster) 
             assert seen[step][k] == pytest.approx(v, **tolerance), (step, k)
 
 
-@pytest.fixture
-def plugin_engines():
-    """``tests/plugin_backends`` for the engine actors (the Ray workers get the module by value)."""
-    import plugin_backends
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(plugin_backends)
-    yield plugin_backends
-    cloudpickle.unregister_pickle_by_value(plugin_backends)
-
-
 def _async_job(schedule: str, extra: dict) -> dict:
     """SHORT under an async schedule, disaggregated, with the probe hook; ``extra`` merged per section
     (its keys win)."""
