@@ -39,6 +39,7 @@ from miles.core.schedules import train_async
 from miles.core.step import (
     LoopContext,
     begin_profile,
+    collect_through_outage,
     end_profile,
     engine_busy,
     engine_busy_metrics,
@@ -50,7 +51,6 @@ from miles.core.step import (
     sampling_params,
     save_checkpoint,
 )
-from miles.rollout.dispatch import AllEnginesDeadError
 from miles.tracking.timeline import span
 from miles.types import SamplingParams
 
@@ -121,15 +121,8 @@ def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, e
             lambda k: ctx.task.sample(k, rng), algo.num_prompts_per_step, algo.num_samples_per_prompt, sampling,
             seed=run.seed * 1_000_003 + first, first_group_id=first)
 
-    try:
-        with span("rollout"):
-            groups, metrics = collect()
-    except AllEnginesDeadError:  # every engine died in this rollout: with recovery, new ones and again
-        if ctx.recovery is None:
-            raise
-        log.warning("step %d: every rollout engine died; replacing them and rolling out again", step)
-        ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)  # the weights the rollout was on
-        groups, metrics = collect()
+    with span("rollout"):  # every engine dead in it: with recovery, new ones and the rollout again
+        groups, metrics = collect_through_outage(ctx, step, collect)
     ctx.ledger.draw(range(next_group_id, next_group_id + int(metrics["rollout/groups"])))
     for group_id, outcome in ctx.rollout.left_out.items():
         ctx.ledger.settle(group_id, outcome)

@@ -36,6 +36,7 @@ from miles.core.recovery import (
 )
 from miles.core.timeline import StepTimeline
 from miles.hooks.chain import HookChain
+from miles.rollout.dispatch import AllEnginesDeadError
 from miles.rollout.manager import RolloutManager
 from miles.rollout.teacher import TeacherPool
 from miles.tracking.memory import actor_metrics, process_memory, rank_memory
@@ -192,6 +193,21 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples
+
+
+def collect_through_outage(ctx: LoopContext, step: int, collect: Callable[[], tuple[list[list[Any]], dict[str, float]]],
+                           where: str = "") -> tuple[list[list[Any]], dict[str, float]]:
+    """``collect()``, a synchronous rollout of ``step``; when every engine died in it and ``ctx.recovery``
+    is on, the engines are replaced with the weights the rollout was on (version ``step - 1``, waiting up
+    to ``rollout.max_outage_s``) and ``collect()`` runs once more. ``where``: for the log (e.g. a tenant)."""
+    try:
+        return collect()
+    except AllEnginesDeadError:
+        if ctx.recovery is None:
+            raise
+        log.warning("step %d: every rollout engine died%s; replacing them and rolling out again", step, where)
+        ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)
+        return collect()
 
 
 def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:

@@ -98,13 +98,13 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     from miles.core.progress import Progress
     from miles.core.step import (
         begin_profile,
+        collect_through_outage,
         end_profile,
         learn,
         log_batch_sizes,
         push_weights,
         sampling_params,
     )
-    from miles.rollout.dispatch import AllEnginesDeadError
 
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
     rng = {t.name: random.Random(f"{run.seed}:{t.name}") for t in tenants}
@@ -141,22 +141,14 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         metrics = {}
         spread: dict[str, list[float]] = {}  # per-sample values of each tenant, logged as distributions
         for t in tenants:  # 1-2. each tenant's rollout through its adapter, scored by its reward
-            def collect(t: Tenant = t, first: int = next_group_id) -> tuple[list[list[Any]], dict[str, float]]:
+            def collect(t: Tenant = t, first: int = next_group_id,
+                        state: tuple = rng[t.name].getstate()) -> tuple[list[list[Any]], dict[str, float]]:
+                rng[t.name].setstate(state)  # a rollout repeated after an outage draws the same prompts
                 return t.rollout.collect(
                     lambda count: t.task.sample(count, rng[t.name]), algo.num_prompts_per_step, algo.num_samples_per_prompt,
                     sampling_params(t.run), seed=run.seed * 1_000_003 + first, first_group_id=first)
 
-            state = rng[t.name].getstate()
-            try:
-                got, m = collect()
-            except AllEnginesDeadError:  # every engine died in this rollout: new ones (the step's weights), again
-                if ctx.recovery is None:
-                    raise
-                log.warning("step %d: every rollout engine died in tenant %s's rollout; replacing them and rolling "
-                            "out again", step, t.name)
-                ctx.recovery.restore(ctx.trainers, step - 1, ctx.transport)
-                rng[t.name].setstate(state)  # the same prompts
-                got, m = collect()
+            got, m = collect_through_outage(ctx, step, collect, f" in tenant {t.name}'s rollout")
             ctx.ledger.draw(range(next_group_id, next_group_id + int(m["rollout/groups"])))
             for group_id, outcome in t.rollout.left_out.items():
                 ctx.ledger.settle(group_id, outcome)
