@@ -26,6 +26,7 @@ def _fakes(ray, k: int, delay_s: float = 0.0) -> list:
             self.engine_id, self.delay_s = engine_id, delay_s
             self.sessions: list[str | None] = []
             self.calls: list[int] = []
+            self.health_delays: list[float] = []
 
         def generate(self, requests: list[GenerateRequest], sampling=None) -> list[GenerateResult]:
             time.sleep(self.delay_s)
@@ -48,7 +49,11 @@ def _fakes(ray, k: int, delay_s: float = 0.0) -> list:
             return self.calls
 
         def health(self) -> dict:
+            time.sleep(self.health_delays.pop() if self.health_delays else 0.0)
             return {"ok": True, "engine_id": self.engine_id}
+
+        def slow_health_once(self, seconds: float) -> None:
+            self.health_delays = [seconds]
 
         def pid(self) -> int:
             return os.getpid()
@@ -215,6 +220,35 @@ def test_a_hung_engine_is_taken_out_by_the_watchdog(ray_cluster) -> None:
     assert pool.deaths[0] == "EngineHungError: health check: no answer within rollout.engine_timeout_s=2 s (hung)"
     for engine in engines:
         ray_cluster.kill(engine)
+
+
+def test_an_idle_engine_that_hangs_is_found_and_left_out(ray_cluster) -> None:
+    """Between rollouts, engine 0's process stopped (SIGSTOP) and engine 1's next health check slow (6 s).
+    The idle watch (every 0.2 s, 1 s to answer) finds both unanswered with no call to either; engine 1
+    then answers, so only engine 0 is hung: the next rollout's dispatch takes it out before sending
+    anything, and every request goes to engine 1 at the first try (none retried)."""
+    engines = _fakes(ray_cluster, 2, delay_s=0.05)
+    pool = EnginePool(engines, RolloutConfig(max_inflight_samples_per_engine=2, max_requests_per_call=1,
+                                             health_interval_s=0.2, engine_timeout_s=1.0))
+    assert sorted(_rollout(pool, 4)) == [0, 0, 1, 1]
+    pool.watch_idle()
+    try:
+        ray_cluster.get(engines[1].slow_health_once.remote(6.0))
+        time.sleep(0.5)  # the check pending before the slow one answers
+        os.kill(ray_cluster.get(engines[0].pid.remote()), signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while not all(c.hung for c in pool.idle_checks.values()) or len(pool.idle_checks) < 2:
+            assert time.monotonic() < deadline, f"not both found unanswered: {pool.idle_checks}"
+            time.sleep(0.1)
+        assert pool.alive == [0, 1]  # found, not yet taken out: the driver's next call does that
+        ray_cluster.wait([pool.idle_checks[1].ref], timeout=30)  # engine 1 answers: slow, not hung
+        assert _rollout(pool, 8) == [1] * 8
+        assert pool.alive == [1] and pool.counts["retried"] == 0 and pool.dispatched[0] == 2
+        assert pool.deaths == {0: "EngineHungError: idle health check: no answer within rollout.engine_timeout_s=1 s (hung)"}
+    finally:
+        pool.stop_watching()
+        for engine in engines:
+            ray_cluster.kill(engine)
 
 
 def test_affinity_counts_reach_the_rollout_metrics() -> None:

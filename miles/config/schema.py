@@ -295,8 +295,10 @@ class RolloutConfig:
     health_interval_s: float = 10.0
     """While a rollout has calls in flight on an engine, the engine is asked for its health this often;
     one that does not answer within ``engine_timeout_s`` (hung) is taken out of rotation at once and its
-    calls are retried on the others, without waiting out ``request_timeout_s``
-    (:mod:`miles.rollout.dispatch`). 0: no health checks during rollouts."""
+    calls are retried on the others, without waiting out ``request_timeout_s``. The engines without
+    calls in flight (between rollouts) are asked as often by the idle watch, and one found hung or dead
+    is taken out at the next call to the engines (:mod:`miles.rollout.dispatch`). 0: no health checks
+    on an interval (the weight push still checks every engine)."""
 
 
 @dataclass(**_frozen)

@@ -2,8 +2,8 @@
 
 The engine pool takes an engine out of rotation when its actor dies or its backend is gone (an SGLang
 server that exited or stopped answering), in generation and in every other call to it, and when it
-stops answering its health checks while it has calls in flight (the rollout's watchdog,
-``rollout.health_interval_s``; :mod:`miles.rollout.dispatch`). At each weight push (:func:`miles.core.step.push_weights`) the driver
+stops answering its health checks (``rollout.health_interval_s``: the rollout's watchdog while it has
+calls in flight, the idle watch between rollouts; :mod:`miles.rollout.dispatch`). At each weight push (:func:`miles.core.step.push_weights`) the driver
 then:
 
 1. asks the engines in rotation for their health: one that does not answer within

@@ -268,6 +268,7 @@ def run_job(
         rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"],
                                  image_processor=_image_processor(parts["spec"], checkpoint))
+        rollout.pool.watch_idle()  # engines found hung or dead between rollouts (miles.rollout.dispatch)
         ctx = LoopContext(
             run=run, task=parts["task"], rollout=rollout, trainers=actors.trainers, engines=actors.engines,
             advantage_fn=parts["advantage_fn"], critics=actors.critics, transport=transport, save_dir=save_dir,

@@ -31,6 +31,13 @@
   holding the interpreter) leaves the rotation as a dead one, and its calls in flight are aborted and
   retried on the others at once: a hung engine costs interval + timeout, not a request deadline. (An
   SGLang engine's server that hangs is found by the engine's own watchdog, which fails its calls.)
+- **Idle engines.** Between rollouts (during a train step, or an engine the rollout leaves without calls)
+  the idle watch (:meth:`EnginePool.watch_idle`, a thread of the driver's, started by the run) asks every
+  engine in rotation without calls in flight for its ``health()`` at the same interval. One whose actor
+  died, whose backend is gone (``ok`` false), or that has not answered within ``rollout.engine_timeout_s``
+  is found then (logged), and taken out of rotation at the next call the driver makes to the engines (a
+  rollout's dispatch, the health check of the weight push): unless it answered meanwhile, a hung engine
+  found idle costs interval + timeout too, and no call waits on it.
 
 Every answered request's latency (from its arrival in the queue to its answer, retries included) is kept
 in ``EnginePool.latencies``, and its time to first token in ``EnginePool.first_token_s``, until the rollout
@@ -50,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
@@ -81,6 +89,18 @@ class EngineHungError(RuntimeError):
     """The watchdog took an engine out of rotation: its health check went unanswered."""
 
 
+@dataclass
+class IdleCheck:
+    """An idle engine's health check in flight: the engine handle it went to (a replacement gets its own),
+    its object ref, when it was sent, and ``why`` the engine is unwell once found so (else None)."""
+
+    engine: Any
+    ref: Any
+    sent: float
+    why: str | None = None
+    hung: bool = False  # why: no answer yet (an answer that comes before the take-out clears it)
+
+
 class EngineRequestError(RuntimeError):
     """A request failed on every attempt (timeouts, engine errors, dead engines); the message lists them."""
 
@@ -105,6 +125,11 @@ class EnginePool:
         self.latencies: list[float] = []  # seconds from arrival to answer of each answered request, until read
         self.first_token_s: list[float] = []  # seconds from arrival to first token of each answered request
         self._wire_id = 0
+        self.busy = [0] * len(self.engines)  # calls in flight per engine, over every session
+        self.idle_checks: dict[int, IdleCheck] = {}  # the idle watch's checks in flight, by engine
+        self._idle_lock = threading.Lock()
+        self._idle_stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
 
     def session(self) -> Session:
         """A request queue for the running event loop: ``await session.generate(request, sampling)``."""
@@ -158,6 +183,72 @@ class EnginePool:
         if (live := prometheus.active()) is not None:
             live.alive.set(len(self.alive))
         return time.monotonic() - self.died_at.pop(e, time.monotonic())
+
+    def watch_idle(self) -> None:
+        """Start the idle watch (see the module docstring) unless it runs or ``health_interval_s`` is 0;
+        :meth:`stop_watching` ends it."""
+        if self.cfg.health_interval_s <= 0 or self._idle_thread is not None:
+            return
+        self._idle_stop.clear()
+        self._idle_thread = threading.Thread(target=self._watch_idle, name="miles-idle-health", daemon=True)
+        self._idle_thread.start()
+
+    def stop_watching(self) -> None:
+        if self._idle_thread is not None:
+            self._idle_stop.set()
+            self._idle_thread.join(timeout=10.0)
+            self._idle_thread = None
+
+    def _watch_idle(self) -> None:
+        while not self._idle_stop.wait(self.cfg.health_interval_s):
+            try:
+                self.check_idle()
+            except Exception:  # noqa: BLE001 - the watch goes on; the next push checks every engine anyway
+                log.exception("rollout engines: the idle health check failed")
+
+    def check_idle(self) -> None:
+        """One round of the idle watch: send a health check to each engine in rotation with no call in
+        flight and none pending; read those answered; find those unanswered past ``engine_timeout_s``."""
+        now, timeout = time.monotonic(), self.cfg.engine_timeout_s
+        alive = list(self.alive)
+        with self._idle_lock:
+            for e in [e for e in self.idle_checks if e not in alive]:  # taken out meanwhile
+                del self.idle_checks[e]
+        for e in alive:
+            engine = self.engines[e]
+            with self._idle_lock:
+                check = self.idle_checks.get(e)
+                if check is None or check.engine is not engine:  # none pending, or the engine was replaced
+                    if self.busy[e] == 0:
+                        self.idle_checks[e] = IdleCheck(engine, engine.health.remote(), now)
+                    else:
+                        self.idle_checks.pop(e, None)  # a rollout's watchdog checks it
+                    continue
+            if ray.wait([check.ref], timeout=0)[0]:
+                why = _unwell(check.ref)
+                with self._idle_lock:
+                    if why is None:
+                        self.idle_checks.pop(e, None)
+                    elif check.why is None or check.hung:
+                        check.why, check.hung = why, False
+                        log.warning("rollout engine %d (idle): %s; taken out at the next call to the engines", e, why)
+            elif now - check.sent > timeout and check.why is None:
+                check.why, check.hung = f"idle health check: no answer within rollout.engine_timeout_s={timeout:g} s (hung)", True
+                log.warning("rollout engine %d: %s; taken out at the next call to the engines", e, check.why)
+
+    def take_out_unwell(self) -> None:
+        """Take out of rotation the engines the idle watch found dead, gone or hung; a hung one that has
+        answered since stays (the watch reads its answer)."""
+        if not self.idle_checks:
+            return
+        with self._idle_lock:
+            found = [(e, c) for e, c in self.idle_checks.items() if c.why is not None and c.engine is self.engines[e]]
+        for e, check in found:
+            if check.hung and ray.wait([check.ref], timeout=0)[0]:
+                continue
+            with self._idle_lock:
+                self.idle_checks.pop(e, None)
+            self.mark_dead(e, EngineHungError(check.why) if check.hung else RuntimeError(check.why))
 
     def all_dead_error(self) -> AllEnginesDeadError:
         why = "; ".join(f"engine {e}: {r}" for e, r in sorted(self.deaths.items()))
@@ -265,6 +356,7 @@ class Session:
     def _dispatch(self) -> None:
         self.scheduled = False
         cfg = self.pool.cfg
+        self.pool.take_out_unwell()
         while self.queue:
             if not self.pool.alive:
                 error = self.pool.all_dead_error()
@@ -302,6 +394,7 @@ class Session:
         pool = self.pool
         wire = [replace(p.request, request_id=f"{p.request.request_id}@{pool.next_wire_id()}") for p in call]
         pool.dispatched[e] += len(call)
+        pool.busy[e] += 1
         timeout = pool.deadline_s(wire)
         sent = time.perf_counter()
         self._watch()
@@ -330,6 +423,7 @@ class Session:
         else:
             self._deliver(e, call, wire, results, sent)
         finally:
+            pool.busy[e] -= 1
             self.inflight[e] -= rows
             if self.live is not None:
                 self.live.inflight(e).dec(len(call))
@@ -428,6 +522,16 @@ def _retrieve(future: asyncio.Future) -> None:
     """Done callback of a future nobody awaits any more: reads its error, so asyncio does not log it."""
     if not future.cancelled():
         future.exception()
+
+
+def _unwell(ref: Any) -> str | None:
+    """None when the answered health check ``ref`` says the engine is well; else why not (its actor died, or
+    its backend is gone: ``ok`` false)."""
+    try:
+        health = ray.get(ref, timeout=0)
+    except Exception as err:  # noqa: BLE001 - its actor died (RayActorError), or its health() raised
+        return f"idle health check: {first_line(err)}"
+    return None if health.get("ok", True) else f"idle health check: {health}"
 
 
 def first_line(err: BaseException) -> str:

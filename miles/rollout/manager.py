@@ -160,7 +160,10 @@ class RolloutManager:
     def drop_dead_engines(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Ask every engine in rotation for its health; take out those whose actor died, whose backend
         is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
-        ``rollout.engine_timeout_s``). Returns the ``health()`` answers of the engines left in rotation."""
+        ``rollout.engine_timeout_s``). Those the idle watch found so already are taken out first
+        (:meth:`~miles.rollout.dispatch.EnginePool.take_out_unwell`). Returns the ``health()`` answers of
+        the engines left in rotation."""
+        self.pool.take_out_unwell()
         refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
         answers = []
         for e, health in self.settle_calls(refs, timeout_s, what="health check").items():
@@ -424,8 +427,9 @@ class RolloutManager:
         return self.counts + self.pool.counts
 
     def close(self) -> None:
-        """Stop the reward thread (the reward runner is closed by whoever built it)."""
+        """Stop the reward thread and the pool's idle watch (the reward runner is closed by whoever built it)."""
         self.reward_pool.shutdown(wait=False)
+        self.pool.stop_watching()
 
 
 def _fn_name(fn: Any) -> str:
