@@ -174,16 +174,23 @@ def test_the_benchs_nonfinite_step_is_skipped_and_the_run_goes_on(ray_cluster, c
     assert seen[1]["train/nonfinite_skipped"] >= 1 and seen[2]["train/nonfinite_skipped"] == 0
 
 
-def test_the_engines_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, cache: Path, tmp_path: Path) -> None:
-    """Multi-LoRA tenants share one engine pool. Both engines die (once each) at their first generate call
-    with step 2's adapters, in tenant a's rollout of step 3: both are replaced, get the base and both
-    adapters, a's rollout runs again with the same prompts, and every tenant rolls out its whole batch at
-    every step; the ledger counts each prompt trained once."""
+def test_the_engines_and_trainer_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, cache: Path,
+                                                              tmp_path: Path) -> None:
+    """Multi-LoRA tenants share one engine pool. Step 2: the trainer rank SIGKILLed before its train step;
+    it is restarted and restored from step 1's checkpoint (both adapters, and each tenant's prompt
+    sampler), and step 2 runs again with the same batch. Both engines die (once each) at their first
+    generate call with step 2's adapters, in tenant a's rollout of step 3: both are replaced, get the base
+    and both adapters, a's rollout runs again with the same prompts, and every tenant rolls out its whole
+    batch at every step; the ledger counts each prompt trained once."""
+    import json
+
     from miles.config import validate
     from miles.core.run import run_job
 
-    cfg = {"seed": 1, "tracking": {"backend": "none"}, "plugins": {"allow": ["plugin_backends."]},
-           "warm_start": {"steps": 20, "cache_dir": str(cache)}, "trainer": {"num_steps": 3, "eval_every": 0},
+    cfg = {"seed": 1, "tracking": {"backend": "none"}, "plugins": {"allow": ["plugin_backends.", "test_recovery."]},
+           "warm_start": {"steps": 20, "cache_dir": str(cache)},
+           "trainer": {"num_steps": 3, "eval_every": 0, "save_every": 1, "save_dir": str(tmp_path / "ckpt")},
+           "hooks": [{"_target_": "test_recovery.KillTrainerRank", "step": 2}],
            "algo": {"num_prompts_per_step": 4, "num_samples_per_prompt": 4}, "cluster": {"reuse_actors": False},
            "adapter": {"kind": "lora", "rank": 4, "alpha": 8.0}, "placement": {"num_engines": 2},
            "rollout": {"engine": {"_target_": "plugin_backends.DiesAtVersion", "die_at_version": 2,
@@ -196,7 +203,15 @@ def test_the_engines_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, c
     assert all(seen[s][f"tenant/{t}/rollout/samples"] == 16 and seen[s][f"tenant/{t}/rollout/failed"] == 0
                for s in (1, 2, 3) for t in ("a", "b"))
     assert seen[3]["tenant/b/rollout/engines_alive"] == 2  # the replacements serve the next tenant too
+    assert [seen[s]["fault/trainer_restarts"] for s in (1, 2, 3)] == [0, 1, 1]
+    # the retry rolls out the same prompts from the same weights: the same tokens, and log-probs equal up to
+    # float rounding (two engines batch the tenants' rows as they arrive, so the batch shapes may differ)
+    first, retried = KillTrainerRank.batches
+    assert first[:2] == retried[:2]
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(first[2], retried[2], strict=True))
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (24, 24, 0)
+    samplers = json.loads((tmp_path / "ckpt" / "step_000003" / "loop_state.json").read_text())["tenants"]
+    assert sorted(samplers) == ["a", "b"] and samplers["a"] != samplers["b"]
 
 
 class KillTrainerRank:
@@ -378,21 +393,24 @@ def test_no_checkpoint_to_restore_is_one_clear_error() -> None:
     assert restore_point(ctx, died) == "/ckpt/step_1"
 
 
-@pytest.mark.parametrize(("overrides", "why"), [
-    (["schedule=one_step_off", "placement=disaggregated"], None),
-    (["adapter=lora", "+tenants=[{name: a, task: count}, {name: b, task: largest}]"],
-     "runs with tenants do not recover trainer ranks"),
-    (["trainer.max_failures=0"], None),
-    ([], None),
-])
-def test_trainer_recovery_is_off_only_in_runs_with_tenants(overrides: list[str], why: str | None) -> None:
-    """Every schedule recovers trainer ranks; runs with tenants do not: the run says so at start, and a
-    dead rank ends it."""
-    from miles.config import ConfigError
-    from miles.core.recovery import trainer_recovery_off
+def test_a_checkpoint_of_other_tenants_is_refused() -> None:
+    """A run with tenants a and b resumes only from a checkpoint that holds a sampler for each of them."""
+    import random
+    from types import SimpleNamespace
 
-    run, _ = compose(overrides)
-    off = trainer_recovery_off(run)
-    assert off == why if why is None else why in off
+    from miles.core.tenants import _restore_samplers
+
+    rng = {"a": random.Random(1), "b": random.Random(2)}
+    for held in (None, {"a": random.Random(3).getstate()}):
+        with pytest.raises(ValueError, match=r"prompt samplers are \['a'\]|prompt samplers are \[\]"):
+            _restore_samplers(rng, SimpleNamespace(tenants=held, path="step_000001"))
+    _restore_samplers(rng, SimpleNamespace(tenants={"a": random.Random(3).getstate(), "b": random.Random(4).getstate()},
+                                           path="step_000001"))
+    assert rng["a"].random() == random.Random(3).random()
+
+
+def test_max_failures_below_0_is_refused() -> None:
+    from miles.config import ConfigError
+
     with pytest.raises(ConfigError, match="trainer.max_failures: must be 0"):
         compose(["trainer.max_failures=-1"])

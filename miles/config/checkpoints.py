@@ -41,6 +41,8 @@ class LoopState:
     stream: dict[str, Any] | None = None
     """Async schedules, prompts drawn but not settled: ``open`` (group ids), ``first_open`` (the oldest)
     and ``rng_state`` (the sampler's state before drawing it); None when there are none."""
+    tenants: dict[str, tuple] | None = None
+    """Runs with tenants: each tenant's prompt sampler state by name (:mod:`miles.core.tenants`)."""
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -102,7 +104,8 @@ def load(path: str | Path) -> LoopState:
         stream = stream | {"rng_state": rng_from_json(stream["rng_state"])}
     return LoopState(step=int(meta["step"]), rng_state=rng_from_json(meta["rng_state"]),
                      next_group_id=int(meta["next_group_id"]), config=config, path=ckpt, ledger=meta.get("ledger"),
-                     stream=stream, fingerprint=meta.get("fingerprint"))
+                     stream=stream, fingerprint=meta.get("fingerprint"),
+                     tenants={k: rng_from_json(v) for k, v in meta["tenants"].items()} if "tenants" in meta else None)
 
 
 def verify(state: LoopState) -> None:

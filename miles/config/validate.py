@@ -460,10 +460,6 @@ def _check_tenants(run: MilesConfig) -> None:
     if run.algo.estimator == "gae":
         raise ConfigError("tenants with algo.estimator=gae: one critic cannot serve several tenants' tasks; use a "
                           "group estimator (e.g. algo=grpo)")
-    if run.trainer.save_every or run.trainer.resume_from is not None:
-        raise ConfigError("tenants with trainer.save_every / trainer.resume_from: run checkpoints do not hold the "
-                          "tenants' prompt streams yet; the adapters are exported at the end of the run "
-                          "(adapter.export_dir)")
 
 
 def _check_schedule(run: MilesConfig) -> None:

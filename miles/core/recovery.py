@@ -28,7 +28,7 @@ engines were out of rotation, over the run), ``fault/engine_start_s`` (the last 
 ``fault/engine_blocked_s`` (seconds pushes waited for replacements, over the run),
 ``fault/engines_starting`` (replacements not yet in rotation).
 
-Trainer ranks (:class:`TrainerRecovery`, every schedule; not in runs with tenants): while a step waits
+Trainer ranks (:class:`TrainerRecovery`, every schedule, runs with tenants too): while a step waits
 on the trainer and critic ranks, it probes them (:func:`get_ranks`, in a thread of each rank's own, so a
 rank busy computing or waiting in a collective answers); a rank that does not answer within
 ``trainer.hang_timeout_s`` is hung and is killed. When a step fails, the driver asks every trainer and
@@ -279,13 +279,3 @@ class TrainerRecovery:
         """Count a restart and start both rank groups anew (:func:`miles.core.actors.restart_trainers`)."""
         self.restarts += 1
         restart_trainers(self.actors, self.run, self.checkpoint_dir)
-
-
-def trainer_recovery_off(run: MilesConfig) -> str | None:
-    """Why a dead trainer rank ends this run although ``trainer.max_failures`` > 0 (logged at start), or
-    None when it is recovered (or ``max_failures`` is 0)."""
-    if run.trainer.max_failures == 0:
-        return None
-    if run.tenants:
-        return "runs with tenants do not recover trainer ranks: a dead trainer rank ends this run"
-    return None

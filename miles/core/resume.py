@@ -6,8 +6,8 @@ last one::
     trainer/            the trainer ranks' state (:meth:`miles.train.fsdp.FSDPTrainer.save_state`):
                         model, AdamW moments, learning-rate schedule counters (safetensors + JSON)
     critic/             with a critic (``algo.estimator: gae``): the critic ranks' state, same layout
-    loop_state.json     the step, the prompt sampler's RNG state and the next group id (every
-                        group's sampling seed follows from the run seed and its id), the sample
+    loop_state.json     the step, the prompt sampler's RNG state (with tenants, each tenant's) and the
+                        next group id (every group's sampling seed follows from the run seed and its id), the sample
                         ledger's outcomes (:meth:`miles.core.ledger.Ledger.state`) and, under an
                         async schedule, the prompts still open (``stream``: their ids and the
                         sampler's state when the oldest was drawn; :mod:`miles.core.schedules`)
@@ -74,10 +74,11 @@ _MAY_DIFFER = ("trainer.resume_from", "trainer.num_steps", "trainer.save_every",
 def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple, next_group_id: int,
          config: dict[str, Any], keep: int, critics: Sequence[Any] = (), ledger: dict[str, list[int]] | None = None,
          stream: dict[str, Any] | None = None, fingerprint: dict[str, Any] | None = None,
-         draft: Any | None = None, hang_timeout_s: float = 0.0) -> Path:
+         draft: Any | None = None, hang_timeout_s: float = 0.0, tenants: dict[str, tuple] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective over ``trainers``, then over ``critics``); returns
     its directory. ``ledger`` and ``stream``: see :class:`LoopState`; ``fingerprint``: :func:`fingerprint`;
-    ``draft``: the online draft's trainer (``draft.online``), whose state goes into ``draft/``;
+    ``draft``: the online draft's trainer (``draft.online``), whose state goes into ``draft/``; ``tenants``:
+    each tenant's prompt sampler state by name (:class:`LoopState`);
     ``hang_timeout_s``: the ranks are probed while they write (:func:`miles.core.recovery.get_ranks`): one that
     hangs is killed, and the checkpoint is not published.
 
@@ -98,7 +99,8 @@ def save(trainers: list[Any], save_dir: str | Path, step: int, rng_state: tuple,
             shutil.rmtree(tmp / "draft.tmp", ignore_errors=True)
             log.warning("step %d: the draft trainer died (%s); this checkpoint holds no draft state, a resume from it "
                         "continues with the draft as loaded", step, str(err).splitlines()[0] if str(err) else "")
-    write_loop(tmp, step, rng_state, next_group_id, config, ledger=ledger, stream=stream, fingerprint=fingerprint)
+    write_loop(tmp, step, rng_state, next_group_id, config, ledger=ledger, stream=stream, fingerprint=fingerprint,
+               tenants=tenants)
     seal(tmp)
     return publish(tmp, keep)
 
@@ -113,7 +115,7 @@ def begin(save_dir: str | Path, step: int) -> Path:
 
 def write_loop(tmp: Path, step: int, rng_state: tuple, next_group_id: int, config: dict[str, Any], *,
                ledger: dict[str, list[int]] | None = None, stream: dict[str, Any] | None = None,
-               fingerprint: dict[str, Any] | None = None) -> None:
+               fingerprint: dict[str, Any] | None = None, tenants: dict[str, tuple] | None = None) -> None:
     """``config.yaml`` (secrets redacted) and ``loop_state.json`` into ``tmp``."""
     (tmp / "config.yaml").write_text(yaml.safe_dump(redact_tree(config), sort_keys=False))
     meta = {"format": FORMAT, "step": step, "next_group_id": next_group_id, "rng_state": rng_to_json(rng_state)}
@@ -123,6 +125,8 @@ def write_loop(tmp: Path, step: int, rng_state: tuple, next_group_id: int, confi
         meta["stream"] = stream | {"rng_state": rng_to_json(stream["rng_state"])}
     if fingerprint is not None:
         meta["fingerprint"] = fingerprint
+    if tenants is not None:
+        meta["tenants"] = {name: rng_to_json(state) for name, state in tenants.items()}
     (tmp / "loop_state.json").write_text(json.dumps(meta))
 
 

@@ -208,7 +208,7 @@ def run_job(
     from miles.core.cluster import start_ray
     from miles.core.loop import LoopContext, train
     from miles.core.plan import Machine, make_plan
-    from miles.core.recovery import EngineRecovery, TrainerRecovery, trainer_recovery_off
+    from miles.core.recovery import EngineRecovery, TrainerRecovery
     from miles.hooks import HookChain
     from miles.models.checkpoint import ensure_checkpoint
     from miles.rewards import RewardRunner
@@ -295,9 +295,7 @@ def run_job(
                                                  *(ctx.teacher.live_engines if ctx.teacher else ()),
                                                  *([ctx.draft] if ctx.draft is not None else [])],
                                         [reward], _timeline_sink(run, tracker))
-        if (off := trainer_recovery_off(run)) is not None:
-            log.info("trainer.max_failures=%d: %s", run.trainer.max_failures, off)
-        elif run.trainer.max_failures:
+        if run.trainer.max_failures:
             ctx.trainer_recovery = TrainerRecovery(actors, run, str(checkpoint))
         if run.tenants:
             from miles.core.tenants import Tenant, tenant_run, train_tenants

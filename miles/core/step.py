@@ -353,14 +353,16 @@ def _config_dict(run: MilesConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(ctx: LoopContext, step: int, rng_state: tuple, next_group_id: int,
-                    ledger: dict[str, list[int]], stream: dict[str, Any] | None = None) -> None:
+                    ledger: dict[str, list[int]], stream: dict[str, Any] | None = None,
+                    tenants: dict[str, tuple] | None = None) -> None:
     """The run checkpoint of ``step`` (:func:`miles.core.resume.save`), then the ``on_checkpoint`` hooks."""
     t0 = time.perf_counter()
     if ctx.save_dir is None:
         raise RuntimeError("trainer.save_every is set but the loop got no save directory")
     path = resume.save(ctx.trainers, ctx.save_dir, step, rng_state, next_group_id, _config_dict(ctx.run),
                        keep=ctx.run.trainer.keep_checkpoints, critics=ctx.critics, ledger=ledger, stream=stream,
-                       fingerprint=ctx.fingerprint, draft=ctx.draft, hang_timeout_s=ctx.run.trainer.hang_timeout_s)
+                       fingerprint=ctx.fingerprint, draft=ctx.draft, hang_timeout_s=ctx.run.trainer.hang_timeout_s,
+                       tenants=tenants)
     ctx.last_checkpoint = str(path)
     log.info("step %d: run checkpoint %s (%.1fs)", step, path, time.perf_counter() - t0)
     ctx.hooks.on_checkpoint(step, str(path))

@@ -23,6 +23,11 @@ source, reward (any ``_target_``, in its own reward workers), prompt template an
    distributions as ``tenant/<name>/train/reward`` and ``tenant/<name>/rollout/response_len``; evaluation
    on each tenant's held-out prompts with its own adapter.
 
+5. **Checkpoint** (``trainer.save_every``): the trainer state (every adapter and its optimizer state), the
+   ledger, and each tenant's prompt sampler (:class:`miles.config.checkpoints.LoopState` ``tenants``).
+   ``trainer.resume_from`` continues from one, and a trainer rank that dies is restored from the last
+   one (:func:`miles.core.step.recover_trainers`), as in a run without tenants.
+
 Group ids (and so the ledger and the sampling seeds) are one sequence over all tenants.
 """
 
@@ -92,6 +97,15 @@ class MixedTask:
         return self.tasks[0].eval_problems(n)
 
 
+def _restore_samplers(rng: dict[str, random.Random], state: Any) -> None:
+    """Each tenant's prompt sampler as the checkpoint ``state`` holds it."""
+    if state.tenants is None or set(state.tenants) != set(rng):
+        raise ValueError(f"{state.path}: its tenants' prompt samplers are {sorted(state.tenants or ())}, this run's "
+                         f"tenants {sorted(rng)}: resume a run with tenants from a checkpoint of the same tenants")
+    for name, r in rng.items():
+        r.setstate(state.tenants[name])
+
+
 def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     """``trainer.num_steps`` steps over every tenant (module docstring); returns the last step's metrics."""
     from miles.core.evaluate import evaluate
@@ -103,7 +117,10 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         learn,
         log_batch_sizes,
         push_weights,
+        recover_trainers,
+        resume_checkpoint,
         sampling_params,
+        save_checkpoint,
     )
 
     run, algo, hooks = ctx.run, ctx.run.algo, ctx.hooks
@@ -126,19 +143,22 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
             out[k] = sum(out[f"tenant/{t.name}/{k}"] for t in tenants) / len(tenants)
         return out
 
-    hooks.on_run_start(0)
-    metrics = evaluate_all(0)
-    hooks.after_eval(0, metrics)
-    ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
-    next_group_id = 0
-    progress = Progress(run.trainer.num_steps, first=1)
-    for step in range(1, run.trainer.num_steps + 1):
-        if hooks.stop_reason is not None:
-            break
+    first, next_group_id, metrics = 1, 0, {}
+    if run.trainer.resume_from is not None:
+        state = resume_checkpoint(ctx)
+        first, next_group_id = state.step + 1, state.next_group_id
+        _restore_samplers(rng, state)
+    hooks.on_run_start(first - 1)
+    if run.trainer.resume_from is None:
+        metrics = evaluate_all(0)
+        hooks.after_eval(0, metrics)
+        ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
+
+    def one_step(step: int, next_group_id: int) -> tuple[dict[str, float], int]:
         begin_profile(ctx, step)
         t0 = time.perf_counter()
         groups: list[list[Any]] = []
-        metrics = {}
+        metrics: dict[str, float] = {}
         spread: dict[str, list[float]] = {}  # per-sample values of each tenant, logged as distributions
         for t in tenants:  # 1-2. each tenant's rollout through its adapter, scored by its reward
             def collect(t: Tenant = t, first: int = next_group_id,
@@ -181,10 +201,31 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
             metrics |= evaluated
         metrics |= {"perf/step_time_s": t3 - t0, "perf/rollout_s": t1 - t0, "perf/train_s": t2 - t1,
                     "perf/sync_s": t3 - t2} | hooks.pop_metrics()
+        if ctx.trainer_recovery is not None:
+            metrics |= ctx.trainer_recovery.metrics()
         ctx.log_metrics(metrics, step)
         if ctx.log_distributions is not None:
             ctx.log_distributions(spread, step)
+        every = run.trainer.save_every
+        if every and (step % every == 0 or last):  # 5. the run checkpoint, with every tenant's prompt sampler
+            save_checkpoint(ctx, step, rng[tenants[0].name].getstate(), next_group_id, ctx.ledger.state(),
+                            tenants={name: r.getstate() for name, r in rng.items()})
+        return metrics, next_group_id
+
+    progress = Progress(run.trainer.num_steps, first=first)
+    step = first
+    while step <= run.trainer.num_steps:
+        if hooks.stop_reason is not None:
+            break
+        try:
+            metrics, next_group_id = one_step(step, next_group_id)
+        except Exception as err:  # a dead trainer rank: restart and restore (miles.core.step.recover_trainers)
+            state = recover_trainers(ctx, step, err)  # raises err unless a rank died and can be recovered
+            step, next_group_id = state.step + 1, state.next_group_id
+            _restore_samplers(rng, state)
+            continue
         progress.update(step, metrics)
+        step += 1
     progress.close()
     ctx.ledger.check_closed()
     return metrics | ctx.ledger.metrics()
