@@ -319,3 +319,21 @@ def test_image_tasks_need_a_vision_model_and_freeze_vision_a_vision_tower(tmp_pa
         build_components(_run(tmp_path, model=text))
     with pytest.raises(ConfigError, match="model.freeze_vision=true: qwen3 is a text model"):
         build_components(validate({"model": {**text, "freeze_vision": True}}))
+
+
+def test_model_hf_reads_a_vlm_directory_as_the_vision_model(vl, tmp_path: Path) -> None:
+    """``model=hf model.path=DIR`` with a qwen2_5_vl checkpoint gets the vision spec (as ``model=qwen_vl
+    model.path=DIR``): an image task is accepted, and a VLM refusal still applies."""
+    from miles.config import ConfigError
+    from miles.core.run import build_components
+    from miles.models.hf import hf_spec
+
+    ckpt = str(vl[0])
+    spec = hf_spec(path=ckpt)
+    assert (spec.name, spec.extra.get("vision"), spec.source_path, spec.build_from_scratch) == (
+        "qwen2_5_vl", True, ckpt, False)
+    hf = {"_target_": "miles.models.hf.hf_spec", "flavor": "checkpoint", "path": ckpt}
+    parts = build_components(_run(tmp_path, model=hf, preset="none"))
+    assert parts["spec"].name == "qwen2_5_vl"
+    with pytest.raises(ConfigError, match="adapter=lora: LoRA adapters are not wired for the vision tower"):
+        build_components(_run(tmp_path, model=hf, preset="none", adapter={"kind": "lora"}))

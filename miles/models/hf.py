@@ -6,6 +6,9 @@ the FSDP trainer load it through ``from_pretrained``. The families below are the
 log-probs are checked against the trainer's in ``tests/test_hf_families.py``; the Megatron trainer
 maps Qwen3 and Qwen3-MoE only (it refuses the others before anything starts).
 
+A Qwen2.5-VL checkpoint (``model_type: qwen2_5_vl``) gets the vision spec of ``model=qwen_vl``
+(:func:`miles.models.qwen_vl.qwen_vl_spec`): its image processor comes from the same directory.
+
 Nothing is built or trained from scratch here: a checkpoint is used as it is.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
+from miles.models.qwen_vl import qwen_vl_spec
 from miles.models.spec import ModelSpec
 
 FAMILIES: dict[str, str | None] = {
@@ -30,7 +34,8 @@ def spec_from_config(config: PretrainedConfig, *, flavor: str, source_path: str 
     """The spec of a checkpoint whose HF config is ``config`` (its ``model_type`` must be supported)."""
     family = config.model_type
     if family not in FAMILIES:
-        raise ValueError(f"model.path: a '{family}' checkpoint; supported families: {', '.join(FAMILIES)}")
+        raise ValueError(f"model.path: a '{family}' checkpoint; supported families: "
+                         f"{', '.join([*FAMILIES, *VISION_FAMILIES])}")
     return ModelSpec(name=family, flavor=flavor, hf_config=config, is_moe=FAMILIES[family] is not None,
                      router_modules=FAMILIES[family], source_path=source_path, build_from_scratch=False, gguf=gguf)
 
@@ -40,4 +45,11 @@ def hf_spec(flavor: str = "checkpoint", path: str | None = None) -> ModelSpec:
     if path is None:
         raise ValueError("model.path: model=hf needs the directory of a local HF checkpoint (config.json, weights, "
                          "tokenizer), e.g. model.path=/data/Qwen3-0.6B")
-    return spec_from_config(AutoConfig.from_pretrained(path), flavor=flavor, source_path=path)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type in VISION_FAMILIES:  # a VLM: the vision model group's spec, read from the same path
+        return VISION_FAMILIES[config.model_type](flavor=flavor, path=path)
+    return spec_from_config(config, flavor=flavor, source_path=path)
+
+
+VISION_FAMILIES = {"qwen2_5_vl": qwen_vl_spec}
+"""Vision-language ``model_type`` -> its spec from a checkpoint directory (as ``model=qwen_vl model.path=DIR``)."""
