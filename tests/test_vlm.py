@@ -288,13 +288,6 @@ def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path)
             "tested in fp32 only",
         ),
         (
-            {
-                "schedule": {"name": "one_step_off", "max_staleness": 1},
-                "placement": {"name": "disaggregated"},
-            },
-            "async schedules are not wired for image samples",
-        ),
-        (
             {"rollout": {"generate_fn": {"_target_": "miles.agent.rollout.tool_loop", "_partial_": True}}},
             "only single_turn passes a problem's images",
         ),
@@ -337,3 +330,36 @@ def test_model_hf_reads_a_vlm_directory_as_the_vision_model(vl, tmp_path: Path) 
     assert parts["spec"].name == "qwen2_5_vl"
     with pytest.raises(ConfigError, match="adapter=lora: LoRA adapters are not wired for the vision tower"):
         build_components(_run(tmp_path, model=hf, preset="none", adapter={"kind": "lora"}))
+
+
+class SeesImages:
+    """Hook: records, per step, whether every rolled-out sample and every row of the train batch has images."""
+
+    seen: dict[str, list[bool]] = {}
+
+    def __init__(self) -> None:
+        SeesImages.seen = {"groups": [], "batch": []}
+
+    def after_rollout(self, ctx, groups) -> None:
+        SeesImages.seen["groups"].append(all(s.images is not None for g in groups for s in g))
+
+    def before_train(self, ctx, batch) -> None:
+        SeesImages.seen["batch"].append(batch.images is not None and all(x is not None for x in batch.images))
+
+
+def test_an_async_schedule_carries_the_images(ray_cluster, vl) -> None:
+    """schedule=one_step_off: the rollout stream generates image prompts and its groups carry their pixels to
+    the trainer. Step 1's batch comes from the weights the trainer holds, so the engine's and the trainer's
+    log-probs agree within fp32 rounding (they would not if either side had lost the pixels)."""
+    from miles.core.run import run_job
+
+    run = _run(Path(vl[3].warm_start.cache_dir), schedule={"name": "one_step_off", "max_staleness": 1},
+               placement={"name": "disaggregated", "cpus_per_engine": 0.5, "cpus_per_trainer_rank": 0.5},
+               trainer={"num_steps": 2, "eval_every": 0}, algo={"num_prompts_per_step": 4, "num_samples_per_prompt": 4},
+               tracking={"backend": "none"}, cluster={"reuse_actors": False},
+               plugins={"allow": ["test_vlm.", "miles."]}, hooks=[{"_target_": "test_vlm.SeesImages"}])
+    seen: dict[int, dict[str, float]] = {}
+    run_job(run, resolved_yaml="", overrides=[], on_metrics=lambda m, s: seen.__setitem__(s, dict(m)))
+    assert [seen[s]["rollout/samples"] for s in (1, 2)] == [16, 16]
+    assert seen[1]["train/logp_mismatch_abs_mean"] < 1e-5
+    assert SeesImages.seen == {"groups": [True, True], "batch": [True, True]}

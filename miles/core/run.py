@@ -132,8 +132,6 @@ def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
          or p.train_quant != "none" or p.true_on_policy,
          f"precision={p.name}: vision-language runs are tested in fp32 only (engine and trainer log-probs agree "
          "there); use precision=fp32"),
-        (run.schedule.name != "sync", f"schedule={run.schedule.name}: async schedules are not wired for image "
-         "samples (the buffer does not carry pixels); use schedule=sync"),
         (run.algo.estimator == "gae", "algo.estimator=gae: the PPO critic is a text-only value model; use a "
          "group estimator (algo=grpo, ...)"),
         (run.rollout.generate_fn.target != "miles.rollout.generate.single_turn",
