@@ -5,6 +5,7 @@ FSDP trainer, whose log-probs equal the engine's in fp32; the combinations refus
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,19 @@ def test_an_async_schedule_carries_the_images(ray_cluster, vl) -> None:
     assert [seen[s]["rollout/samples"] for s in (1, 2)] == [16, 16]
     assert seen[1]["train/logp_mismatch_abs_mean"] < 1e-5
     assert SeesImages.seen == {"groups": [True, True], "batch": [True, True]}
+
+
+@pytest.mark.sglang
+def test_sglang_on_cpu_does_not_start_a_qwen_vl_server(vl, tmp_path: Path) -> None:
+    """Why ``rollout=sglang`` is refused for VLMs (docs/vlm.md): SGLang 0.5.23's server, started on CPU as
+    the SGLang engine starts it, exits at start on a Qwen2.5-VL checkpoint. Its Qwen-VL multimodal
+    processor imports model code that needs sgl-kernel's CPU ops (not in the PyPI wheel), the import
+    fails, and no processor is registered for the architecture."""
+    from miles.rollout.sglang_server import SGLangServer, ServerStartError, find_python, server_env
+
+    py = find_python(None)
+    args = ["--model-path", str(vl[0]), "--device", "cpu", "--attention-backend", "torch_native",
+            "--disable-radix-cache", "--max-total-tokens", "4096", "--sleep-on-idle"]
+    with pytest.raises(ServerStartError, match=re.escape(
+            "No processor registered for architecture: ['Qwen2_5_VLForConditionalGeneration']")):
+        SGLangServer(py, args, server_env(py, "cpu", 1), tmp_path / "server.log", start_timeout_s=600)

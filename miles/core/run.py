@@ -121,8 +121,10 @@ def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
     p = run.precision
     refusals = [
         (run.rollout.engine.target != VISION_ENGINE,
-         f"rollout.engine={run.rollout.engine.target}: only the torch engine serves image prompts (the SGLang "
-         "engine is refused: see docs/vlm.md); use rollout=torch"),
+         f"rollout.engine={run.rollout.engine.target}: only the torch engine serves image prompts. SGLang 0.5.23 on "
+         "CPU does not start a Qwen2.5-VL server ('No processor registered for architecture: "
+         "Qwen2_5_VLForConditionalGeneration': its Qwen-VL processor needs sgl-kernel's CPU ops), and miles' "
+         "SGLang engine sends token ids without images (docs/vlm.md); use rollout=torch"),
         (run.trainer.target != VISION_TRAINER,
          f"trainer={run.trainer.target}: only the FSDP trainer trains vision-language models (the Megatron trainer "
          "maps qwen3 and qwen3_moe only); use trainer=fsdp"),
