@@ -372,7 +372,7 @@ def test_sglang_on_cpu_does_not_start_a_qwen_vl_server(vl, tmp_path: Path) -> No
     the SGLang engine starts it, exits at start on a Qwen2.5-VL checkpoint. Its Qwen-VL multimodal
     processor imports model code that needs sgl-kernel's CPU ops (not in the PyPI wheel), the import
     fails, and no processor is registered for the architecture."""
-    from miles.rollout.sglang_server import SGLangServer, ServerStartError, find_python, server_env
+    from miles.rollout.sglang_server import ServerStartError, SGLangServer, find_python, server_env
 
     py = find_python(None)
     args = ["--model-path", str(vl[0]), "--device", "cpu", "--attention-backend", "torch_native",
