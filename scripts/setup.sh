@@ -10,7 +10,8 @@
 #    installs several times faster, or from pip where uv fails (scripts/install.sh);
 # 2. with --sglang, SGLang's own venv in .venv-sglang/ for rollout=sglang (scripts/setup_sglang.sh:
 #    sglang pins its own torch and transformers, so it cannot share .venv);
-# 3. the Debian packages the tests use: bubblewrap (the sandbox's isolation layer) and prometheus
+# 3. the Debian packages the tests use: bubblewrap and python3-seccomp (the sandbox's isolation layer and
+#    its syscall filter) and prometheus
 #    (with promtool): installed with apt-get when run as root, otherwise the command is printed.
 # A second run reuses what is there and only installs what is missing. On a GPU machine install your
 # CUDA build of torch into .venv first; this script then leaves it alone (TORCH=skip).
@@ -30,6 +31,7 @@ t0=$SECONDS
 cd "$ROOT"
 missing=()
 command -v bwrap >/dev/null || missing+=(bubblewrap)
+/usr/bin/python3 -c 'import seccomp' 2>/dev/null || missing+=(python3-seccomp)
 command -v promtool >/dev/null || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -213,12 +213,50 @@ for name in ('RLIMIT_NPROC', 'RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_
 """
     got = outcomes(run(code))
     assert got.pop("caps") == "ok '0000000000000000'", got
-    assert got.pop("ptrace_test") == "ProcessLookupError", got  # not even visible
+    assert got.pop("ptrace_test") == "PermissionError", got  # the seccomp filter refuses ptrace itself
     assert got.pop("setuid") in ("PermissionError", "OSError"), got  # EINVAL: uid 0 is not even mapped
     assert all(why == "ValueError" for k, why in got.items() if k.startswith("RLIMIT")), got
     assert all(
         why in ("PermissionError", "OSError") for k, why in got.items() if not k.startswith("RLIMIT")
     ), got
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the system call numbers below are x86-64's")
+def test_the_seccomp_filter_refuses_kernel_interfaces() -> None:
+    """System calls an unprivileged process may make fail with EPERM inside: the filter answers them before
+    the kernel looks at their arguments. Without the filter (the same sandbox, an empty deny list) ptrace,
+    keyctl, add_key, personality, io_uring_setup and unshare(0) succeed, process_vm_readv, perf_event_open
+    and bpf fail on their arguments (EINVAL, EFAULT), and userfaultfd fails with EPERM by the kernel's
+    vm.unprivileged_userfaultfd."""
+    code = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+params = ctypes.create_string_buffer(120)
+iov = (ctypes.c_void_p * 2)(ctypes.cast(params, ctypes.c_void_p), 8)
+calls = {'ptrace_traceme': (101, 0, 0, 0, 0), 'keyctl_session_keyring': (250, 0, -3, 0, 0),
+         'add_key': (248, b'user', b'miles', b'x', 1, -3), 'personality_query': (135, 0xffffffff),
+         'io_uring_setup': (425, 1, params), 'userfaultfd': (323, 0),
+         'process_vm_readv_self': (310, os.getpid(), iov, 1, iov, 1, 0), 'unshare_nothing': (272, 0),
+         'perf_event_open_bad': (298, 0, 0, -1, -1, 0), 'bpf_bad': (321, 999, 0, 0)}
+for label, (nr, *args) in calls.items():
+    rc = libc.syscall(nr, *args)
+    print(label + ': ' + ('ok' if rc >= 0 else os.strerror(ctypes.get_errno())))
+"""
+    got = outcomes(run(code))
+    assert len(got) == 10 and all(why == os.strerror(1) for why in got.values()), got
+
+
+def test_without_libseccomps_bindings_the_code_does_not_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from miles.agent import sandbox
+
+    monkeypatch.setattr(sandbox, "_COMPILE_FILTER", "import miles_no_such_seccomp_module")
+    sandbox.seccomp_program.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="cannot build the seccomp filter.*python3-seccomp"):
+            PythonSandbox()({"code": f"open({str(tmp_path / 'ran')!r}, 'w').write('x')"})
+    finally:
+        sandbox.seccomp_program.cache_clear()
+    assert not (tmp_path / "ran").exists()
 
 
 def test_env_leakage(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,8 +394,8 @@ def test_missing_bwrap_refuses_to_run(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 class _RefusedMount(PythonSandbox):
-    def command(self, ready_fd: int, info_fd: int) -> list[str]:
-        argv = super().command(ready_fd, info_fd)
+    def command(self, ready_fd: int, info_fd: int, seccomp_fd: int) -> list[str]:
+        argv = super().command(ready_fd, info_fd, seccomp_fd)
         return [argv[0], "--ro-bind", "/nonexistent-miles-path", "/x", *argv[1:]]
 
 

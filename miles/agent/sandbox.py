@@ -11,8 +11,8 @@ Each call starts ``bwrap`` (the Debian package ``bubblewrap``), which runs the s
   created empty for the call and gone with it. Nothing of ``/home``, ``/root``, the project, caches,
   ``/dev/shm``, ``/sys`` or the rest of ``/etc`` is visible;
 - **user**: the code runs as uid/gid 65534 with no capabilities, and cannot create further user
-  namespaces (``--disable-userns``), so ``mount``, ``chroot`` and raising a hard limit fail, and
-  ``ptrace`` reaches only the sandbox's own processes. When miles runs as root, ``bwrap`` itself is started as uid 65534
+  namespaces (``--disable-userns``), so ``mount``, ``chroot`` and raising a hard limit fail (the
+  seccomp filter below refuses ``ptrace`` altogether). When miles runs as root, ``bwrap`` itself is started as uid 65534
   too, so the process-count limit applies (Linux does not apply ``RLIMIT_NPROC`` to root);
 - **pid**: the code sees only its own processes; when the program ends, or at the wall limit,
   the namespace's first process dies and the kernel kills every process left in it, including
@@ -22,6 +22,13 @@ Each call starts ``bwrap`` (the Debian package ``bubblewrap``), which runs the s
   socket outside is reachable (their files are not mounted). ``network="allow"`` shares this
   machine's network namespace (the file system stays isolated);
 - **IPC, UTS, cgroup**: System V IPC and POSIX message queues of its own, hostname ``sandbox``.
+
+A **seccomp filter** (``bwrap --seccomp``), compiled once per process with libseccomp's own Python
+bindings (the Debian package ``python3-seccomp``, run by the system interpreter), makes the system calls
+in :data:`DENIED_SYSCALLS` fail with ``EPERM``: kernel interfaces a Python program has no use for and that
+kernel exploits reach for (``ptrace``, ``process_vm_*``, ``bpf``, ``perf_event_open``, ``userfaultfd``,
+``io_uring_*``, the key ring, ``unshare``/``setns``, mounts, module loading, ``kexec``, clocks and
+more).
 
 The environment is empty apart from ``PATH``, ``HOME`` and ``LANG``; ``bwrap --new-session`` puts
 the code in a new session (no terminal injection), and ``--die-with-parent`` kills the sandbox if
@@ -36,9 +43,9 @@ the sandbox is killed and the observation says so, so the caller never holds mor
 
 If ``bwrap`` or ``/usr/bin/python3`` is missing, or the kernel refuses the namespaces, the call
 raises :class:`SandboxUnavailable` (the tool loop turns it into an error observation): the code
-never runs unisolated. The isolation is the kernel's namespaces and limits as set up by bubblewrap,
-with no seccomp filter: a kernel vulnerability reachable from an unprivileged user namespace would
-cross it. ``tests/test_sandbox.py`` is the escape battery.
+never runs unisolated; so does a missing ``python3-seccomp``. The isolation is the kernel's namespaces,
+limits and the filter above: a kernel vulnerability reachable through the system calls left allowed
+would still cross it. ``tests/test_sandbox.py`` is the escape battery.
 
 The observation is the program's output, truncated to ``max_output_chars``, followed by
 ``[exit code N]`` when the code failed or ``[killed: ...]`` when a limit stopped it.
@@ -46,6 +53,7 @@ The observation is the program's output, truncated to ``max_output_chars``, foll
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -56,8 +64,57 @@ import time
 from typing import Any
 
 PYTHON = "/usr/bin/python3"
-INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap python3)"
+INSTALL_HINT = "install bubblewrap and libseccomp's bindings (Debian/Ubuntu: apt-get install -y bubblewrap python3 " \
+               "python3-seccomp)"
 _NOBODY = 65534
+
+DENIED_SYSCALLS = (
+    # other processes' memory and execution
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    # kernel attack surface a Python program does not need
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "add_key", "request_key", "keyctl", "lookup_dcookie", "fanotify_init", "open_by_handle_at",
+    "name_to_handle_at", "mbind", "set_mempolicy", "migrate_pages", "move_pages", "vm86", "vm86old",
+    "uselib", "ustat", "sysfs", "_sysctl", "personality", "syslog",
+    # namespaces, mounts and the file-system root
+    "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # the machine itself: modules, reboot, swap, clocks, accounting, I/O ports, quotas
+    "init_module", "finit_module", "delete_module", "create_module", "query_module", "get_kernel_syms",
+    "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "settimeofday", "stime",
+    "clock_settime", "clock_adjtime", "adjtimex", "acct", "iopl", "ioperm", "quotactl", "nfsservctl",
+)
+"""System calls the sandbox's seccomp filter answers with ``EPERM`` (those unknown on this
+architecture are left out)."""
+
+# Run by the system interpreter (libseccomp's bindings are a Debian package): the filter, as the
+# compiled BPF program bwrap's --seccomp reads, to stdout.
+_COMPILE_FILTER = r"""
+import errno, sys, seccomp
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+arch = seccomp.Arch()
+for name in sys.argv[1:]:
+    if seccomp.resolve_syscall(arch, name) >= 0:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+f.export_bpf(sys.stdout.buffer)
+"""
+
+
+@functools.cache
+def seccomp_program() -> bytes:
+    """The compiled seccomp filter (see the module docstring); raises :class:`SandboxUnavailable` when it
+    cannot be built."""
+    try:
+        done = subprocess.run([PYTHON, "-I", "-c", _COMPILE_FILTER, *DENIED_SYSCALLS], capture_output=True,
+                              timeout=60, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxUnavailable(f"python tool: cannot build the seccomp filter ({e}); the code was not run "
+                                 f"({INSTALL_HINT})") from e
+    if done.returncode != 0 or not done.stdout:
+        raise SandboxUnavailable(f"python tool: cannot build the seccomp filter: "
+                                 f"{done.stderr.decode(errors='replace').strip()[-500:]!r}; the code was not run "
+                                 f"({INSTALL_HINT})")
+    return done.stdout
 
 # Runs inside the sandbox before the model's code: the limits (hard = soft, so they cannot be
 # raised; the CPU limit's hard limit is 1 s later, so SIGXCPU ends the code and SIGKILL follows if it
@@ -129,7 +186,7 @@ class PythonSandbox:
             raise ValueError(f'"code" must be a string, found {type(code).__name__}')
         return self.run(code)
 
-    def command(self, ready_fd: int, info_fd: int) -> list[str]:
+    def command(self, ready_fd: int, info_fd: int, seccomp_fd: int) -> list[str]:
         """The ``bwrap`` command line (raises :class:`SandboxUnavailable` if it cannot be built)."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
@@ -197,6 +254,8 @@ class PythonSandbox:
             "C.UTF-8",
             "--info-fd",
             str(info_fd),
+            "--seccomp",
+            str(seccomp_fd),
             PYTHON,
             "-I",
             "-u",
@@ -212,10 +271,14 @@ class PythonSandbox:
 
     def run(self, code: str) -> str:
         """Run ``code`` in the sandbox; returns the observation text."""
+        program = seccomp_program()
         ready_r, ready_w = os.pipe()
         info_r, info_w = os.pipe()
+        rules = os.memfd_create("miles-sandbox-seccomp")
         try:
-            argv = self.command(ready_w, info_w)
+            os.write(rules, program)
+            os.lseek(rules, 0, os.SEEK_SET)
+            argv = self.command(ready_w, info_w, rules)
             # As root, bwrap runs as nobody: RLIMIT_NPROC then holds, and nothing is owned by root.
             user = {"user": _NOBODY, "group": _NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
             try:
@@ -226,7 +289,7 @@ class PythonSandbox:
                     stderr=subprocess.STDOUT,
                     env={"PATH": "/usr/bin:/bin"},
                     cwd="/",
-                    pass_fds=(ready_w, info_w),
+                    pass_fds=(ready_w, info_w, rules),
                     start_new_session=True,
                     **user,
                 )
@@ -237,6 +300,7 @@ class PythonSandbox:
         finally:
             os.close(ready_w)
             os.close(info_w)
+            os.close(rules)
         try:
             return self._supervise(proc, code, ready_r, info_r)
         finally:
