@@ -178,7 +178,7 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
     check_group(samples, n=3, group_id=5, who="openai_agent")
     calls = {(tuple(q.prompt_ids), tuple(r.response_ids)): r for q, (r,) in recorder.calls}
     assert len({q.seed for q, _ in recorder.calls}) == len(recorder.calls)  # samples do not share seeds
-    spans = 0
+    spans, answered_calls = 0, 0
     for s in samples:
         full, start = s.prompt_ids + s.response_ids, len(s.prompt_ids)
         i = 0
@@ -196,7 +196,25 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
             i = j
         assert s.metadata["counts"]["agent/turns"] == sum(
             1 for k in range(len(s.loss_mask)) if s.loss_mask[k] == 1 and (k == 0 or s.loss_mask[k - 1] == 0))
+        # tool counts from the sampled text: each policy turn's well-formed calls that the agent answered
+        want = Counter()
+        turns = built.tokenizer.decode(s.response_ids).split("<|im_start|>assistant\n")
+        for k, turn in enumerate(turns):
+            made, malformed = parse_tool_calls(turn.split("<|im_end|>")[0])
+            if "<|im_end|>" in turn:
+                want["agent/tool_malformed"] += len(malformed)
+            if "<|im_start|>user\n" in turn:
+                answered = min(len(made), turn.split("<|im_start|>user\n", 1)[1].count("<tool_response>"))
+                want["agent/tool_calls"] += answered
+                want["agent/tool_calls_ok"] += answered
+        got = {k: v for k, v in s.metadata["counts"].items() if k.startswith("agent/tool_")}
+        assert got == {k: want[k] for k in ("agent/tool_calls", "agent/tool_calls_ok", "agent/tool_malformed")}
+        works = got["agent/tool_calls_ok"] >= 1 and got["agent/tool_malformed"] == 0
+        assert tool_answer_reward(s.response_text, s.label, metadata=s.metadata) == (
+            exact_answer_reward(s.response_text, s.label) + 0.2 * works)
+        answered_calls += got["agent/tool_calls"]
     assert spans == len(recorder.calls) and spans > 3  # the warm-started model called the tool: 2 replies each
+    assert answered_calls > 0  # the tool-use bonus is decided on calls the agent answered
     assert not [r for r in caplog.records if r.name in HTTP_CLIENT_LOGGERS], "per-request lines were logged"
 
 

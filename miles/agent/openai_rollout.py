@@ -21,6 +21,13 @@ deadline-bounded and retried by the manager), with the run's sampling parameters
 returns, the session becomes the sample: the sampled ids with loss mask 1 and log-probs, the
 messages the agent added between turns with loss mask 0, ``response_text`` the last reply.
 
+The sample's ``metadata["counts"]`` (summed into ``rollout/agent/*``, and read by
+:func:`miles.agent.rewards.tool_answer_reward`) are :func:`tool_counts` of the session: ``agent/turns``,
+``agent/template_drift``, ``agent/tool_malformed`` (malformed ``<tool_call>`` blocks in the policy's
+finished turns), ``agent/tool_calls`` (well-formed calls the agent answered with a ``tool`` message) and
+``agent/tool_calls_ok``, the same calls: the agent runs its tools itself, and an OpenAI ``tool`` message
+carries no error flag, so the server cannot tell a tool that failed from one that worked.
+
 The HTTP client's own per-request INFO lines are silenced (:data:`HTTP_CLIENT_LOGGERS`).
 
 An agent that raises, or returns without a single call, fails the group (the manager records it as
@@ -40,9 +47,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from miles.agent.server import SESSION_HEADER, create_app
-from miles.agent.tools import run_in_daemon_thread
+from miles.agent.session import Session
+from miles.agent.tools import parse_tool_calls, run_in_daemon_thread
 from miles.rollout.generate import GenerateContext
-from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams
+from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status
 
 HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")
 """Loggers of the HTTP libraries under the ``openai`` client, which log every request at INFO (hundreds
@@ -97,6 +105,25 @@ class _Server:
         return await asyncio.wrap_future(future)
 
 
+def tool_counts(session: Session) -> dict[str, int]:
+    """The session's counts (module docstring). A policy turn's well-formed calls count as answered as far as
+    the turn after it holds ``<tool_response>`` blocks (the agent's ``tool`` messages, in order); the last
+    turn is parsed for malformed blocks only when it finished (a turn cut off at ``max_tokens`` is not)."""
+    counts = {"agent/turns": session.policy_turns, "agent/template_drift": int(session.drift() is not None),
+              "agent/tool_calls": 0, "agent/tool_calls_ok": 0, "agent/tool_malformed": 0}
+    messages = session.messages
+    for k in session.policy_messages:
+        last = k == len(messages) - 1
+        calls, errors = parse_tool_calls(messages[k]["content"])
+        if not last or session.status is Status.COMPLETED:
+            counts["agent/tool_malformed"] += len(errors)
+        if not last and messages[k + 1]["role"] == "user":
+            answered = min(len(calls), messages[k + 1]["content"].count("<tool_response>"))
+            counts["agent/tool_calls"] += answered
+            counts["agent/tool_calls_ok"] += answered
+    return counts
+
+
 _servers: dict[int, _Server] = {}
 _lock = threading.Lock()
 
@@ -133,7 +160,6 @@ async def openai_agent(
                       response_ids=list(session.response_ids), rollout_logprobs=list(session.logprobs),
                       loss_mask=list(session.loss_mask), status=session.status,
                       weight_version=session.weight_version, label=problem.label, response_text=last,
-                      metadata={"counts": {"agent/turns": session.policy_turns,
-                                           "agent/template_drift": int(session.drift() is not None)}})
+                      metadata={"counts": tool_counts(session)})
 
     return list(await asyncio.gather(*(one(i) for i in range(ctx.n))))

@@ -12,10 +12,11 @@ worth more than a guess within a group and the tool-call success rate is trained
         _partial_: true
         call_bonus: 0.2
 
-It reads the per-sample counts that :func:`miles.agent.rollout.tool_loop` records in
-``Sample.metadata["counts"]``; the reward runner passes them as ``metadata``. A sample without tool
-counts (another generate function, e.g. an agent behind the rollout server, which runs its tools
-itself) gets the answer's score alone.
+It reads the per-sample counts that :func:`miles.agent.rollout.tool_loop` and
+:func:`miles.agent.openai_rollout.openai_agent` record in ``Sample.metadata["counts"]``; the reward runner
+passes them as ``metadata``. For an ``openai``-client agent, which runs its tools itself, a working call is
+one the agent answered with a ``tool`` message (the server cannot see whether the tool failed). A sample
+without tool counts (another generate function) gets the answer's score alone.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ class Session:
         self.status = Status.COMPLETED
         self.weight_version = -1
         self.policy_turns = 0
+        self.policy_messages: list[int] = []  # the index in ``messages`` of each policy turn's text
 
     # ---- appending ----------------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class Session:
         self.policy_turns += 1
         text = self.tokenizer.decode(list(result.response_ids), skip_special_tokens=True)
         raw = self.tokenizer.decode(list(result.response_ids), skip_special_tokens=False)
+        self.policy_messages.append(len(self.messages))
         self.messages.append({"role": "assistant", "content": text})
         self._covered += raw
         return text
