@@ -199,7 +199,7 @@ def test_an_openai_client_agent_is_the_rollout_and_its_samples_are_what_was_samp
         # tool counts from the sampled text: each policy turn's well-formed calls that the agent answered
         want = Counter()
         turns = built.tokenizer.decode(s.response_ids).split("<|im_start|>assistant\n")
-        for k, turn in enumerate(turns):
+        for turn in turns:
             made, malformed = parse_tool_calls(turn.split("<|im_end|>")[0])
             if "<|im_end|>" in turn:
                 want["agent/tool_malformed"] += len(malformed)
