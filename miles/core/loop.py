@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable
 
 from miles.core.evaluate import evaluate
-from miles.core.progress import Progress
 from miles.core.schedules import train_async
 from miles.core.step import (
     LoopContext,
@@ -46,8 +45,8 @@ from miles.core.step import (
     learn,
     log_batch_sizes,
     push_weights,
-    recover_trainers,
-    resume_checkpoint,
+    resume_point,
+    run_steps,
     sampling_params,
     save_checkpoint,
 )
@@ -72,34 +71,17 @@ def train_sync(ctx: LoopContext) -> dict[str, float]:
     log_batch_sizes(run)
     hooks = ctx.hooks
 
-    first, next_group_id, metrics = 1, 0, {}
-    if run.trainer.resume_from is not None:
-        state = resume_checkpoint(ctx)
-        first, next_group_id = state.step + 1, state.next_group_id
-        rng.setstate(state.rng_state)
+    first, next_group_id = resume_point(ctx, lambda state: rng.setstate(state.rng_state))
     hooks.on_run_start(first - 1)
+    metrics: dict[str, float] = {}
     if run.trainer.resume_from is None:
         metrics = evaluate(ctx, eval_set)
         hooks.after_eval(0, metrics)
         ctx.log_metrics(metrics | hooks.pop_metrics(), 0)
         log.info("step 0: eval/accuracy %.3f (greedy %.3f)", metrics["eval/accuracy"], metrics["eval/greedy_accuracy"])
-    progress = Progress(run.trainer.num_steps, first=first)
-    step = first
-    while step <= run.trainer.num_steps:
-        if hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
-            break
-        try:
-            metrics, next_group_id = _step(ctx, step, rng, next_group_id, eval_set, sampling)
-        except Exception as err:  # a dead trainer rank: restart and restore (miles.core.step.recover_trainers)
-            state = recover_trainers(ctx, step, err)  # raises err unless a rank died and can be recovered
-            step, next_group_id = state.step + 1, state.next_group_id
-            rng.setstate(state.rng_state)
-            continue
-        progress.update(step, metrics)
-        step += 1
-    progress.close()
-    ctx.ledger.check_closed()
-    return metrics | ctx.ledger.metrics()
+    return run_steps(ctx, first, next_group_id,
+                     lambda step, next_group_id: _step(ctx, step, rng, next_group_id, eval_set, sampling),
+                     lambda state: rng.setstate(state.rng_state), metrics)
 
 
 def _step(ctx: LoopContext, step: int, rng: random.Random, next_group_id: int, eval_set: list,

@@ -27,6 +27,7 @@ from miles.core import resume
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
 from miles.core.profiling import StepProfiler, step_actors
+from miles.core.progress import Progress
 from miles.core.recovery import (
     EngineRecovery,
     TrainerRankDiedError,
@@ -429,6 +430,44 @@ def recover_trainers(ctx: LoopContext, step: int, err: Exception) -> checkpoints
     log.warning("trainer ranks restored from step %d in %.1f s; continuing at step %d", state.step, rec.restore_s,
                 state.step + 1)
     return state
+
+
+def resume_point(ctx: LoopContext, restore: Callable[[checkpoints.LoopState], None]) -> tuple[int, int]:
+    """The first step to run and the next group id: 1 and 0, or those after ``trainer.resume_from``'s
+    checkpoint, loaded by :func:`resume_checkpoint` (``restore(state)`` then sets the loop's own state from it,
+    e.g. its prompt sampler)."""
+    if ctx.run.trainer.resume_from is None:
+        return 1, 0
+    state = resume_checkpoint(ctx)
+    restore(state)
+    return state.step + 1, state.next_group_id
+
+
+def run_steps(ctx: LoopContext, first: int, next_group_id: int,
+              one_step: Callable[[int, int], tuple[dict[str, float], int]],
+              restore: Callable[[checkpoints.LoopState], None], metrics: dict[str, float]) -> dict[str, float]:
+    """Steps ``first`` to ``trainer.num_steps`` of a synchronous loop: ``one_step(step, next_group_id)`` returns
+    the step's metrics and the next group id. A step that fails on a dead trainer rank is recovered
+    (:func:`recover_trainers`, then ``restore(state)``) and the loop goes on from the checkpoint's next step;
+    a hook's stop ends it. Returns the last step's metrics (``metrics`` when no step ran) with the ledger's
+    (checked closed)."""
+    progress = Progress(ctx.run.trainer.num_steps, first=first)
+    step = first
+    while step <= ctx.run.trainer.num_steps:
+        if ctx.hooks.stop_reason is not None:  # a hook asked to stop: the step before was the last
+            break
+        try:
+            metrics, next_group_id = one_step(step, next_group_id)
+        except Exception as err:  # a dead trainer rank: restart and restore
+            state = recover_trainers(ctx, step, err)  # raises err unless a rank died and can be recovered
+            step, next_group_id = state.step + 1, state.next_group_id
+            restore(state)
+            continue
+        progress.update(step, metrics)
+        step += 1
+    progress.close()
+    ctx.ledger.check_closed()
+    return metrics | ctx.ledger.metrics()
 
 
 def restore_point(ctx: LoopContext, died: TrainerRankDiedError) -> str:

@@ -109,7 +109,6 @@ def _restore_samplers(rng: dict[str, random.Random], state: Any) -> None:
 def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
     """``trainer.num_steps`` steps over every tenant (module docstring); returns the last step's metrics."""
     from miles.core.evaluate import evaluate
-    from miles.core.progress import Progress
     from miles.core.step import (
         begin_profile,
         collect_through_outage,
@@ -117,8 +116,8 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
         learn,
         log_batch_sizes,
         push_weights,
-        recover_trainers,
-        resume_checkpoint,
+        resume_point,
+        run_steps,
         sampling_params,
         save_checkpoint,
     )
@@ -143,12 +142,9 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
             out[k] = sum(out[f"tenant/{t.name}/{k}"] for t in tenants) / len(tenants)
         return out
 
-    first, next_group_id, metrics = 1, 0, {}
-    if run.trainer.resume_from is not None:
-        state = resume_checkpoint(ctx)
-        first, next_group_id = state.step + 1, state.next_group_id
-        _restore_samplers(rng, state)
+    first, next_group_id = resume_point(ctx, lambda state: _restore_samplers(rng, state))
     hooks.on_run_start(first - 1)
+    metrics: dict[str, float] = {}
     if run.trainer.resume_from is None:
         metrics = evaluate_all(0)
         hooks.after_eval(0, metrics)
@@ -212,20 +208,4 @@ def train_tenants(ctx: Any, tenants: Sequence[Tenant]) -> dict[str, float]:
                             tenants={name: r.getstate() for name, r in rng.items()})
         return metrics, next_group_id
 
-    progress = Progress(run.trainer.num_steps, first=first)
-    step = first
-    while step <= run.trainer.num_steps:
-        if hooks.stop_reason is not None:
-            break
-        try:
-            metrics, next_group_id = one_step(step, next_group_id)
-        except Exception as err:  # a dead trainer rank: restart and restore (miles.core.step.recover_trainers)
-            state = recover_trainers(ctx, step, err)  # raises err unless a rank died and can be recovered
-            step, next_group_id = state.step + 1, state.next_group_id
-            _restore_samplers(rng, state)
-            continue
-        progress.update(step, metrics)
-        step += 1
-    progress.close()
-    ctx.ledger.check_closed()
-    return metrics | ctx.ledger.metrics()
+    return run_steps(ctx, first, next_group_id, one_step, lambda state: _restore_samplers(rng, state), metrics)

@@ -28,6 +28,9 @@ FAMILIES: dict[str, str | None] = {
 }
 """Supported ``model_type`` -> MoE router module pattern (None for dense models)."""
 
+VISION_FAMILIES = {"qwen2_5_vl": qwen_vl_spec}
+"""Vision-language ``model_type`` -> its spec from a checkpoint directory (as ``model=qwen_vl model.path=DIR``)."""
+
 
 def spec_from_config(config: PretrainedConfig, *, flavor: str, source_path: str | None = None,
                      gguf: tuple[str, str] | None = None) -> ModelSpec:
@@ -49,7 +52,3 @@ def hf_spec(flavor: str = "checkpoint", path: str | None = None) -> ModelSpec:
     if config.model_type in VISION_FAMILIES:  # a VLM: the vision model group's spec, read from the same path
         return VISION_FAMILIES[config.model_type](flavor=flavor, path=path)
     return spec_from_config(config, flavor=flavor, source_path=path)
-
-
-VISION_FAMILIES = {"qwen2_5_vl": qwen_vl_spec}
-"""Vision-language ``model_type`` -> its spec from a checkpoint directory (as ``model=qwen_vl model.path=DIR``)."""
