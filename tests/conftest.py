@@ -99,7 +99,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in skips.items():
             if item.get_closest_marker(marker) is not None:  # the marker, not a test id that holds its name
                 item.add_marker(pytest.mark.skip(reason=reason))
-    items[:] = _actor_sharers_together(items)
+    items[:] = _actor_sharers_together(_without_fault_variants(config, items))
+
+
+def _without_fault_variants(config: pytest.Config, items: list[pytest.Item]) -> list[pytest.Item]:
+    """``faults``-marked tests stay out of a run without ``-m`` (the README's ``pytest``), unless named by
+    their test id; ``-m faults`` (or any other marker expression) selects by markers as usual."""
+    if config.option.markexpr or any("::" in arg for arg in config.args):
+        return items
+    out = [item for item in items if item.get_closest_marker("faults") is None]
+    if len(out) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("faults") is not None])
+    return out
 
 
 def _actor_sharers_together(items: list[pytest.Item]) -> list[pytest.Item]:

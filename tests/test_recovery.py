@@ -2,7 +2,13 @@
 (:mod:`miles.core.recovery`): SIGSTOP of one engine, SIGKILL of every engine, and the clear error once
 no restart is left. A trainer rank SIGKILLed mid-run (FSDP and Megatron), or stopped (SIGSTOP: found by
 the step's probes and killed), is restarted with its group and restored from the last checkpoint; without
-a checkpoint, or in a run with tenants, the run ends."""
+a checkpoint, the run ends.
+
+The default run keeps one test per fault kind; the variants marked ``faults`` (a replacement started in the
+background, a tenant run, an async schedule, Megatron ranks, a rank restored after a hang, a hang in the
+weight push, a second death after a restore, the bench's non-finite step) run with ``pytest -m faults``, and
+``python -m miles.bench faults`` injects every kind into one run of the default task (``trainer=megatron``,
+``--engine sglang`` or a schedule as overrides)."""
 
 from __future__ import annotations
 
@@ -124,6 +130,7 @@ def test_hung_and_killed_engines_are_replaced_and_the_run_goes_on(ray_cluster, c
     assert (seen[1]["weight_sync/version"], seen[3]["weight_sync/version"]) == (1, 3)  # step 2: new engines only
 
 
+@pytest.mark.faults
 def test_a_replacement_starts_while_the_run_goes_on(ray_cluster, cache: Path) -> None:
     """placement=disaggregated: engine 0 of 2 SIGKILLed after step 1's rollout. Step 1's push starts its
     replacement and returns without waiting for it; step 2 rolls out its whole batch on the other engine
@@ -158,6 +165,7 @@ def test_bench_faults_needs_a_step_per_fault(capsys) -> None:
                                       ) in capsys.readouterr().err
 
 
+@pytest.mark.faults
 def test_the_benchs_nonfinite_step_is_skipped_and_the_run_goes_on(ray_cluster, cache: Path) -> None:
     """bench faults' ``nonfinite_step``: step 1's batch gets NaN advantages before its train step; the
     trainer skips that update and counts it, and step 2 updates as usual."""
@@ -174,6 +182,7 @@ def test_the_benchs_nonfinite_step_is_skipped_and_the_run_goes_on(ray_cluster, c
     assert seen[1]["train/nonfinite_skipped"] >= 1 and seen[2]["train/nonfinite_skipped"] == 0
 
 
+@pytest.mark.faults
 def test_the_engines_and_trainer_of_a_tenant_run_are_replaced(ray_cluster, plugin_engines, cache: Path,
                                                               tmp_path: Path) -> None:
     """Multi-LoRA tenants share one engine pool. Step 2: the trainer rank SIGKILLed before its train step;
@@ -248,7 +257,7 @@ class KillTrainerRank:
         ctx.add_metrics({"killed": 1.0})
 
 
-@pytest.mark.parametrize("trainer", ["fsdp", "megatron"])
+@pytest.mark.parametrize("trainer", ["fsdp", pytest.param("megatron", marks=[pytest.mark.faults, pytest.mark.megatron])])
 def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster, cache: Path, tmp_path: Path,
                                                                     trainer: str) -> None:
     """Step 2: one of two trainer ranks SIGKILLed before the train step. The step is abandoned, both ranks are
@@ -276,6 +285,7 @@ def test_a_killed_trainer_rank_is_restored_from_the_last_checkpoint(ray_cluster,
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
 
 
+@pytest.mark.faults
 def test_a_killed_trainer_rank_under_an_async_schedule_is_restored(ray_cluster, cache: Path, tmp_path: Path) -> None:
     """Under schedule=fully_async (one_step_off runs the same code with a smaller buffer), step 3: one of two FSDP ranks SIGKILLed before the train step while the
     stream generates ahead. The stream is stopped, the ranks restored from step 2's checkpoint, and a new
@@ -301,6 +311,7 @@ def test_a_killed_trainer_rank_under_an_async_schedule_is_restored(ray_cluster, 
     assert final["ledger/drawn"] == sum(final[f"ledger/{o}"] for o in OUTCOMES)
 
 
+@pytest.mark.faults
 def test_a_hung_trainer_rank_is_killed_and_restored(ray_cluster, cache: Path, tmp_path: Path) -> None:
     """Step 2: one of two FSDP ranks stopped (SIGSTOP) before the train step; its peer waits on it in a
     collective. The step's probes find it (trainer.hang_timeout_s=5), it is killed, and the run goes on
@@ -323,6 +334,7 @@ def test_a_hung_trainer_rank_is_killed_and_restored(ray_cluster, cache: Path, tm
     assert (final["ledger/drawn"], final["ledger/trained"], final["ledger/open"]) == (8, 8, 0)
 
 
+@pytest.mark.faults
 def test_a_rank_hung_in_the_weight_push_is_killed_and_restored(ray_cluster, plugin_engines, cache: Path,
                                                                tmp_path: Path) -> None:
     """Step 2: FSDP rank 1 of 2 stops (SIGSTOP) inside the weight push while rank 0 waits on it in the gather.
@@ -360,6 +372,7 @@ def test_a_hang_without_recovery_is_one_clear_error(ray_cluster, cache: Path, tm
         run_job(run, resolved_yaml=resolved, overrides=overrides)
 
 
+@pytest.mark.faults
 def test_no_recovery_left_is_one_clear_error(ray_cluster, cache: Path, tmp_path: Path) -> None:
     """trainer.max_failures=1: the rank killed at step 2 is recovered once; killed again in the retried
     step, the run ends with an error naming the rank and the key."""
