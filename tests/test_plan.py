@@ -50,7 +50,10 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 def _with(defaults: dict[str, Any], *options: tuple[str, str], **changes: Any) -> Plan:
     """The plan of the defaults with group options swapped in (Hydra replaces a group's node with the
-    option's YAML the same way) and ``changes`` merged over them."""
+    option's YAML the same way) and ``changes`` merged over them. An option of package ``_global_``
+    (``task=openenv`` also sets ``rollout.generate_fn``) is composed by Hydra instead."""
+    if any((CONF / g / f"{o}.yaml").read_text().startswith("# @package _global_") for g, o in options):
+        return make_plan(_compose([f"{g}={o}" for g, o in options]), TWO_CORES)
     cfg = defaults | {group: _option(group, option) for group, option in options}
     return make_plan(validate(_merge(cfg, changes)), TWO_CORES)
 
