@@ -101,25 +101,11 @@ def test_a_wrong_url_or_field_is_refused_before_anything_starts(env_url: str) ->
         OpenEnvTask(url=env_url, observation_key="question")
 
 
-def test_eval_seeds_never_ask_a_training_question_and_a_warm_start_needs_a_task(env_url: str) -> None:
+def test_eval_seeds_never_ask_a_training_question(env_url: str) -> None:
     import random
 
     from miles.agent.openenv import OpenEnvTask
-    from miles.tasks.largest import LargestNumberTask
 
     task = OpenEnvTask(url=env_url, pool_size=400)
     held = {p.prompt for p in task.eval_problems(8)}
     assert len(held) == 8 and not held & {p.prompt for p in task.sample(300, random.Random(0))}
-    with pytest.raises(ValueError, match=r"no reference responses .*task.source.warm_start_task .*warm_start.steps=0"):
-        task.sft_examples(4, random.Random(0))
-    warm = OpenEnvTask(url=env_url, pool_size=400, warm_start_task=LargestNumberTask())
-    (prompt, answer), = warm.sft_examples(1, random.Random(0))
-    assert prompt.startswith("Which is largest: ") and answer == str(max(map(int, prompt[18:-1].split())))
-
-
-def test_env_reward_needs_an_episode() -> None:
-    from miles.agent.openenv import env_reward
-
-    assert env_reward("7", {"seed": 1}, metadata={"env_reward": 0.5}) == 0.5
-    with pytest.raises(ValueError, match="rollout.generate_fn=miles.agent.openenv.episode"):
-        env_reward("7", {"seed": 1}, metadata={})

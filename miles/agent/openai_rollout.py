@@ -42,7 +42,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -135,31 +135,64 @@ def _server_for(tokenizer: Any) -> _Server:
         return _servers[id(tokenizer)]
 
 
-async def openai_agent(
-    ctx: GenerateContext, problem: Problem, sampling: SamplingParams, *, agent: Callable[[Any, str], Any],
-    timeout_s: float = 600.0,
+@dataclass(frozen=True)
+class SessionEndpoint:
+    """Where one sample's agent sends its turns: the rollout server's ``base_url``, its bearer ``token``, and
+    the ``headers`` that name the sample's session (:data:`SESSION_HEADER`)."""
+
+    base_url: str
+    token: str
+    session_id: str
+    _server: _Server
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {SESSION_HEADER: self.session_id}
+
+    def client(self) -> Any:
+        """An ``openai.OpenAI`` client for this session (:meth:`_Server.client`)."""
+        return self._server.client(self.session_id)
+
+
+async def session_samples(
+    ctx: GenerateContext, problem: Problem, sampling: SamplingParams,
+    play: Callable[[int, SessionEndpoint], Awaitable[dict[str, Any] | None]], *, timeout_s: float, who: str,
 ) -> list[Sample]:
-    """The ``ctx.n`` samples of one prompt, each one run of ``agent(client, prompt)`` (see the module docstring)."""
+    """The ``ctx.n`` samples of one prompt, each the session of one ``play(index, endpoint)``: whatever sends
+    that session's turns to the rollout server (an agent in a thread, an environment's runner). What ``play``
+    returns is added to the sample's metadata (an environment's reward: ``env_reward``)."""
     server = _server_for(ctx.tokenizer)
     loop = asyncio.get_running_loop()
 
     async def one(index: int) -> Sample:
         session_id = f"{ctx.group_id}-{index}-{secrets.token_hex(4)}"
         server.routes[session_id] = _Route(ctx, index, sampling, loop)
-        client = server.client(session_id)
         try:
-            await asyncio.wait_for(run_in_daemon_thread(agent, client, problem.prompt), timeout=timeout_s)
+            extra = await asyncio.wait_for(play(index, SessionEndpoint(server.base_url, server.token, session_id,
+                                                                       server)), timeout=timeout_s)
         finally:
             server.routes.pop(session_id, None)
             session = server.app.state.sessions.pop(session_id, None)
         if session is None or session.policy_turns == 0:
-            raise RuntimeError(f"agent {getattr(agent, '__name__', agent)!r} returned without calling "
-                               "client.chat.completions.create")
+            raise RuntimeError(f"{who} returned without calling client.chat.completions.create")
         last = session.messages[-1]["content"] if session.messages[-1]["role"] == "assistant" else ""
         return Sample(group_id=ctx.group_id, index=index, prompt_ids=list(session.prompt_ids),
                       response_ids=list(session.response_ids), rollout_logprobs=list(session.logprobs),
                       loss_mask=list(session.loss_mask), status=session.status,
                       weight_version=session.weight_version, label=problem.label, response_text=last,
-                      metadata={"counts": tool_counts(session)})
+                      metadata={"counts": tool_counts(session)} | dict(extra or {}))
 
     return list(await asyncio.gather(*(one(i) for i in range(ctx.n))))
+
+
+async def openai_agent(
+    ctx: GenerateContext, problem: Problem, sampling: SamplingParams, *, agent: Callable[[Any, str], Any],
+    timeout_s: float = 600.0,
+) -> list[Sample]:
+    """The ``ctx.n`` samples of one prompt, each one run of ``agent(client, prompt)`` (see the module docstring)."""
+
+    async def play(index: int, endpoint: SessionEndpoint) -> None:
+        await run_in_daemon_thread(agent, endpoint.client(), problem.prompt)
+
+    return await session_samples(ctx, problem, sampling, play, timeout_s=timeout_s,
+                                 who=f"agent {getattr(agent, '__name__', agent)!r}")

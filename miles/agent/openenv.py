@@ -20,13 +20,9 @@ An episode (:func:`episode`, the ``rollout.generate_fn`` of ``task=openenv``): t
 observation's ``observation_key`` text; the answer goes to the environment as the action
 ``{action_key: text}``; a new observation that is not ``done`` is the next user turn (loss mask 0),
 up to ``max_turns`` policy turns. The sample's reward is the sum of the rewards of its steps
-(:func:`env_reward` reads it from ``Sample.metadata["env_reward"]``), so the environment's own rubric
-scores it, unmodified.
-
-Fresh tiny models (no ``model.path``) build a tokenizer from the task's text and are warm-started on
-reference responses, which an environment does not give: ``warm_start_task`` names a task of the
-same format that does (e.g. the built-in ``largest`` for an environment that asks for the largest of
-a list); without one a warm start is refused, naming the options.
+(:func:`miles.agent.env_tasks.env_reward` reads it from ``Sample.metadata["env_reward"]``), so the
+environment's own rubric scores it, unmodified. A fresh tiny model warm-starts on ``warm_start_task``
+(:mod:`miles.agent.env_tasks`).
 """
 
 from __future__ import annotations
@@ -41,10 +37,11 @@ from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from miles.agent.env_tasks import ExternalTask
 from miles.agent.session import Session
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
-from miles.tasks.procedural import Problem, ProceduralTask
+from miles.tasks.procedural import Problem
 from miles.types import GenerateRequest, Sample, SamplingParams, Status, session_key
 
 COUNTS = ("agent/turns", "env/steps", "env/done")
@@ -76,21 +73,23 @@ def _text(observation: Mapping[str, Any], key: str, url: str) -> str:
     return str(observation[key])
 
 
-class OpenEnvTask(ProceduralTask):
+class OpenEnvTask(ExternalTask):
     """Seeds of an OpenEnv environment as problems; the prompt is the first observation's ``observation_key``.
 
     ``url``: the environment server (``http://host:port``). ``pool_size``: seeds ``0 .. pool_size - 1``.
     ``warm_start_task``: a built task of the same prompt format, for the warm start of fresh tiny models.
     """
 
+    kind = "openenv"
+
     def __init__(self, *, url: str, observation_key: str = "prompt", pool_size: int = 10_000,
                  heldout_fraction: float = 0.1, eval_seed: int = 12345, timeout_s: float = 30.0,
                  warm_start_task: Any = None) -> None:
-        super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed)
+        super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed, warm_start_task=warm_start_task)
         if pool_size < 1:
             raise ValueError(f"pool_size: must be at least 1, found {pool_size}")
         self.url, self.observation_key, self.pool_size = url.rstrip("/"), observation_key, pool_size
-        self.timeout_s, self.warm_start_task = timeout_s, warm_start_task
+        self.timeout_s = timeout_s
         self._prompts: dict[int, str] = {}
         self.prompt_of(0)  # reach the server now: a wrong url or key is an error before anything starts
 
@@ -111,26 +110,8 @@ class OpenEnvTask(ProceduralTask):
         seed = int(key)  # type: ignore[arg-type]
         return Problem(prompt=self.prompt_of(seed), label={"seed": seed})
 
-    def _warm(self) -> Any:
-        if self.warm_start_task is None:
-            raise ValueError("task=openenv: an OpenEnv environment gives no reference responses to warm-start a fresh "
-                             "model on: set task.source.warm_start_task to a task of the same prompt format (e.g. "
-                             "{_target_: miles.tasks.largest.LargestNumberTask}), or warm_start.steps=0, or train a "
-                             "pretrained model (model.path)")
-        return self.warm_start_task
-
-    def reference_response(self, problem: Problem) -> str:
-        raise ValueError("task=openenv: an environment gives no reference responses (the warm start draws its "
-                         "examples from task.source.warm_start_task)")
-
-    def corpus(self) -> list[str]:
-        """The environment's prompts of 500 seeds, plus the warm-start task's text when there is one."""
-        prompts = [self.prompt_of(s) for s in range(min(self.pool_size, 500))]
-        extra = self.warm_start_task.corpus() if self.warm_start_task is not None else []
-        return prompts + extra + ["0123456789"]
-
-    def sft_examples(self, n: int, rng: random.Random) -> list[tuple[str, str]]:
-        return self._warm().sft_examples(n, rng)
+    def corpus_keys(self) -> list[int]:
+        return list(range(min(self.pool_size, 500)))
 
 
 class _Connection:
@@ -263,11 +244,3 @@ class _Episode:
             loss_mask=list(session.loss_mask), status=Status.FAILED if failure else session.status,
             weight_version=session.weight_version, label=problem.label, response_text=text, failure=failure,
             metadata={"env_reward": total, "counts": dict(counts)})
-
-
-def env_reward(response_text: str, label: Any, *, metadata: Mapping[str, Any] | None = None) -> float:
-    """The environment's reward for the episode (the sum of its steps' rewards, set by :func:`episode`)."""
-    if not metadata or "env_reward" not in metadata:
-        raise ValueError("env_reward: the sample has no environment reward: use rollout.generate_fn="
-                         "miles.agent.openenv.episode (task=openenv sets it)")
-    return float(metadata["env_reward"])
