@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up miles for the README's run and test commands on a CPU machine, in one command:
 #
-#   scripts/setup.sh [--sglang] [--openenv]      # then: . .venv/bin/activate && python -m miles / pytest
+#   scripts/setup.sh [--sglang] [--openenv] [--verifiers]      # then: . .venv/bin/activate && python -m miles / pytest
 #
 # 1. .venv/ with the CPU build of torch (pinned first, so that nothing pulls a CUDA build), then miles
 #    in editable mode with the extras the tests use (dev, megatron, smollm2), then SmolLM2-135M's
@@ -11,7 +11,8 @@
 # 2. with --sglang, SGLang's own venv in .venv-sglang/ for rollout=sglang (scripts/setup_sglang.sh:
 #    sglang pins its own torch and transformers, so it cannot share .venv);
 # 3. with --openenv, OpenEnv's venv in .venv-openenv/ (scripts/setup_openenv.sh), where the example
-#    OpenEnv environment server of the openenv tests runs;
+#    OpenEnv environment server of the openenv tests runs; with --verifiers, verifiers' venv in
+#    .venv-verifiers/ (scripts/setup_verifiers.sh), where task=verifiers runs its environments;
 # 4. the Debian packages the tests use: bubblewrap and python3-seccomp (the sandbox's isolation layer and
 #    its syscall filter) and prometheus
 #    (with promtool): installed with apt-get when run as root, otherwise the command is printed.
@@ -23,12 +24,14 @@ PYTHON="${PYTHON:-python3}"
 TORCH="${TORCH:-torch==2.13.0}"
 SGLANG=0
 OPENENV=0
+VERIFIERS=0
 for arg in "$@"; do
   case "$arg" in
     --sglang) SGLANG=1 ;;
     --openenv) OPENENV=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (valid: --sglang, --openenv)" >&2; exit 2 ;;
+    --verifiers) VERIFIERS=1 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (valid: --sglang, --openenv, --verifiers)" >&2; exit 2 ;;
   esac
 done
 t0=$SECONDS
@@ -66,5 +69,8 @@ if [ "$SGLANG" = 1 ]; then
 fi
 if [ "$OPENENV" = 1 ]; then
   scripts/setup_openenv.sh
+fi
+if [ "$VERIFIERS" = 1 ]; then
+  scripts/setup_verifiers.sh
 fi
 echo "setup: done in $((SECONDS - t0)) s; activate with: . .venv/bin/activate"

@@ -83,8 +83,8 @@ def megatron_pair(ray_cluster):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv, ``openenv``-marked
-    ones OpenEnv's venv: skipped, with the reason, where it is missing."""
+    """``gpu``-marked tests need a CUDA device, ``sglang``-marked ones the SGLang venv, ``openenv`` and
+    ``verifiers``-marked ones OpenEnv's and verifiers' venvs: skipped, with the reason, where it is missing."""
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = "needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)"
@@ -102,6 +102,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             openenv_python()
         except FileNotFoundError as e:
             skips["openenv"] = f"needs OpenEnv's venv: {e}"
+    if any(item.get_closest_marker("verifiers") for item in items):
+        from miles.agent.verifiers import find_python as find_verifiers_python
+
+        try:
+            find_verifiers_python()
+        except FileNotFoundError as e:
+            skips["verifiers"] = f"needs verifiers' venv: {e}"
     for item in items:
         for marker, reason in skips.items():
             if item.get_closest_marker(marker) is not None:  # the marker, not a test id that holds its name
