@@ -47,3 +47,16 @@ def test_openai_agent_config_builds() -> None:
 
     fn = build_components(_compose("openai_agent", []))["generate_fn"]
     assert fn.func is openai_agent and fn.keywords["agent"].func.__name__ == "solve"
+
+
+def test_the_openai_agent_example_imports_nothing_of_miles() -> None:
+    """examples/openai_agent.py is an agent as anyone would write it: the standard library and openai."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "examples" / "openai_agent.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - {"__future__", "openai"} <= set(sys.stdlib_module_names), imported
+    assert "openai" in imported and "miles" not in imported
