@@ -8,8 +8,8 @@ JSON lines over its stdin and stdout; miles itself never imports verifiers.
 - **Problems are the taskset's tasks** (:class:`VerifiersTask`): the runner lists their prompts once, and
   they are split into training and held-out ones by a hash of the prompt text.
 - **Each sample is one episode** (:func:`episode`, the ``rollout.generate_fn`` of ``task=verifiers``): the
-  runner plays the task with the harness (``miles_chat`` by default: one chat-completions call, made in
-  process), and every model call of the episode goes, through verifiers' interception server, to the
+  runner plays the task with miles' harness (``miles_chat``: one chat-completions call, made in process),
+  and every model call of the episode goes, through verifiers' interception server, to the
   run's rollout server (:mod:`miles.agent.openai_rollout`) with the sample's session header. The server
   records the tokens the engines sampled, so the sample is exactly what was generated; the reward is the
   trace's (the sum of the taskset's rewards), read by :func:`miles.agent.env_tasks.env_reward`.
@@ -141,11 +141,10 @@ _runners: dict[str, _Runner] = {}
 _runners_lock = threading.Lock()
 
 
-def runner_for(env: str, args: Mapping[str, Any] | None = None, paths: Sequence[str] = (), harness: str = "miles_chat",
+def runner_for(env: str, args: Mapping[str, Any] | None = None, paths: Sequence[str] = (),
                python: str | None = None, start_timeout_s: float = 300.0) -> _Runner:
     """The process's runner for this environment (one per distinct configuration, started on first use)."""
-    config = {"taskset": {"id": env, **dict(args or {})}, "harness": harness,
-              "paths": [str(Path(p).resolve()) for p in paths]}
+    config = {"taskset": {"id": env, **dict(args or {})}, "paths": [str(Path(p).resolve()) for p in paths]}
     key = json.dumps(config, sort_keys=True) + str(python)
     with _runners_lock:
         runner = _runners.get(key)
@@ -165,16 +164,16 @@ class VerifiersTask(ExternalTask):
     """The tasks of a verifiers taskset as problems (module docstring).
 
     ``env``: the taskset's id; ``args``: its config's fields; ``paths``: directories its module is found in;
-    ``harness``: the harness id (``miles_chat``); ``python``: verifiers' venv (:func:`find_python`).
+    ``python``: verifiers' venv (:func:`find_python`).
     """
 
     kind = "verifiers"
 
     def __init__(self, *, env: str, args: Mapping[str, Any] | None = None, paths: Sequence[str] = (),
-                 harness: str = "miles_chat", python: str | None = None, heldout_fraction: float = 0.1,
+                 python: str | None = None, heldout_fraction: float = 0.1,
                  eval_seed: int = 12345, timeout_s: float = 300.0, warm_start_task: Any = None) -> None:
         super().__init__(heldout_fraction=heldout_fraction, eval_seed=eval_seed, warm_start_task=warm_start_task)
-        runner = runner_for(env, args, paths, harness, python, timeout_s)
+        runner = runner_for(env, args, paths, python, timeout_s)
         self.prompts = runner.prompts(timeout_s)
         if not self.prompts:
             raise ValueError(f"task.source.env={env}: the taskset has no tasks")
@@ -193,10 +192,10 @@ class VerifiersTask(ExternalTask):
 
 
 async def episode(ctx: GenerateContext, problem: Problem, sampling: SamplingParams, *, env: str,
-                  args: Mapping[str, Any] | None = None, paths: Sequence[str] = (), harness: str = "miles_chat",
-                  python: str | None = None, timeout_s: float = 300.0) -> list[Sample]:
+                  args: Mapping[str, Any] | None = None, paths: Sequence[str] = (), python: str | None = None,
+                  timeout_s: float = 300.0) -> list[Sample]:
     """The ``ctx.n`` episodes of one task, played by the runner against the rollout server (module docstring)."""
-    runner = await asyncio.to_thread(runner_for, env, args, paths, harness, python, timeout_s)
+    runner = await asyncio.to_thread(runner_for, env, args, paths, python, timeout_s)
     task = int(problem.label["task"])
 
     async def play(index: int, endpoint: SessionEndpoint) -> dict[str, Any]:

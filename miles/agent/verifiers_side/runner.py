@@ -1,8 +1,8 @@
 """Runs a verifiers environment for ``task=verifiers``, in verifiers' venv (never in miles').
 
 ``python runner.py CONFIG_JSON``: ``CONFIG_JSON`` holds ``taskset`` (verifiers' taskset config: its
-``id`` and arguments), ``harness`` (a harness id; default ``miles_chat``, beside this file), ``paths``
-(directories put first on ``sys.path``, where the environment's modules are) and ``model``. Then JSON
+``id`` and arguments), ``paths`` (directories put first on ``sys.path``, where the environment's modules
+are) and ``model``. Episodes are played by the ``miles_chat`` harness (beside this file). Then JSON
 lines on stdin, one answer line each on stdout (answers to ``run`` may come in any order):
 
 - ``{"op": "tasks"}`` -> ``{"tasks": [<prompt text>, ...]}``: the taskset's tasks, in order;
@@ -32,11 +32,11 @@ def _prompt_text(data) -> str:
 async def main(config: dict) -> None:
     sys.path[:0] = [str(Path(__file__).resolve().parent), *config.get("paths", [])]
     import verifiers.v1 as vf
+    from miles_chat import SESSION_HEADERS
     from verifiers.v1.env import RunSlot
 
     env = vf.load_environment(vf.resolve_env_config({
-        "taskset": config["taskset"],
-        "agent": {"harness": {"id": config.get("harness", "miles_chat")}, "runtime": {"type": "subprocess"}}}))
+        "taskset": config["taskset"], "agent": {"harness": {"id": "miles_chat"}, "runtime": {"type": "subprocess"}}}))
     tasks = list(env.taskset)
     out_lock = asyncio.Lock()
 
@@ -48,9 +48,9 @@ async def main(config: dict) -> None:
     async def run(req: dict) -> None:
         try:
             os.environ["MILES_ROLLOUT_TOKEN"] = req["api_key"]  # read by the client config, never stored in it
-            client = vf.EvalClientConfig(base_url=req["base_url"], api_key_var="MILES_ROLLOUT_TOKEN",
-                                         headers=dict(req.get("headers") or {}))
+            client = vf.EvalClientConfig(base_url=req["base_url"], api_key_var="MILES_ROLLOUT_TOKEN")
             ctx = vf.ModelContext(model=config.get("model", "miles"), client=client, sampling=vf.SamplingConfig())
+            SESSION_HEADERS.set(tuple((req.get("headers") or {}).items()))  # this episode's task and the tasks it starts
             episode = await asyncio.wait_for(env.run_slot(RunSlot(tasks[req["task"]]), ctx), req.get("timeout_s"))
             trace = episode.traces[-1] if episode.traces else None
             error = None if trace is not None and trace.ok else "; ".join(
