@@ -22,3 +22,31 @@ install_into() {
   fi
   "${PIP[@]}" install -q "$@"
 }
+
+# A venv of its own for one Python package that miles talks to from outside (an environment server, a
+# runner), never imports, and keeps apart from .venv so that its dependencies change nothing miles runs with:
+#
+#   side_venv NAME VENV REQUIREMENT MODULE    # e.g. side_venv setup_openenv "$VENV" openenv-core==0.3.0 openenv
+#
+# creates VENV (with python3, or $PYTHON), installs REQUIREMENT with uv (pip where uv fails), checks that
+# MODULE imports and writes a stamp file; a second run with the same REQUIREMENT finds the stamp and only
+# re-checks. NAME prefixes its lines.
+side_venv() {
+  local name="$1" venv="$2" requirement="$3" module="$4"
+  local stamp="$venv/.miles-side-venv" t0=$SECONDS
+  local check=("$venv/bin/python" -c "import $module; from importlib.metadata import version; \
+print('$name: $requirement'.split('==')[0], version('$requirement'.split('==')[0]), 'in', '$venv')")
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$requirement" ] && [ -x "$venv/bin/python" ]; then
+    "${check[@]}"
+    echo "$name: already set up ($((SECONDS - t0)) s)"
+    return 0
+  fi
+  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+  rm -f "$stamp"
+  PIP=("$venv/bin/python" -m pip --disable-pip-version-check)
+  "${PIP[@]}" install -q --upgrade pip uv
+  install_into "$venv" "$requirement"
+  "${check[@]}"
+  echo "$requirement" > "$stamp"
+  echo "$name: done in $((SECONDS - t0)) s; $(du -sh "$venv" | cut -f1) in $venv"
+}
