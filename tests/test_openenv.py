@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from env_examples import Capture, largest_of
 
 from miles.bench.e2e import compose
 
@@ -40,26 +41,6 @@ def env_url() -> Iterator[str]:
         server.wait()
 
 
-class Capture:
-    """Hook: keeps every training sample of the run (read by the test)."""
-
-    samples: list = []
-
-    def __init__(self) -> None:
-        Capture.samples = []
-
-    def after_rollout(self, ctx, groups) -> None:
-        Capture.samples += [s for group in groups for s in group]
-
-
-def largest_of(seed: int) -> str:
-    """The example environment's answer for ``seed`` (its numbers: ``random.Random(seed)``)."""
-    import random
-
-    rng = random.Random(seed)
-    return str(max(rng.randint(0, 99) for _ in range(5)))
-
-
 def test_episodes_are_scored_by_the_environment_and_a_wrong_answer_is_asked_again(env_url: str,
                                                                                   ray_cluster, tmp_path: Path) -> None:
     """Two training steps on the environment (two attempts per episode, max_turns=2). A first answer
@@ -72,7 +53,7 @@ def test_episodes_are_scored_by_the_environment_and_a_wrong_answer_is_asked_agai
     overrides = ["task=openenv", f"task.source.url={env_url}", "trainer.num_steps=2", "trainer.eval_every=0",
                  "algo.num_prompts_per_step=4", "algo.num_samples_per_prompt=4", "warm_start.steps=20",
                  f"warm_start.cache_dir={tmp_path}", "tracking=none", "rollout.generate_fn.max_turns=2",
-                 "plugins.allow=[test_openenv.,miles.]", "hooks=[{_target_: test_openenv.Capture}]"]
+                 "plugins.allow=[env_examples.,miles.]", "hooks=[{_target_: env_examples.Capture}]"]
     run, resolved = compose(overrides)
     seen: list[dict[str, float]] = []
     run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.append(dict(m)))

@@ -5,10 +5,10 @@ miles' runner, every model call through the run's rollout server, and scored by 
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
+from env_examples import Capture, largest_of
 
 from miles.bench.e2e import compose
 
@@ -16,24 +16,6 @@ pytestmark = pytest.mark.verifiers
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = f"[{ROOT / 'examples' / 'verifiers_largest'}]"
-
-
-class Capture:
-    """Hook: keeps every training sample of the run (read by the test)."""
-
-    samples: list = []
-
-    def __init__(self) -> None:
-        Capture.samples = []
-
-    def after_rollout(self, ctx, groups) -> None:
-        Capture.samples += [s for group in groups for s in group]
-
-
-def largest_of(task: int) -> str:
-    """The example taskset's answer for task ``task`` (its numbers: ``random.Random(task)``)."""
-    rng = random.Random(task)
-    return str(max(rng.randint(0, 99) for _ in range(5)))
 
 
 def test_episodes_are_played_in_verifiers_and_scored_by_the_taskset(ray_cluster, tmp_path: Path) -> None:
@@ -45,7 +27,7 @@ def test_episodes_are_played_in_verifiers_and_scored_by_the_taskset(ray_cluster,
     overrides = ["task=verifiers", f"task.source.paths={PATHS}", "task.source.args={num_tasks: 400}", "task.num_eval_prompts=8",
                  "trainer.num_steps=2", "trainer.eval_every=0", "algo.num_prompts_per_step=4",
                  "algo.num_samples_per_prompt=4", "warm_start.steps=20", f"warm_start.cache_dir={tmp_path}",
-                 "tracking=none", "plugins.allow=[test_verifiers.,miles.]", "hooks=[{_target_: test_verifiers.Capture}]"]
+                 "tracking=none", "plugins.allow=[env_examples.,miles.]", "hooks=[{_target_: env_examples.Capture}]"]
     run, resolved = compose(overrides)
     try:
         run_job(run, resolved_yaml=resolved, overrides=overrides)
