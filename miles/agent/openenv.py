@@ -38,11 +38,12 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from miles.agent.env_tasks import ExternalTask
+from miles.agent.rollout import next_turn
 from miles.agent.session import Session
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
 from miles.tasks.procedural import Problem
-from miles.types import GenerateRequest, Sample, SamplingParams, Status, session_key
+from miles.types import GenerateRequest, Sample, SamplingParams, Status
 
 COUNTS = ("agent/turns", "env/steps", "env/done")
 """Every episode's counts, summed into ``rollout/agent/turns``, ``rollout/env/steps`` and ``rollout/env/done``."""
@@ -228,14 +229,10 @@ class _Episode:
                 break
             session.add_messages([{"role": "user",
                                    "content": _text(answer["observation"], self.observation_key, self.url)}])
-            turn = session.policy_turns + 1
             try:
-                (result,) = await self.ctx.engine_generate(GenerateRequest(
-                    request_id=f"{self.ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
-                    seed=self.ctx.seed + 7919 * turn + index,
-                    session_id=session_key(self.session_id, self.ctx.n, index)), self.sampling)
+                result = await next_turn(self.ctx, session, self.sampling, self.session_id, index)
             except EngineRequestError as e:  # retried by the pool already: this episode ends, the group goes on
-                failure = f"generation: turn {turn}: {first_line(e)}"
+                failure = f"generation: turn {session.policy_turns + 1}: {first_line(e)}"
                 break
         session.finish()
         return Sample(

@@ -133,17 +133,12 @@ class _Loop:
                 session.status = Status.TRUNCATED
                 break
             _count(counts, outcomes)
-            index, turn = result.index, session.policy_turns + 1
             try:
-                (result,) = await self.ctx.engine_generate(GenerateRequest(
-                    request_id=f"{self.ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
-                    seed=self.ctx.seed + 7919 * turn + index,
-                    session_id=session_key(self.session_id, self.ctx.n, index)), self.sampling)
+                result = await next_turn(self.ctx, session, self.sampling, self.session_id, result.index)
             except EngineRequestError as e:  # retried by the pool already: this sample ends, the group goes on
                 counts["agent/turn_failures"] += 1
-                failure = f"generation: turn {turn}: {first_line(e)}"
+                failure = f"generation: turn {session.policy_turns + 1}: {first_line(e)}"
                 break
-            result = _reindexed(result, index)
         counts["agent/template_drift"] += session.finish() is not None
         return Sample(
             group_id=self.ctx.group_id, index=result.index, prompt_ids=list(session.prompt_ids),
@@ -168,6 +163,14 @@ def _count(counts: Counter[str], outcomes: list[ToolOutcome]) -> None:
             counts[f"agent/tool_{o.error}"] += 1
 
 
-def _reindexed(result: GenerateResult, index: int) -> GenerateResult:
-    """A later turn's result (a request with n=1, index 0) as the sample's own index."""
+async def next_turn(ctx: GenerateContext, session: Session, sampling: SamplingParams, session_id: str,
+                    index: int) -> GenerateResult:
+    """Sample ``index``'s next policy turn: one request (n=1) whose prompt is exactly the session's ids so far,
+    with a seed of its own per turn and the sample's :func:`~miles.types.session_key` (so it goes to the
+    engine of the sample's earlier turns); the result carries the sample's index. Raises
+    :class:`~miles.rollout.dispatch.EngineRequestError` when every attempt failed."""
+    turn = session.policy_turns + 1
+    (result,) = await ctx.engine_generate(GenerateRequest(
+        request_id=f"{ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
+        seed=ctx.seed + 7919 * turn + index, session_id=session_key(session_id, ctx.n, index)), sampling)
     return replace(result, index=index)
