@@ -248,3 +248,36 @@ def test_openai_agent_clients_share_one_connection_pool_and_carry_their_session(
     assert len(built_clients) <= 1  # at most the server's own (none if a server already ran in this process)
     assert len({id(c._client) for c in seen}) == 1
     assert len({c.default_headers[SESSION_HEADER] for c in seen}) == len(seen) == 6
+
+
+def test_an_agent_that_edits_its_reply_trains_only_on_the_turns_before(built) -> None:
+    """An agent that sends back an edited reply: the turn after it is answered off the record, so the sample
+    holds (and trains on) the first turn only, and says so in its counts; the last reply is still its text."""
+    pytest.importorskip("openai")
+    from miles.agent.openai_rollout import openai_agent
+
+    runs = []
+
+    def agent(client, prompt: str) -> None:
+        messages, seen = [{"role": "user", "content": prompt}], []
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            seen.append((reply.choices[0].message.content or "", reply.choices[0].model_extra["off_record"]))
+            messages += [{"role": "assistant", "content": seen[-1][0] + " (edited)"},
+                         {"role": "user", "content": "Check it."}]
+        runs.append(seen)
+
+    recorder = Recorder(built.engine)
+    problem = built.task.sample(1, random.Random(3))[0]
+    samples = asyncio.run(functools.partial(openai_agent, agent=agent)(
+        _ctx(built, recorder, n=2), problem, SamplingParams(temperature=1.0, max_new_tokens=12)))
+    check_group(samples, n=2, group_id=5, who="openai_agent")
+    assert len(recorder.calls) == 4
+    firsts = [list(r.response_ids) for q, (r,) in recorder.calls if len(q.prompt_ids) == len(samples[0].prompt_ids)]
+    for s in samples:
+        assert s.response_ids in firsts and s.loss_mask == [1] * len(s.response_ids)
+        counts = s.metadata["counts"]
+        assert (counts["agent/turns"], counts["agent/turns_masked"], counts["agent/template_drift"]) == (2, 1, 1)
+    assert [[why for _, why in seen] for seen in runs] == [
+        [None, "message 1 (assistant) is not the reply the server gave"]] * 2
+    assert sorted(s.response_text for s in samples) == sorted(seen[1][0] for seen in runs)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from miles.agent.server import assistant_message, check_bind, create_app, engine_backend
+from miles.agent.server_requests import chat_messages
 from miles.config import ConfigError
 from miles.types import GenerateRequest, SamplingParams
 
@@ -269,20 +270,78 @@ def test_an_openai_client_session_is_token_exact(server) -> None:
     assert pos == len(full) and sum(held["loss_mask"]) == sum(len(c["output_token_ids"]) for c in choices)
     tool_turn = server.tok.decode(choices[1]["prompt_token_ids"][len(choices[0]["prompt_token_ids"]) :])
     assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in tool_turn
-    # a session only grows: an edited user turn is refused, not re-tokenized
+    # an edited user turn is answered from a fresh rendering, off the record: never re-tokenized into it
     messages[0] = {"role": "user", "content": "what is 5 plus 4?"}
-    with pytest.raises(openai.APIStatusError) as refused:
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages + [{"role": "user", "content": "x"}],
-            max_tokens=4,
-            extra_body={"session_id": "s1"},
-        )
-    assert (
-        refused.value.status_code == 409
-        and "differs from the session" in refused.value.response.json()["detail"]
-    )
-    assert _post(f"{server.url}/sessions/s1")[1]["turns"] == 3
+    edited = client.chat.completions.create(
+        model="tiny", messages=messages + [{"role": "user", "content": "x"}], max_tokens=4,
+        extra_body={"session_id": "s1"},
+    ).choices[0].model_extra
+    assert edited["off_record"] == "message 0 (user) differs from the session's"
+    assert edited["prompt_token_ids"] == server.tok.apply_chat_template(
+        chat_messages(messages + [{"role": "user", "content": "x"}]), add_generation_prompt=True, tokenize=True,
+        return_dict=False)  # the tool message as the session renders it: a <tool_response> user turn
+    after = _post(f"{server.url}/sessions/s1")[1]
+    assert all(after[k] == held[k] for k in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "turns"))
+    assert after["masked_turns"] == 1 and after["off_record"] == edited["off_record"]
+
+
+NON_THINKING = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+"""Like Qwen3's template with thinking off: the generation prompt opens the reply with an empty ``<think>``
+block, which the rendering of that reply as a past turn does not have."""
+
+
+def test_turns_that_do_not_continue_the_record_are_answered_off_it(server) -> None:
+    """Two drifts through the openai client, on the real engine: a template that rewrites the past turn once
+    a message follows it (Qwen3's empty think block), and an agent that sends back an edited reply. Each
+    such turn is answered from a fresh rendering of what was sent, says why, and leaves the record (the
+    ids, log-probs and loss mask a sample would train on) as it was; so does every later turn."""
+    import copy
+
+    openai = pytest.importorskip("openai")
+    tok = copy.deepcopy(server.tok)
+    tok.chat_template = NON_THINKING
+    generate, version = engine_backend(server.engine)
+    srv, thread, port = _serve(create_app(generate, tok, weight_version=version, limits=server.engine.limits))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+
+        def turn(follow_up: dict, sid: str, edit: str = "") -> dict:
+            reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=len(messages),
+                                                   extra_body={"session_id": sid})
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            messages.extend([message | {"content": message.get("content", "") + edit}, follow_up])
+            return reply.choices[0].model_extra
+
+        first = turn({"role": "user", "content": "sure?"}, "think")
+        assert first["off_record"] is None and tok.decode(first["prompt_token_ids"]).endswith("</think>\n\n")
+        held = _post(f"http://127.0.0.1:{port}/sessions/think", token=None)[1]
+        second = turn({"role": "user", "content": "and 5 plus 1?"}, "think")
+        assert "the chat template rewrote an earlier turn" in second["off_record"]
+        assert second["prompt_token_ids"] == tok.apply_chat_template(
+            messages[:-2], add_generation_prompt=True, tokenize=True, return_dict=False)
+        third = turn({"role": "user", "content": "ok"}, "think")
+        assert third["off_record"] == "an earlier turn of the session was already off the record"
+        after = _post(f"http://127.0.0.1:{port}/sessions/think", token=None)[1]
+        assert all(after[k] == held[k] for k in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "turns"))
+        assert after["turns"] == 1 and after["masked_turns"] == 2 and sum(after["loss_mask"]) == len(
+            first["output_token_ids"])
+
+        # the default server's template keeps past turns: only the edited reply leaves the record
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0)
+        messages[:] = [{"role": "user", "content": "what is 2 plus 2?"}]
+        assert turn({"role": "user", "content": "sure?"}, "edit")["off_record"] is None
+        assert turn({"role": "user", "content": "and 1 plus 1?"}, "edit", edit=" (checked)")["off_record"] is None
+        edited = turn({"role": "user", "content": "ok"}, "edit")
+        assert edited["off_record"] == "message 3 (assistant) is not the reply the server gave"
+        held = _post(f"{server.url}/sessions/edit")[1]
+        assert held["turns"] == 2 and held["masked_turns"] == 1
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_miles_rollout_refuses_a_public_bind_without_a_token(checkpoint: Path) -> None:
@@ -518,9 +577,8 @@ def test_malformed_requests_get_a_reason_and_leave_the_session_as_it_was(server)
         code, out = _post(url, body)
         assert code == status and reason in out["detail"], (fields, out)
         assert _post(f"{server.url}/sessions/m1")[1] == before, fields  # nothing appended, nothing lost
-    edited = [{"role": "user", "content": "what is 9 plus 4?"}, *messages[1:]]
-    code, out = _post(url, {"messages": edited, "session_id": "m1", "max_tokens": 4})
-    assert code == 409 and "differs from the session" in out["detail"]
+    code, out = _post(url, {"messages": messages[:2], "session_id": "m1", "max_tokens": 4})
+    assert code == 409 and "nothing new after the conversation's last assistant turn" in out["detail"]
     for raw in (b"{not json", b"[1, 2]", b'"text"'):
         code, out = _raw(
             server.port,

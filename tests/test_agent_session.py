@@ -126,3 +126,67 @@ def test_second_turn_warm_start_prompts_render_as_the_session_does() -> None:
     s.add_policy(_result(tok, task.reference_response(problem)))
     s.add_messages([tool_response_message([ToolOutcome(name="calculator", text=problem.label)])])
     assert encode_prompt(tok, prompt) == s.ids and answer == problem.label
+
+
+def _leading_space_tokenizer():
+    """A SentencePiece-style BPE (Metaspace ``▁``, prepended to the first word of a text, as Llama's and
+    Mistral's tokenizers do) with the project's ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from miles.models.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(prepend_scheme="first")
+    corpus = [f"what is {a} plus {b}? {a + b}" for a in range(10) for b in range(10)] + ["user assistant sure?"]
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=list("\n▁?abcdefghijklmnopqrstuvwxyz0123456789<>|_/")))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=PAD_TOKEN, eos_token=IM_END,
+                                  additional_special_tokens=[IM_START])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_a_leading_space_tokenizer_keeps_the_sampled_ids_and_adds_no_token_between_turns() -> None:
+    """The known drift of SentencePiece tokenizers: the policy samples ``▁7`` (a word-initial 7), whose text
+    decodes to "7", and "7" re-tokenizes to another id; a turn's delta encoded on its own would also start
+    with a ``▁`` the whole conversation does not have. The session keeps ``▁7`` as sampled, the agent's
+    reply sent back as it got it continues the record, and the environment turn has the canonical ids."""
+    from miles.agent.server_requests import off_record
+
+    tok = _leading_space_tokenizer()
+    question = [{"role": "user", "content": "what is 3 plus 4?"}]
+    sampled = tok.convert_tokens_to_ids(["▁7"])
+    assert tok.decode(sampled) == "7"
+    s = Session(tok, question)
+    text = s.add_policy(_result(tok, "", ids=sampled))
+    follow_up = {"role": "user", "content": "sure?"}
+    assert off_record(s, [*question, {"role": "assistant", "content": text}, follow_up]) is None
+    delta = s.add_messages([follow_up])
+    whole = tok.apply_chat_template([*question, {"role": "assistant", "content": "7"}, follow_up],
+                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert sampled[0] not in whole  # re-rendered, the reply is another token
+    assert tok.convert_ids_to_tokens(tok.encode("\n<|im_start|>user", add_special_tokens=False))[0] == "▁"
+    assert delta == whole[-len(delta):] and tok.convert_ids_to_tokens(delta)[0] == "\n"  # no "▁" of its own
+    assert s.response_ids[:2] == sampled + [tok.eos_token_id] and s.loss_mask[:2] == [1, 1]
+    drift = s.drift()  # only the sampled token itself differs from a re-rendering
+    assert drift is not None and drift.turn == 1 and drift.session_ids[0] == sampled[0]
+    assert s.ids[drift.position + 1:] == whole[drift.position + 1:]
+
+
+def test_a_turn_off_the_record_keeps_the_record_and_its_text(tok) -> None:
+    s = Session(tok, [{"role": "user", "content": "q"}])
+    s.add_policy(_result(tok, "1"))
+    record = (list(s.ids), list(s.logprobs), list(s.loss_mask))
+    sent = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "1 (edited)"},
+            {"role": "user", "content": "more"}]
+    assert s.render_ids(sent) == tok.apply_chat_template(sent, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+    assert s.add_unrecorded(sent, _result(tok, "2"), "edited") == "2"
+    s.add_unrecorded([*s.messages, {"role": "user", "content": "again"}], _result(tok, "3"), "later")
+    assert (list(s.ids), list(s.logprobs), list(s.loss_mask)) == record
+    assert s.policy_turns == 1 and s.masked_turns == 2 and s.off_record == "edited"
+    assert [m["content"] for m in s.messages if m["role"] == "assistant"] == ["1 (edited)", "2", "3"]
+    assert s.policy_messages == [1, 3, 5]

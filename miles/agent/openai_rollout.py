@@ -23,7 +23,9 @@ messages the agent added between turns with loss mask 0, ``response_text`` the l
 
 The sample's ``metadata["counts"]`` (summed into ``rollout/agent/*``, and read by
 :func:`miles.agent.rewards.tool_answer_reward`) are :func:`tool_counts` of the session: ``agent/turns``,
-``agent/template_drift``, ``agent/tool_malformed`` (malformed ``<tool_call>`` blocks in the policy's
+``agent/turns_masked`` (turns off the record, see :mod:`miles.agent.server`: their tokens are not in the
+sample), ``agent/template_drift`` (1 when the sample's ids differ from a re-rendering of its messages, or a
+turn was off the record), ``agent/tool_malformed`` (malformed ``<tool_call>`` blocks in the policy's
 finished turns), ``agent/tool_calls`` (well-formed calls the agent answered with a ``tool`` message) and
 ``agent/tool_calls_ok``, the same calls: the agent runs its tools itself, and an OpenAI ``tool`` message
 carries no error flag, so the server cannot tell a tool that failed from one that worked.
@@ -109,7 +111,8 @@ def tool_counts(session: Session) -> dict[str, int]:
     """The session's counts (module docstring). A policy turn's well-formed calls count as answered as far as
     the turn after it holds ``<tool_response>`` blocks (the agent's ``tool`` messages, in order); the last
     turn is parsed for malformed blocks only when it finished (a turn cut off at ``max_tokens`` is not)."""
-    counts = {"agent/turns": session.policy_turns, "agent/template_drift": int(session.drift() is not None),
+    counts = {"agent/turns": session.policy_turns + session.masked_turns, "agent/turns_masked": session.masked_turns,
+              "agent/template_drift": int(session.masked_turns > 0 or session.drift() is not None),
               "agent/tool_calls": 0, "agent/tool_calls_ok": 0, "agent/tool_malformed": 0}
     messages = session.messages
     for k in session.policy_messages:

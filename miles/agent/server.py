@@ -18,7 +18,12 @@ Endpoints:
   conversation is a :class:`miles.agent.session.Session`: each request repeats the conversation, the
   server appends only the messages after its last turn (``tool`` messages as one ``<tool_response>``
   user turn), generates from the session's exact ids and appends the reply's ids and log-probs;
-  the assistant turns it holds are the sampled ids, whatever text the client sends back for them.
+  the assistant turns it holds are the sampled ids. A request that does not continue those ids
+  (the client sent back an assistant turn other than the reply it got, changed or dropped an earlier
+  message, or the chat template rewrites an earlier turn once the new messages are added, as Qwen3's
+  does with ``<think>`` parts) is still answered, from a fresh rendering of its messages; that turn
+  is off the record: not appended to the ids, never trained on, and every later turn of the session
+  is too. The choice's ``off_record`` says why (null for a recorded turn).
   Each turn generates with that ``session_id`` (:attr:`miles.types.GenerateRequest.session_id`): an
   engine pool sends it to the engine of the turn before, whose prefix cache may hold the context;
 - ``POST /v1/completions`` (OpenAI-compatible, ``n`` = 1): ``prompt`` is a string (encoded as it is,
@@ -31,7 +36,8 @@ Endpoints:
   of ``DIR``, read without unpickling, applied between two decode steps; ``"adapter": NAME`` for a
   PEFT adapter directory on an engine serving adapters), ``GET /weight_version``;
 - ``GET /sessions/{id}``: the session's ``prompt_ids``, ``response_ids``, ``logprobs``, ``loss_mask``
-  (1 on sampled tokens), turns, status and template drift; ``DELETE /sessions/{id}`` forgets it.
+  (1 on sampled tokens), ``turns`` (recorded), ``masked_turns`` (off the record) and why
+  (``off_record``), status and template drift; ``DELETE /sessions/{id}`` forgets it.
 
 Requests that arrive together are sent to the engine as one ``generate`` call (continuous
 batching inside the engine); each response is matched to its request by id.
@@ -45,7 +51,7 @@ the session table (``--max-sessions`` 4096, ``--session-ttl-s`` 3600) are checke
 :mod:`miles.agent.http_guard` describes.
 
 Each request is checked on its own: a malformed one (a field of the wrong type or value, messages
-that are not a list of ``{"role", "content"}`` objects, a session that does not continue) answers
+that are not a list of ``{"role", "content"}`` objects, a session turn with nothing to answer) answers
 400/409/410/422/429 with a ``detail`` naming the field, leaves its session as it was, and fails no
 other request; if the engine refuses a batch, each of its requests is retried alone.
 """
@@ -56,7 +62,6 @@ import argparse
 import asyncio
 import ipaddress
 import itertools
-import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -66,15 +71,16 @@ from fastapi import FastAPI, HTTPException, Request
 
 from miles.agent.http_guard import Guard, SessionTable
 from miles.agent.server_requests import (
+    assistant_message,
     chat_messages,
     check_messages,
     check_n,
     extend_session,
+    off_record,
     sampling_params,
     to_request,
 )
 from miles.agent.session import Session, TemplateDriftError
-from miles.agent.tools import parse_tool_calls
 from miles.config.validate import ConfigError
 from miles.rollout.requests import EngineLimits
 from miles.types import GenerateRequest, GenerateResult, Status
@@ -158,26 +164,6 @@ async def _generate_one(
     except ValueError as e:
         raise HTTPException(422, f"request {request.request_id!r}: {e}") from None
     return r
-
-
-def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
-    """An OpenAI assistant message: ``content`` is the text before the first ``<tool_call>`` when the
-    text has well-formed calls (then listed in ``tool_calls``, arguments JSON-encoded), else the text."""
-    calls, _ = parse_tool_calls(text)
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {
-        "role": "assistant",
-        "content": text.split("<tool_call>")[0].strip() or None,
-        "tool_calls": [
-            {
-                "id": f"call_{call_id_prefix}_{i}",
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
-            }
-            for i, c in enumerate(calls)
-        ],
-    }
 
 
 def load_weights_dir(path: str, adapter: str | None = None) -> dict[str, Any]:
@@ -294,18 +280,27 @@ def create_app(
             sessions.expire(busy)
             sessions.check(session_id)
         held = sessions.get(session_id) if session_id is not None else None
-        added = False
+        added, unrecorded, why = False, None, None
         try:
             session = held or Session(tokenizer, chat_messages(messages), render_kwargs=extra)
             if held is not None:
-                added = extend_session(session, messages)
-        except (TemplateDriftError, ValueError) as e:
+                why = off_record(held, messages)
+                if why is None:
+                    try:
+                        added = extend_session(held, messages)
+                    except TemplateDriftError as e:
+                        why = str(e)
+                if why is not None:  # answered from a fresh rendering, never trained on
+                    unrecorded = chat_messages(messages)
+                    prompt = held.render_ids(unrecorded)
+        except ValueError as e:
             raise HTTPException(409 if held is not None else 422, f"messages: {e}") from None
         except (KeyError, TypeError) as e:  # the chat template refused the messages
             raise HTTPException(
                 422, f"messages: the chat template cannot render them ({type(e).__name__}: {e})"
             ) from None
-        prompt = list(session.ids)
+        if unrecorded is None:
+            prompt = list(session.ids)
         rid = f"chatcmpl-{next(ids)}"
         busy.add(session_id)
         try:
@@ -317,7 +312,8 @@ def create_app(
             raise
         finally:
             busy.discard(session_id)
-        message = assistant_message(session.add_policy(r), rid)
+        text = session.add_policy(r) if unrecorded is None else session.add_unrecorded(unrecorded, r, why)
+        message = assistant_message(text, rid)
         if session_id is not None and (held is None or session_id in sessions):  # not if ended meanwhile
             sessions.put(session_id, session)
         finish = "tool_calls" if "tool_calls" in message else _FINISH[r.status]
@@ -335,6 +331,7 @@ def create_app(
                     "prompt_token_ids": list(prompt),
                     "output_token_ids": list(r.response_ids),
                     "output_logprobs": list(r.logprobs),
+                    "off_record": why,
                 }
             ],
             "usage": {
@@ -445,6 +442,8 @@ def create_app(
             "logprobs": session.logprobs,
             "loss_mask": session.loss_mask,
             "turns": session.policy_turns,
+            "masked_turns": session.masked_turns,
+            "off_record": session.off_record,
             "status": session.status.value,
             "weight_version": session.weight_version,
             "drift": None if drift is None else drift.describe(tokenizer),

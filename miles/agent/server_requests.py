@@ -3,11 +3,13 @@ and how a chat request's messages continue a :class:`~miles.agent.session.Sessio
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import HTTPException
 
 from miles.agent.session import Session
+from miles.agent.tools import CLOSE, OPEN, parse_tool_calls
 from miles.rollout.requests import EngineLimits, check_request
 from miles.types import GenerateRequest, SamplingParams
 
@@ -103,9 +105,59 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def assistant_message(text: str, call_id_prefix: str) -> dict[str, Any]:
+    """An OpenAI assistant message: ``content`` is the text before the first ``<tool_call>`` when the
+    text has well-formed calls (then listed in ``tool_calls``, arguments JSON-encoded), else the text."""
+    calls, _ = parse_tool_calls(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {
+        "role": "assistant",
+        "content": text.split(OPEN)[0].strip() or None,
+        "tool_calls": [
+            {
+                "id": f"call_{call_id_prefix}_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for i, c in enumerate(calls)
+        ],
+    }
+
+
+def _reply(message: dict[str, Any]) -> tuple[str, list[tuple[Any, Any]]]:
+    """What an assistant message says: its text and its calls as ``(name, arguments)``, the arguments
+    decoded when they are JSON (a client may re-encode them), ``None`` content read as empty."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            calls.append((None, call))
+            continue
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        calls.append((function.get("name"), arguments))
+    return message.get("content") or "", calls
+
+
+def _assistant_text(message: dict[str, Any]) -> str:
+    """An assistant message as the policy would have written it: the content, then each of its
+    ``tool_calls`` as a ``<tool_call>`` block (what :func:`assistant_message` parsed them from)."""
+    text, calls = _reply(message)
+    blocks = [
+        f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}" for name, arguments in calls
+    ]
+    return "\n".join([text, *blocks] if text else blocks)
+
+
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
-    of ``<tool_response>`` blocks (Qwen3's rendering); other roles keep their text content."""
+    of ``<tool_response>`` blocks (Qwen3's rendering), an assistant message's ``tool_calls`` become
+    ``<tool_call>`` blocks after its content; other roles keep their text content."""
     out: list[dict[str, str]] = []
     for m in messages:
         if m["role"] == "tool":
@@ -114,33 +166,50 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
                 out[-1]["content"] += "\n" + block
             else:
                 out.append({"role": "user", "content": block, "_tools": "1"})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": _assistant_text(m)})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def extend_session(session: Session, messages: list[dict[str, Any]]) -> bool:
-    """Append the messages after the session's turns (its own assistant turns are kept as sampled).
+def off_record(session: Session, messages: list[dict[str, Any]]) -> str | None:
+    """Why the request's ``messages`` cannot continue the session's record, or None when they can.
 
-    The request repeats the conversation: its first messages must be the session's, assistant turns
-    included by position; a non-assistant message that differs, or a conversation that is shorter,
-    is refused (ValueError) rather than silently re-tokenized. Returns whether messages were appended
-    (one environment turn, which :meth:`Session.drop_last_turn` removes).
+    They continue it when they start with the session's messages: the same roles, the same text for
+    every other role, and for each assistant turn the reply the server gave (content and calls, see
+    :func:`assistant_message`; re-encoded arguments are the same calls). An agent that edits its
+    earlier replies (strips a ``<think>`` part, trims them), rewrites or drops earlier messages, or
+    follows a turn already off the record, does not: the server then answers from a fresh rendering
+    (:meth:`Session.add_unrecorded`). A request with nothing after the session's last assistant turn
+    is refused (ValueError): there is nothing to answer.
     """
     held = session.messages
     request = chat_messages(messages)
+    if request[-1]["role"] == "assistant":
+        raise ValueError("nothing new after the conversation's last assistant turn")
+    if session.off_record is not None:
+        return "an earlier turn of the session was already off the record"
     if len(request) < len(held):
-        raise ValueError(f"the session holds {len(held)} messages, the request only {len(request)}")
+        return f"the session holds {len(held)} messages, the request only {len(request)}"
+    sent = iter([m for m in messages if m["role"] == "assistant"])
     for k, (ours, theirs) in enumerate(zip(held, request, strict=False)):
-        if ours["role"] != theirs["role"] or (
-            ours["role"] != "assistant" and ours["content"] != theirs["content"]
-        ):
-            raise ValueError(
-                f"message {k} ({theirs['role']}) differs from the session's; a session only grows"
-            )
-    new = request[len(held) :]
+        if ours["role"] != theirs["role"]:
+            return f"message {k} is a {theirs['role']} message where the session holds a {ours['role']} one"
+        if ours["role"] == "assistant":
+            if _reply(next(sent)) != _reply(assistant_message(ours["content"], "")):
+                return f"message {k} (assistant) is not the reply the server gave"
+        elif ours["content"] != theirs["content"]:
+            return f"message {k} ({theirs['role']}) differs from the session's"
+    return None
+
+
+def extend_session(session: Session, messages: list[dict[str, Any]]) -> bool:
+    """Append the messages after the session's turns, for a request :func:`off_record` found continuing
+    the record. Returns whether messages were appended (one environment turn, which
+    :meth:`Session.drop_last_turn` removes). Raises :class:`~miles.agent.session.TemplateDriftError` when
+    the chat template rewrites an earlier turn once they are added (nothing is appended then)."""
+    new = chat_messages(messages)[len(session.messages) :]
     if new:
         session.add_messages(new)
-    elif held[-1]["role"] == "assistant":
-        raise ValueError("nothing new after the session's last assistant turn")
     return bool(new)

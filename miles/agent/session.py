@@ -9,7 +9,8 @@ A :class:`Session` starts from the prompt's ids and grows by two kinds of turns:
 
 Ids once appended are never re-tokenized, so the trainer sees byte for byte what was sampled.
 The ids of new messages are the chat template's *delta*: ``render(messages + new)`` minus the
-text the session's ids already cover. That text is ``render(messages)`` for the part the template
+text the session's ids already cover, tokenized as it would be after that text (behind its last
+special token, so a SentencePiece tokenizer adds no leading ``▁`` of its own). That text is ``render(messages)`` for the part the template
 renders, and the closing the template puts after an assistant turn (``"\\n"`` after
 ``<|im_end|>`` in ChatML) is appended as part of the next delta.
 
@@ -21,6 +22,14 @@ part of earlier assistant turns), or when a delta's tokens merge across the turn
 ``strict=True`` :meth:`Session.finish` raises :class:`TemplateDriftError` instead of returning.
 The session's ids stay what the engine saw either way; drift means a chat-template consumer
 (a server, an eval with ``apply_chat_template``) would feed the model different tokens.
+
+Turns off the record: when a conversation can no longer be continued from the session's ids (the
+template rewrote an earlier turn, or a client sent back text other than what was generated), a
+server still answers it, from a fresh rendering of the conversation as sent
+(:meth:`Session.render_ids`), and :meth:`Session.add_unrecorded` keeps that turn's text but not its
+ids: its context is not the record, so it is never trained on. The record (``ids``, ``logprobs``,
+``loss_mask``) then ends at the last turn generated from it; ``masked_turns`` counts the rest and
+``off_record`` says why the first one left it.
 """
 
 from __future__ import annotations
@@ -82,6 +91,8 @@ class Session:
         self.weight_version = -1
         self.policy_turns = 0
         self.policy_messages: list[int] = []  # the index in ``messages`` of each policy turn's text
+        self.masked_turns = 0  # policy turns served off the record (add_unrecorded)
+        self.off_record: str | None = None  # why the first of them could not continue the record
 
     # ---- appending ----------------------------------------------------------------------------
 
@@ -128,7 +139,7 @@ class Session:
                 "ids cannot be appended without re-tokenizing (use a template that keeps past turns as "
                 "they were generated)")
         self.messages = extended
-        delta = self._ids(rendered[len(self._covered):])
+        delta = self._delta_ids(rendered[len(self._covered):])
         self._covered_before_messages = self._covered
         self.turn_starts.append(len(self.response_ids))
         self.response_ids += delta
@@ -136,6 +147,22 @@ class Session:
         self.loss_mask += [0] * len(delta)
         self._covered = rendered
         return delta
+
+    def add_unrecorded(self, messages: Sequence[Mapping[str, str]], result: GenerateResult, reason: str) -> str:
+        """A policy turn generated from :meth:`render_ids` of ``messages`` (the conversation as a client sent
+        it) instead of from the session's ids; returns its text. ``messages`` and the reply become the
+        session's messages; the ids, log-probs and loss mask stay as they were (the record), since this
+        turn's context is not theirs. The first such turn's ``reason`` is kept in ``off_record``."""
+        text = self.tokenizer.decode(list(result.response_ids), skip_special_tokens=True)
+        self.messages = [dict(m) for m in messages] + [{"role": "assistant", "content": text}]
+        self.policy_messages = [k for k, m in enumerate(self.messages) if m["role"] == "assistant"]
+        self.masked_turns += 1
+        self.off_record = self.off_record or reason
+        return text
+
+    def render_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The ids of ``messages`` rendered afresh with the chat template and the assistant header."""
+        return self._ids(self._render([dict(m) for m in messages], generation_prompt=True))
 
     def drop_last_turn(self) -> None:
         """Remove the last appended turn if it was :meth:`add_messages`' (e.g. it left no room for
@@ -181,3 +208,17 @@ class Session:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _delta_ids(self, text: str) -> list[int]:
+        """``text``'s ids as they tokenize after the covered text: encoded behind the covered text's tail
+        from its last special token on, whose ids are then dropped. A tokenizer that marks the start of
+        a text (SentencePiece's leading ``▁``) would otherwise give the delta a token the conversation
+        tokenized whole does not have."""
+        specials = [t for t in self.tokenizer.all_special_tokens if t]
+        start = max((self._covered.rfind(t) for t in specials), default=-1)
+        if start >= 0:
+            head = self._ids(self._covered[start:])
+            both = self._ids(self._covered[start:] + text)
+            if both[:len(head)] == head:
+                return both[len(head):]
+        return self._ids(text)
