@@ -5,6 +5,7 @@ miles' runner, every model call through the run's rollout server, and scored by 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -56,5 +57,15 @@ def test_a_missing_venv_or_taskset_or_server_is_one_clear_error(tmp_path: Path) 
         answer = asyncio.run(runner.run(0, SessionEndpoint("http://127.0.0.1:9/v1", "t", "s", None), 60))
         assert answer["ok"] is False and answer["error"] and answer["reward"] == 0.0
         assert runner.prompts(60)[0] == "Which is largest: 49 97 53 5 33?" and not runner._dead
+        # a runner that dies fails its episodes with the reason, and the next episode gets a new runner
+        runner.proc.kill()
+        runner.proc.wait()
+        deadline = time.monotonic() + 30
+        while not runner._dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(VerifiersError, match=r"the verifiers runner exited \(-9\)"):
+            asyncio.run(runner.run(0, SessionEndpoint("http://127.0.0.1:9/v1", "t", "s", None), 60))
+        again = runner_for("largest_taskset", {"num_tasks": 4}, [str(ROOT / "examples" / "verifiers_largest")])
+        assert again is not runner and again.prompts(60)[0] == "Which is largest: 49 97 53 5 33?" and not again._dead
     finally:
         close_runners()

@@ -14,7 +14,9 @@ JSON lines over its stdin and stdout; miles itself never imports verifiers.
   records the tokens the engines sampled, so the sample is exactly what was generated; the reward is the
   trace's (the sum of the taskset's rewards), read by :func:`miles.agent.env_tasks.env_reward`.
 - An episode the runner reports as failed (the harness or a reward raised) fails its group, with the
-  runner's reason. A runner that does not start, or dies, is an error naming its venv and its stderr.
+  runner's reason. A runner that does not start, or dies, is an error naming its venv and its stderr;
+  the episodes it was playing fail their groups with that error, and the next episode starts a new
+  runner.
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ class _Runner:
     def _send(self, request: Mapping[str, Any]) -> None:
         if self._dead:
             raise VerifiersError(self._dead)
-        with self._write_lock:
-            self.proc.stdin.write(json.dumps(dict(request)) + "\n")
-            self.proc.stdin.flush()
+        try:
+            with self._write_lock:
+                self.proc.stdin.write(json.dumps(dict(request)) + "\n")
+                self.proc.stdin.flush()
+        except OSError as e:  # it died since: its reader thread is about to say how
+            raise VerifiersError(self._dead or f"the verifiers runner's input is closed ({e})") from None
 
     def prompts(self, timeout_s: float) -> list[str]:
         self._send({"op": "tasks"})
@@ -127,8 +132,12 @@ class _Runner:
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (asyncio.get_running_loop(), future)
-        self._send({"op": "run", "id": request_id, "task": task, "base_url": endpoint.base_url,
-                    "api_key": endpoint.token, "headers": endpoint.headers, "timeout_s": timeout_s})
+        try:
+            self._send({"op": "run", "id": request_id, "task": task, "base_url": endpoint.base_url,
+                        "api_key": endpoint.token, "headers": endpoint.headers, "timeout_s": timeout_s})
+        except VerifiersError:
+            self._pending.pop(request_id, None)
+            raise
         return await future
 
     def close(self) -> None:

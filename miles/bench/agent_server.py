@@ -7,7 +7,7 @@ load: ``--sessions`` client threads (64), each running chat sessions of ``--turn
 (``X-Miles-Session``, ``--max-tokens`` new tokens a turn), ending each with ``DELETE /sessions/{id}``;
 one request in ``--bad-every`` (10) is replaced by a malformed one, in rotation: a wrong field type,
 an unknown role, a body that is not JSON, a wrong Host header, a ``Content-Length`` over the body
-limit, an edited earlier turn of the session, ``n`` = 2, and a context past the model's length. The
+limit, a session turn that ends on the assistant's reply (nothing to answer), ``n`` = 2, and a context past the model's length. The
 session then goes on with the good request.
 
 After ``--warmup-s`` of load (not counted) the server's RSS is the reference; the load then runs
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BAD_KINDS = ("type", "role", "json", "host", "size", "edited", "n", "context")
+BAD_KINDS = ("type", "role", "json", "host", "size", "ended", "n", "context")
 
 
 def build_checkpoint(path: Path) -> Path:
@@ -174,9 +174,9 @@ def _malformed(client: _Client, kind: str, body: dict[str, Any], headers: dict[s
         return client.send("POST", path, json.dumps(body).encode(), headers | {"Host": "evil.example"})
     if kind == "size":
         return client.send("POST", path, claim_length=64 << 20)
-    if kind == "edited" and len(body["messages"]) > 1:  # (a first turn has no earlier turn: n = 2 instead)
-        edited = [{"role": "user", "content": "what is 99 plus 99?"}, *body["messages"][1:]]
-        return client.send("POST", path, json.dumps(body | {"messages": edited}).encode(), headers)
+    if kind == "ended" and len(body["messages"]) > 1:  # (a first turn has no reply yet: n = 2 instead)
+        ended = body["messages"][:-1]
+        return client.send("POST", path, json.dumps(body | {"messages": ended}).encode(), headers)
     if kind == "n":
         return client.send("POST", path, json.dumps(body | {"n": 2}).encode(), headers)
     return client.send("POST", path, json.dumps(body | {"max_tokens": 100_000}).encode(), headers)
