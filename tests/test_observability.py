@@ -92,8 +92,12 @@ def test_exporter_is_off_by_default_and_serves_step_metrics_with_nan(capsys: pyt
         _scrape(url)
 
 
-def test_process_memory_counts_the_children_and_names_fields_per_actor() -> None:
-    """A child holding 300 MB shows in its parent's ``rss_bytes``; keys split back into actor and field."""
+def test_process_memory_counts_the_children_and_names_fields_per_actor(monkeypatch) -> None:
+    """A child holding 300 MB shows in its parent's ``rss_bytes`` once the list of children is read anew
+    (after ``CHILDREN_TTL_S``), and leaves it when it ends; keys split back into actor and field."""
+    from miles.tracking import memory
+
+    monkeypatch.setattr(memory, "CHILDREN_TTL_S", 1.0)
     alone = process_memory()["rss_bytes"]
     child = subprocess.Popen(
         [
@@ -107,11 +111,15 @@ def test_process_memory_counts_the_children_and_names_fields_per_actor() -> None
     )
     try:
         assert child.stdout.readline().strip() == "ready"
+        assert process_memory()["rss_bytes"] - alone < 250 << 20  # the list of a moment ago
+        time.sleep(1.1)
         assert process_memory()["rss_bytes"] - alone > 250 << 20
         assert process_memory(child.pid)["rss_bytes"] > 250 << 20
     finally:
         child.kill()
         child.wait()
+    process_memory()  # finds the child gone
+    assert process_memory()["rss_bytes"] - alone < 250 << 20
     assert "cuda_allocated_bytes" not in process_memory()  # no CUDA here (the CUDA fields: untested)
     assert actor_metrics("engine3", {"rss_bytes": 1.0}) == {"mem/engine3/rss_bytes": 1.0}
     assert split_key("mem/engine3/rss_bytes") == ("engine3", "rss_bytes") and split_key("train/loss") is None
