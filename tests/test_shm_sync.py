@@ -119,3 +119,74 @@ def test_sender_failing_part_way_leaves_engines_at_their_old_version(actors) -> 
         _assert_hold(engines, ray.get(source.state_dict.remote()), 14)
     finally:
         transport.close()
+
+
+def _greedy(engine, prompt=(5, 6, 7, 8, 9)) -> tuple[list[int], list[float]]:
+    from miles.types import GenerateRequest, SamplingParams
+
+    (r,) = ray.get(engine.generate.remote([GenerateRequest(request_id="g", prompt_ids=tuple(prompt))],
+                                          SamplingParams(temperature=0.0, greedy=True, max_new_tokens=12)))
+    return list(r.response_ids), list(r.logprobs)
+
+
+def test_engines_compute_in_place_from_the_slot_exactly_as_from_a_copy(actors, tiny_qwen3_dir) -> None:
+    """A CPU engine takes an shm version without copying it (its weights are the slot's pages, pinned) and
+    generates exactly what an engine that copied the same weights generates: through a slot it had before
+    (versions 1, 2, 3 in slots A, B, A), after a release and resume, and alongside an engine that copies
+    another version afterwards (which must not write into the slot the first one computes from)."""
+    _, _, engines = actors
+    sources = [ray.remote(WeightSource).options(**ACTOR).remote("tiny", seed=s) for s in (21, 22, 23)]
+    copying = ray.remote(TorchEngine).options(**ACTOR).remote(str(tiny_qwen3_dir), PrecisionConfig(), num_threads=1,
+                                                              engine_id=9)
+    transport = make_transport(CFG, [sources[0]], engines)
+    store = make_transport(WeightSyncConfig(transport="object_store"), [sources[0]], [copying])
+    try:
+        for version, source in enumerate(sources, start=1):
+            metrics = sync_weights([source], engines, version, transport)
+            assert metrics["weight_sync/in_place"] == 1.0
+            assert sync_weights([source], [copying], version, store)["weight_sync/in_place"] == 0.0
+            want = _greedy(copying)
+            assert [_greedy(e) for e in engines] == [want, want], f"version {version}"
+        ray.get(engines[0].release_memory.remote())
+        ray.get(engines[0].resume_memory.remote())
+        assert _greedy(engines[0]) == want
+        held = ray.get(sources[2].state_dict.remote())
+        sync_weights([sources[0]], [engines[0]], 4, store)  # a copy: engine 0 gets weights of its own again
+        assert _greedy(engines[0]) != want
+        _assert_hold(engines[1:], held, 3)  # the slot engine 1 computes from was not written
+    finally:
+        transport.close()
+        for a in [*sources, copying]:
+            ray.kill(a)
+
+
+def test_a_slot_an_engine_computes_from_is_never_written(actors) -> None:
+    """Rank 0 writes each version into a slot no live engine process computes from; with both slots pinned by
+    live processes the send fails with the reason, and a pin of a process that ended no longer counts."""
+    import subprocess
+
+    from miles.weights import shm
+
+    source, _, engines = actors
+    transport = make_transport(CFG, [source], engines)
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        sync_weights([source], engines, 1, transport)  # slot 0, pinned by both engines
+        ray.get(source.perturb.remote(2))
+        sync_weights([source], engines, 2, transport)  # slot 1: the engines move there, slot 0 is free
+        ctl = shm._map(shm._ctl_path(transport.prefix), 0, create=False).view(torch.int64)
+        assert set(shm._pinned(ctl)) == {1}
+        free = next(i for i in range(shm._MAX_PINS) if int(ctl[shm._PINS_AT + 2 * i]) == 0)
+        ctl[shm._PINS_AT + 2 * free], ctl[shm._PINS_AT + 2 * free + 1] = bystander.pid, 1  # another process on slot 0
+        assert shm._pinned(ctl) == {0: [bystander.pid], 1: shm._pinned(ctl)[1]}
+        with pytest.raises(RuntimeError, match="both slots are in use by engines computing in place"):
+            sync_weights([source], engines, 3, transport)
+        _assert_hold(engines, ray.get(source.state_dict.remote()), 2)
+        bystander.kill()
+        bystander.wait()
+        transport.failed()
+        sync_weights([source], engines, 3, transport)  # the ended process's pin does not count
+        assert ray.get(engines[0].weight_version.remote()) == 3
+    finally:
+        bystander.kill()
+        transport.close()

@@ -59,7 +59,9 @@ class WeightSource:
 
 
 class BufferEngine:
-    """A receiver that applies versions like ``TorchEngine``: checks first, then one ``copy_`` per tensor."""
+    """A receiver that applies versions like ``TorchEngine``: checks first, then one ``copy_`` per tensor;
+    from shared memory (a receiver with ``receive_shared``) it computes from the slot's pages in place, as a
+    CPU ``TorchEngine`` without adapters or rollout quantization does (nothing copied, the slot pinned)."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], str]], num_threads: int = 1,
                  device: str = "cpu") -> None:
@@ -68,24 +70,46 @@ class BufferEngine:
         self.weights = {k: torch.zeros(s, dtype=getattr(torch, d), device=self.device) for k, (s, d) in shapes.items()}
         self.version = 0
         self._copy: tuple[Tensor, Tensor] | None = None
+        self._pin: Any = None  # while self.weights are a shared slot's views
+        self._own = self.weights  # its own tensors, back in use (overwritten whole) once it copies again
 
-    @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def _check(self, state_dict: dict[str, Tensor]) -> None:
         if set(state_dict) != set(self.weights):
             raise ValueError(f"update_weights: names differ: missing {sorted(set(self.weights) - set(state_dict))}, "
                              f"unexpected {sorted(set(state_dict) - set(self.weights))}")
         bad = [k for k, v in state_dict.items() if v.shape != self.weights[k].shape]
         if bad:
             raise ValueError(f"update_weights: wrong shapes for {bad}")
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, Tensor], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._check(state_dict)
+        if self._pin is not None:  # never write into a shared slot: its own tensors again
+            self.weights = self._own
+            self._pin.unpin()
+            self._pin = None
         for k, v in state_dict.items():
             self.weights[k].copy_(v)
         self.version = int(version)
         nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
-        return {"update_s": time.perf_counter() - t0, "bytes": nbytes}
+        return {"update_s": time.perf_counter() - t0, "bytes": nbytes, "in_place": 0.0}
 
     def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if hasattr(receiver, "receive_shared") and self.device.type == "cpu":
+            shared = receiver.receive_shared(self)
+            receive_s = time.perf_counter() - t0
+            self._check(shared.views)
+            if all(v.dtype == self.weights[k].dtype for k, v in shared.views.items()):
+                shared.pin.pin()
+                if self._pin is not None and self._pin.reader is not shared.pin.reader:
+                    self._pin.unpin()
+                self.weights, self._pin, self.version = dict(shared.views), shared.pin, int(version)
+                nbytes = float(sum(v.numel() * v.element_size() for v in shared.views.values()))
+                return {"update_s": time.perf_counter() - t0 - receive_s, "bytes": nbytes, "receive_s": receive_s,
+                        "in_place": 1.0}
+            return self.update_weights(shared.views, version) | {"receive_s": receive_s}
         sd = receiver.receive(self)
         receive_s = time.perf_counter() - t0
         return self.update_weights(sd, version) | {"receive_s": receive_s}

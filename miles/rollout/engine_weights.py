@@ -46,6 +46,8 @@ class EngineWeights:
     _peft: Any
     _adapters: dict[str, dict[str, Tensor]]
     _offload: str | dict[str, Tensor] | None
+    _pin: Any  # miles.weights.shm._Pin while the weights are a shared slot's views, else None
+    _fast: Any
     _released: bool
     _st: dict[str, Tensor]
     _rows: list[_Row | None]
@@ -66,6 +68,68 @@ class EngineWeights:
         self._check_open("update_weights")
         if self._peft is not None:
             return self._update_adapters(state_dict, version, t0)
+        self._check_full(state_dict, version)
+
+        def apply() -> tuple[float, float]:
+            self._check_open("update_weights")
+            if self._released or self._pin is not None:  # every weight is about to be overwritten: allocate
+                self._reacquire()  # (skipping the offloaded copy, and never writing into a shared slot)
+            t_copy = time.perf_counter()
+            for k, v in state_dict.items():
+                # casts to the engine dtype and device; detached, so that a transport's tensor type (shm's
+                # arriving chunks) handles the copy rather than Parameter's
+                self._weights[k].detach().copy_(v)
+            t1 = time.perf_counter()
+            apply_rollout_quant(self.model, self.precision)
+            self._new_version(version)
+            return t1 - t_copy, time.perf_counter() - t1
+
+        copy_s, quant_s = self._run_op(apply)
+        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
+        return {"update_s": time.perf_counter() - t0, "quant_s": quant_s, "bytes": nbytes,
+                "bytes_per_s": nbytes / max(copy_s, 1e-9), "in_place": 0.0}
+
+    def _new_version(self, version: int) -> None:
+        """After the weights changed (scheduler thread): the version, and nothing computed from the old ones."""
+        self._version = int(version)
+        self._prefix.clear()
+        if self._fast is not None:
+            self._fast.forget()
+
+    def _adopt(self, shared: Any, version: int, t0: float) -> dict[str, float]:
+        """:meth:`update_weights` from a shared-memory slot without copying: the weights become the slot's
+        views (``shared``: :class:`miles.weights.shm.Shared`), pinned so that rank 0 does not write there
+        while the engine computes from them. An engine whose dtypes differ from the slot's copies instead."""
+        views = shared.views
+        self._check_full(views, version)
+        if any(v.dtype != self._weights[k].dtype for k, v in views.items()):
+            return self.update_weights(views, version)
+
+        def apply() -> None:
+            self._check_open("update_weights")
+            if self._released:
+                self._drop_offload()
+            shared.pin.pin()  # before the first use: the slot holds this version until unpinned
+            for k, v in views.items():
+                self._weights[k].data = v
+            if self._pin is not None and self._pin.reader is not shared.pin.reader:
+                self._pin.unpin()  # another transport's page
+            self._pin = shared.pin
+            self._new_version(version)
+
+        self._run_op(apply)
+        nbytes = float(sum(v.numel() * v.element_size() for v in views.values()))
+        seconds = time.perf_counter() - t0
+        return {"update_s": seconds, "quant_s": 0.0, "bytes": nbytes, "bytes_per_s": nbytes / max(seconds, 1e-9),
+                "in_place": 1.0}
+
+    def _in_place(self) -> bool:
+        """Whether this engine can compute from a shared slot's views: no adapters (their layers wrap the base
+        weights), no rollout quantization (it rewrites the weights), on the CPU (the slot is host memory)."""
+        return self._peft is None and self.precision.rollout_quant == "none" and self.device.type == "cpu"
+
+    def _check_full(self, state_dict: dict[str, Tensor], version: int) -> None:
+        """The checks of a full update (names, shapes, dtypes): a ``ValueError`` before anything changes."""
         missing = [k for k in self._required if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._weights]
         if missing or unexpected:
@@ -78,26 +142,6 @@ class EngineWeights:
                 if self._weights[k].is_floating_point() and not v.is_floating_point()]
         if bad:
             raise ValueError(f"update_weights(version={version}): wrong shapes or dtypes: {bad}")
-
-        def apply() -> tuple[float, float]:
-            self._check_open("update_weights")
-            if self._released:  # every weight is about to be overwritten: allocate, skip the offloaded copy
-                self._reacquire()
-            t_copy = time.perf_counter()
-            for k, v in state_dict.items():
-                # casts to the engine dtype and device; detached, so that a transport's tensor type (shm's
-                # arriving chunks) handles the copy rather than Parameter's
-                self._weights[k].detach().copy_(v)
-            t1 = time.perf_counter()
-            apply_rollout_quant(self.model, self.precision)
-            self._version = int(version)
-            self._prefix.clear()
-            return t1 - t_copy, time.perf_counter() - t1
-
-        copy_s, quant_s = self._run_op(apply)
-        nbytes = float(sum(v.numel() * v.element_size() for v in state_dict.values()))
-        return {"update_s": time.perf_counter() - t0, "quant_s": quant_s, "bytes": nbytes,
-                "bytes_per_s": nbytes / max(copy_s, 1e-9)}
 
     def _update_adapters(self, state_dict: dict[str, Tensor], version: int, t0: float) -> dict[str, float]:
         """:meth:`update_weights` of an engine with adapters: the state dict holds adapter tensors only
@@ -143,8 +187,13 @@ class EngineWeights:
         return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._adapters[name].items()})
 
     def update_weights_from(self, receiver: Any, version: int) -> dict[str, float]:
-        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`."""
+        """``sd = receiver.receive(self)`` (a transport's receiving end), then :meth:`update_weights`; from a
+        receiver that offers the version's shared memory (``receive_shared``, :mod:`miles.weights.shm`), an
+        engine that can (:meth:`_in_place`) computes from it in place instead: no copy (``in_place`` 1)."""
         t0 = time.perf_counter()
+        if hasattr(receiver, "receive_shared") and self._in_place():
+            shared = receiver.receive_shared(self)
+            return {**self._adopt(shared, version, time.perf_counter()), "receive_s": time.perf_counter() - t0}
         state_dict = receiver.receive(self)
         receive_s = time.perf_counter() - t0
         return {**self.update_weights(state_dict, version), "receive_s": receive_s}
@@ -174,7 +223,9 @@ class EngineWeights:
         for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
             self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
         unique = {k: self._weights[k] for k in self._required}
-        if self.device.type == "cpu":
+        if self._pin is not None:  # computing from a pinned shared slot: its pages stay, nothing to save
+            self._offload = {k: v.data for k, v in unique.items()}
+        elif self.device.type == "cpu":
             from safetensors.torch import save_file
 
             fd, path = tempfile.mkstemp(prefix=f"miles-engine{self.engine_id}-", suffix=".safetensors")
@@ -205,11 +256,20 @@ class EngineWeights:
         self._offload, self._released = None, False
 
     def _reacquire(self) -> None:
-        """Released -> usable with uninitialised weights (a full update fills them); drops the offloaded copy."""
-        if isinstance(self._offload, str):
-            os.unlink(self._offload)
+        """Released or computing from a shared slot -> usable with uninitialised weights of its own (a full
+        update fills them); drops the offloaded copy and the pin."""
+        if self._released:
+            self._drop_offload()
         for k in self._required:
             w = self._weights[k]
             w.data = torch.empty(self._shapes[k], dtype=w.dtype, device=self.device)
+        if self._pin is not None:
+            self._pin.unpin()
+            self._pin = None
+
+    def _drop_offload(self) -> None:
+        """Released -> not released, the weights left as they are (about to be replaced whole)."""
+        if isinstance(self._offload, str):
+            os.unlink(self._offload)
         self._st["noise"] = torch.zeros(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
         self._offload, self._released = None, False

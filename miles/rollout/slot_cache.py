@@ -257,6 +257,11 @@ class FastQwen3:
             self._rot = rot
         return self._rot
 
+    def forget(self) -> None:
+        """Drop every layer's fused weights (the model's weights were given new storage: a shared slot's
+        pages can come back at an address, and with a version counter, they had before)."""
+        self._decode_weights.clear()
+
     def _fused(self, i: int, layer: torch.nn.Module) -> _DecodeWeights | None:
         """Layer ``i``'s :class:`_DecodeWeights`, rebuilt when a source tensor changed since they were built."""
         held = self._decode_weights.get(i)

@@ -58,7 +58,10 @@ the scheduler thread between two steps, never during a forward):
   its tokens) and, per token, the version of the weights that sampled it
   (``token_versions``). A caller that needs single-version samples updates
   when no ``generate`` is in flight (the synchronous loop does) or ``abort``s
-  the in-flight requests first.
+  the in-flight requests first. ``update_weights_from(receiver, version)`` with
+  a shared-memory receiver makes the weights views of the version's slot instead
+  of copying it (CPU, no adapters, no rollout quantization, same dtypes;
+  :mod:`miles.rollout.engine_weights`, :mod:`miles.weights.shm`).
 - ``pause()`` / ``resume()``: no further steps while paused; in-flight rows
   keep their slots and cache, new requests queue. ``pause()`` returns once the
   current step has finished.
@@ -71,7 +74,8 @@ the scheduler thread between two steps, never during a forward):
   the tokens generated so far; returns the number of requests aborted.
 - ``release_memory()`` / ``resume_memory()``: for colocation. Drops the KV
   cache and offloads the weights (to a safetensors file on CPU, to host memory
-  on an accelerator), restored bit-exactly on resume; rows still in flight (a
+  on an accelerator; weights that are a shared slot's views stay where they are),
+  restored bit-exactly on resume; rows still in flight (a
   caller should have none) come back ``ABORTED``.
   ``generate`` and ``state_dict`` raise while released. A full ``update_weights``
   (the weight sync after a train step) brings a released engine back with the
@@ -259,6 +263,7 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
         self._lm_head = self.model.get_output_embeddings()  # an adapter's own layer when lm_head is a target
         self._init_intake(seed, tuple(self._adapters))
         self._offload: str | dict[str, Tensor] | None = None  # weights while released
+        self._pin: Any = None  # while the weights are a shared-memory slot's views (engine_weights)
         self.capture_routing = capture_routing
         self._routers = self._hook_routers() if capture_routing else []
         self._step_routing: list[Tensor | None] = [None] * len(self._routers)

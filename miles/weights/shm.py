@@ -4,14 +4,20 @@ Two files in ``weight_sync.shm_dir`` (tmpfs, ``/dev/shm``) that trainer rank 0 a
 mapped for the whole run (mapped with ``MAP_POPULATE``, so no page is faulted during a sync):
 
 - a **control page** ``<prefix>-ctl``: two slots, each ``[state, version, layout key, bytes written]``,
-  and the last version whose send raised;
+  the last version whose send raised, and the pins of the engine processes computing from a slot;
 - a **segment** per layout ``<prefix>-<key>``: a header, the layout as JSON (names, shapes, dtypes,
   byte offsets, written once) and two data regions, one per slot (:class:`miles.weights.layout.FlatLayout`).
 
-Rank 0 writes version ``v`` into the slot that does not hold the newest version, chunk by chunk
+Rank 0 writes version ``v`` into a slot that does not hold the newest version, chunk by chunk
 (:data:`CHUNK_BYTES`), and advances the slot's ``bytes written`` after each chunk; ``state=READY``
-when done. So a version costs one memory copy on rank 0 (state dict -> segment) and one per engine
-(segment -> its weights, inside ``update_weights``), and the two run at the same time:
+when done. An engine that can compute from the slot's pages (:meth:`ShmReceiver.receive_shared`, a CPU
+torch engine without adapters or rollout quantization) waits for the whole version and makes its
+weights views of the slot: a version then costs one memory copy, rank 0's. It pins the slot (its pid
+and the slot in the control page's pins, :class:`Shared`): rank 0 never writes into a slot a live
+process has pinned (:func:`_slot_to_write`), so the engine's weights never change under it, and fails
+the send with the reason if both slots are pinned; a pin of a process that ended does not count.
+Otherwise a version costs one copy on rank 0 (state dict -> segment) and one per engine (segment -> its
+weights, inside ``update_weights``), and the two run at the same time:
 
 - the first sync (and the first after a failure) runs sender and receivers one after the other,
   which tells the driver the control page's path and node;
@@ -57,6 +63,8 @@ _H_MAGIC, _H_KEY, _H_LAYOUT_LEN, _H_DATA_OFF, _H_TOTAL, _H_STRIDE = range(6)
 # control page words: magic, the last failed version, then slot s at 8 + 8 * s
 _C_MAGIC, _C_FAILED = 0, 1
 _S_STATE, _S_VERSION, _S_KEY, _S_WRITTEN = range(4)
+# then the pins from word 64: one [pid, slot + 1] pair per engine process computing in place from a slot
+_PINS_AT, _MAX_PINS = 64, 128
 
 
 def _node_id() -> str:
@@ -115,6 +123,7 @@ class _Process:
     ctl: Tensor  # int64 [512]
     seg: _Segment | None = None
     segs_by_key: dict[int, _Segment] = field(default_factory=dict)
+    pin_entry: int | None = None  # this process's entry in the page's pins, once it computes in place
 
     def slot(self, s: int) -> Tensor:
         return self.ctl[8 + 8 * s : 16 + 8 * s]
@@ -152,9 +161,7 @@ class ShmSender:
             w.ctl[_C_FAILED] = -1  # a version sent again after a failure
             layout = FlatLayout.of(state_dict)
             seg = w.seg if w.seg is not None and w.seg.layout == layout else self._adopt(w, layout)
-            ready = [s for s in (0, 1) if int(w.slot(s)[_S_STATE]) == READY]
-            # the newest whole version stays whole while this one is written
-            s = 1 - max(ready, key=lambda s: int(w.slot(s)[_S_VERSION])) if ready else 0
+            s = _slot_to_write(w)
             c = w.slot(s)
             c[_S_STATE] = WRITING
             c[_S_KEY], c[_S_WRITTEN] = seg.key, 0
@@ -223,6 +230,29 @@ class ShmSender:
         )
         w.seg = _Segment.of(path, buf)
         return w.seg
+
+
+def _pinned(ctl: Tensor) -> dict[int, list[int]]:
+    """Slot -> the live processes computing in place from it (a dead process's pin does not count)."""
+    out: dict[int, list[int]] = {}
+    pins = ctl[_PINS_AT : _PINS_AT + 2 * _MAX_PINS].view(-1, 2).tolist()
+    for pid, slot in pins:
+        if pid > 0 and slot > 0 and _alive(pid):
+            out.setdefault(slot - 1, []).append(pid)
+    return out
+
+
+def _slot_to_write(w: _Process) -> int:
+    """The slot for the next version: never one an engine computes from in place; of the others, one that
+    holds no whole version, else the older one (so the newest whole version stays whole meanwhile)."""
+    pinned = _pinned(w.ctl)
+    free = [s for s in (0, 1) if s not in pinned]
+    if not free:
+        raise RuntimeError(
+            "weight_sync shm: both slots are in use by engines computing in place from them (processes "
+            f"{pinned}); an engine left on an older version must be synced or stopped first")
+    ready = {s: int(w.slot(s)[_S_VERSION]) for s in (0, 1) if int(w.slot(s)[_S_STATE]) == READY}
+    return min(free, key=lambda s: (s in ready, ready.get(s, 0)))
 
 
 def _write(dst: Tensor, src: Tensor, offset: int, c: Tensor) -> None:
@@ -386,6 +416,65 @@ class _Arriving(Tensor):
         return dst
 
 
+class _Pin:
+    """This process's pin on one slot of one control page (module docstring of :class:`Shared`)."""
+
+    def __init__(self, reader: _Process, ctl_path: str, slot: int) -> None:
+        self.reader, self.ctl_path, self.slot = reader, ctl_path, slot
+
+    def _entry(self) -> int:
+        if self.reader.pin_entry is None:  # claimed once per process, under a lock on the page's file
+            import fcntl
+
+            ctl, me = self.reader.ctl, os.getpid()
+            with open(self.ctl_path, "rb+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                pins = ctl[_PINS_AT : _PINS_AT + 2 * _MAX_PINS].view(-1, 2)
+                free = None
+                for i, (pid, _) in enumerate(pins.tolist()):
+                    if pid == me:
+                        free = i
+                        break
+                    if free is None and (pid <= 0 or not _alive(pid)):
+                        free = i
+                if free is None:
+                    raise RuntimeError(f"weight_sync shm: more than {_MAX_PINS} engine processes compute in place")
+                pins[free, 1] = 0
+                pins[free, 0] = me
+            self.reader.pin_entry = free
+        return self.reader.pin_entry
+
+    def pin(self) -> None:
+        """Rank 0 writes no version into this slot while this process computes from it."""
+        self.reader.ctl[_PINS_AT + 2 * self._entry() + 1] = self.slot + 1
+
+    def unpin(self) -> None:
+        """This process no longer computes from any slot of this page."""
+        if self.reader.pin_entry is not None:
+            self.reader.ctl[_PINS_AT + 2 * self.reader.pin_entry + 1] = 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
+@dataclass
+class Shared:
+    """A version an engine computes from in place: ``views`` of the slot that holds it (plain tensors over
+    the shared pages: never write into them). An engine that uses them calls ``pin.pin()``; trainer rank 0
+    then writes no later version into that slot (:func:`_slot_to_write`) until ``pin.unpin()`` or until
+    the engine's process has ended. So one copy (rank 0's) makes a version, instead of two."""
+
+    views: dict[str, Tensor]
+    pin: _Pin
+
+
 class ShmReceiver:
     """Runs in an engine on rank 0's node: views of the slot holding ``version`` (the engine copies them in).
 
@@ -397,29 +486,8 @@ class ShmReceiver:
         self.prefix, self.handle, self.version, self.wait_s = prefix, handle, version, wait_s
 
     def receive(self, engine: Any) -> dict[str, Tensor]:
-        here = _node_id()
-        if here != self.handle["node_id"]:
-            raise RuntimeError(
-                f"weight_sync shm: this engine runs on node {here} ({os.uname().nodename}) but trainer rank 0 "
-                f"wrote the weights to shared memory on node {self.handle['node_id']} ({self.handle['host']}). "
-                "Shared memory works only when every engine is on rank 0's node; use weight_sync=broadcast "
-                "(or object_store) for engines on other nodes."
-            )
-        r = self._reader()
-        s = self._find_slot(r)
+        r, s, seg = self._locate()
         c = r.slot(s)
-        key = int(c[_S_KEY])
-        seg = r.segs_by_key.get(key)
-        if seg is None:
-            path = _seg_path(self.prefix, key)
-            try:
-                buf = _map(path, 0, create=False)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"weight_sync shm: segment {path} is gone (removed, or the run closed its transport)"
-                ) from None
-            r.segs_by_key = {key: _Segment.of(path, buf)}  # an older layout's segment is unmapped
-            seg = r.segs_by_key[key]
         if int(c[_S_STATE]) == READY and int(c[_S_VERSION]) == self.version:
             return seg.slots[s]
         version = getattr(engine, "weight_version", None)
@@ -431,6 +499,43 @@ class ShmReceiver:
             n: _Arriving.of(views[n], stream, n, off)
             for n, off in zip(layout.names, layout.offsets, strict=True)
         }
+
+    def receive_shared(self, engine: Any) -> Shared:
+        """The whole version as plain views of its slot, for an engine that computes from them in place
+        (:class:`Shared`): waits until rank 0 has written all of it (``wait_s``); nothing is copied."""
+        r, s, seg = self._locate()
+        c = r.slot(s)
+        if not (int(c[_S_STATE]) == READY and int(c[_S_VERSION]) == self.version):
+            held = getattr(engine, "weight_version", None)
+            stream = _Stream(self.prefix, r, seg, s, self.version, self.wait_s, int(held()) if callable(held) else None)
+            stream.wait(seg.layout.total_bytes)  # on failure nothing was touched: the engine keeps its version
+        return Shared(dict(seg.slots[s]), _Pin(r, self.handle["ctl"], s))
+
+    def _locate(self) -> tuple[_Process, int, _Segment]:
+        """This process's reader, the slot holding the version (see :meth:`_find_slot`) and its segment."""
+        here = _node_id()
+        if here != self.handle["node_id"]:
+            raise RuntimeError(
+                f"weight_sync shm: this engine runs on node {here} ({os.uname().nodename}) but trainer rank 0 "
+                f"wrote the weights to shared memory on node {self.handle['node_id']} ({self.handle['host']}). "
+                "Shared memory works only when every engine is on rank 0's node; use weight_sync=broadcast "
+                "(or object_store) for engines on other nodes."
+            )
+        r = self._reader()
+        s = self._find_slot(r)
+        key = int(r.slot(s)[_S_KEY])
+        seg = r.segs_by_key.get(key)
+        if seg is None:
+            path = _seg_path(self.prefix, key)
+            try:
+                buf = _map(path, 0, create=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"weight_sync shm: segment {path} is gone (removed, or the run closed its transport)"
+                ) from None
+            r.segs_by_key = {key: _Segment.of(path, buf)}  # an older layout's segment is unmapped
+            seg = r.segs_by_key[key]
+        return r, s, seg
 
     def _reader(self) -> _Process:
         r = _READERS.get(self.prefix)

@@ -13,14 +13,17 @@ hands out two small picklable objects per sync:
 
 Transports where the bytes are stored before they are read (object store, disk, shm) run the two
 halves one after the other, the receiver carrying the sender's ``Sent.handle``; a collective
-transport (broadcast) runs them at the same time.
+transport (broadcast) runs them at the same time. A receiver that also offers ``receive_shared``
+(shm) lets an engine that can compute from the shared pages take the version without copying it
+(``weight_sync/in_place``: the share of engines that did).
 
 | transport      | path of the bytes                              | where it works                        |
 |----------------|------------------------------------------------|---------------------------------------|
 | ``object_store``| ``ray.put`` on rank 0, ``ray.get`` per engine | anywhere (default)                    |
 | ``broadcast``  | gloo/NCCL group {rank 0, engines}, in buckets  | anywhere the ranks can reach the driver |
 | ``disk``       | safetensors in an atomically renamed directory | one node, or a shared filesystem      |
-| ``shm``        | ``/dev/shm`` segment, loaded as it is written  | engines on rank 0's node only        |
+| ``shm``        | ``/dev/shm`` segment: computed from in place,  | engines on rank 0's node only        |
+|                | or loaded as it is written                     |                                       |
 | ``ipc``        | CUDA IPC handle to one flat GPU buffer         | colocated on one GPU (untested so far) |
 """
 
@@ -133,6 +136,7 @@ def sync_weights(
         "weight_sync/send_s": sent.send_s,
         "weight_sync/receive_s": max(float(a.get("receive_s", 0.0)) for a in applied),
         "weight_sync/apply_s": max(float(a.get("update_s", 0.0)) for a in applied),
+        "weight_sync/in_place": sum(float(a.get("in_place", 0.0)) for a in applied) / len(applied),
         "weight_sync/bytes": float(sent.bytes),
         "weight_sync/bytes_per_s": sent.bytes * len(engines) / max(seconds, 1e-9),
         "weight_sync/version": float(version),
