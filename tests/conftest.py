@@ -117,9 +117,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _without_fault_variants(config: pytest.Config, items: list[pytest.Item]) -> list[pytest.Item]:
-    """``faults``-marked tests stay out of a run without ``-m`` (the README's ``pytest``), unless named by
-    their test id; ``-m faults`` (or any other marker expression) selects by markers as usual."""
-    if config.option.markexpr or any("::" in arg for arg in config.args):
+    """``faults``-marked tests stay out of a run whose ``-m`` expression does not name ``faults`` (the
+    README's plain ``pytest``, or ``-m "not slow"``), unless named by their test id; ``-m faults`` (or any
+    expression naming the marker) selects by markers as usual."""
+    if "faults" in (config.option.markexpr or "") or any("::" in arg for arg in config.args):
         return items
     out = [item for item in items if item.get_closest_marker("faults") is None]
     if len(out) < len(items):
