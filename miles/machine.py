@@ -1,4 +1,5 @@
-"""The machine a run starts on: its cores and CUDA devices, ``placement.device`` resolved, a free port.
+"""The machine a run starts on: its cores and CUDA devices, ``placement.device`` resolved, a free port,
+whether a process of it still runs.
 
 Below every other layer, so the placement plan (:mod:`miles.core.plan`), the rendezvous
 (:mod:`miles.core.cluster`) and the SGLang engine and server read the machine the same way.
@@ -69,3 +70,15 @@ def free_port(host: str = "127.0.0.1", attempts: int = 64, ports: tuple[int, int
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie counts until reaped; another user's
+    process counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -154,7 +154,7 @@ def test_a_leading_space_tokenizer_keeps_the_sampled_ids_and_adds_no_token_betwe
     decodes to "7", and "7" re-tokenizes to another id; a turn's delta encoded on its own would also start
     with a ``▁`` the whole conversation does not have. The session keeps ``▁7`` as sampled, the agent's
     reply sent back as it got it continues the record, and the environment turn has the canonical ids."""
-    from miles.agent.server_requests import off_record
+    from miles.agent.server_requests import chat_messages, off_record
 
     tok = _leading_space_tokenizer()
     question = [{"role": "user", "content": "what is 3 plus 4?"}]
@@ -163,7 +163,8 @@ def test_a_leading_space_tokenizer_keeps_the_sampled_ids_and_adds_no_token_betwe
     s = Session(tok, question)
     text = s.add_policy(_result(tok, "", ids=sampled))
     follow_up = {"role": "user", "content": "sure?"}
-    assert off_record(s, [*question, {"role": "assistant", "content": text}, follow_up]) is None
+    sent = [*question, {"role": "assistant", "content": text}, follow_up]
+    assert off_record(s, sent, chat_messages(sent)) is None
     delta = s.add_messages([follow_up])
     whole = tok.apply_chat_template([*question, {"role": "assistant", "content": "7"}, follow_up],
                                     add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -166,6 +166,7 @@ def test_a_slot_an_engine_computes_from_is_never_written(actors) -> None:
     import subprocess
 
     from miles.weights import shm
+    from miles.weights.shm_pins import MAX_PINS, PINS_AT, slots_pinned
 
     source, _, engines = actors
     transport = make_transport(CFG, [source], engines)
@@ -175,10 +176,10 @@ def test_a_slot_an_engine_computes_from_is_never_written(actors) -> None:
         ray.get(source.perturb.remote(2))
         sync_weights([source], engines, 2, transport)  # slot 1: the engines move there, slot 0 is free
         ctl = shm._map(shm._ctl_path(transport.prefix), 0, create=False).view(torch.int64)
-        assert set(shm._pinned(ctl)) == {1}
-        free = next(i for i in range(shm._MAX_PINS) if int(ctl[shm._PINS_AT + 2 * i]) == 0)
-        ctl[shm._PINS_AT + 2 * free], ctl[shm._PINS_AT + 2 * free + 1] = bystander.pid, 1  # another process on slot 0
-        assert shm._pinned(ctl) == {0: [bystander.pid], 1: shm._pinned(ctl)[1]}
+        assert set(slots_pinned(ctl)) == {1}
+        free = next(i for i in range(MAX_PINS) if int(ctl[PINS_AT + 2 * i]) == 0)
+        ctl[PINS_AT + 2 * free], ctl[PINS_AT + 2 * free + 1] = bystander.pid, 1  # another process on slot 0
+        assert slots_pinned(ctl) == {0: [bystander.pid], 1: slots_pinned(ctl)[1]}
         with pytest.raises(RuntimeError, match="both slots are in use by engines computing in place"):
             sync_weights([source], engines, 3, transport)
         _assert_hold(engines, ray.get(source.state_dict.remote()), 2)

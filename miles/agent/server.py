@@ -282,16 +282,17 @@ def create_app(
         held = sessions.get(session_id) if session_id is not None else None
         added, unrecorded, why = False, None, None
         try:
-            session = held or Session(tokenizer, chat_messages(messages), render_kwargs=extra)
+            rendered = chat_messages(messages)
+            session = held or Session(tokenizer, rendered, render_kwargs=extra)
             if held is not None:
-                why = off_record(held, messages)
+                why = off_record(held, messages, rendered)
                 if why is None:
                     try:
-                        added = extend_session(held, messages)
+                        added = extend_session(held, rendered)
                     except TemplateDriftError as e:
                         why = str(e)
                 if why is not None:  # answered from a fresh rendering, never trained on
-                    unrecorded = chat_messages(messages)
+                    unrecorded = rendered
                     prompt = held.render_ids(unrecorded)
         except ValueError as e:
             raise HTTPException(409 if held is not None else 422, f"messages: {e}") from None

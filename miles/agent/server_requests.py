@@ -173,8 +173,9 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def off_record(session: Session, messages: list[dict[str, Any]]) -> str | None:
-    """Why the request's ``messages`` cannot continue the session's record, or None when they can.
+def off_record(session: Session, messages: list[dict[str, Any]], request: list[dict[str, str]]) -> str | None:
+    """Why the request's ``messages`` (``request``: their :func:`chat_messages`) cannot continue the
+    session's record, or None when they can.
 
     They continue it when they start with the session's messages: the same roles, the same text for
     every other role, and for each assistant turn the reply the server gave (content and calls, see
@@ -185,7 +186,6 @@ def off_record(session: Session, messages: list[dict[str, Any]]) -> str | None:
     is refused (ValueError): there is nothing to answer.
     """
     held = session.messages
-    request = chat_messages(messages)
     if request[-1]["role"] == "assistant":
         raise ValueError("nothing new after the conversation's last assistant turn")
     if session.off_record is not None:
@@ -204,12 +204,12 @@ def off_record(session: Session, messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def extend_session(session: Session, messages: list[dict[str, Any]]) -> bool:
-    """Append the messages after the session's turns, for a request :func:`off_record` found continuing
-    the record. Returns whether messages were appended (one environment turn, which
+def extend_session(session: Session, request: list[dict[str, str]]) -> bool:
+    """Append the messages after the session's turns (``request``: the request's :func:`chat_messages`),
+    for a request :func:`off_record` found continuing the record. Returns whether messages were appended (one environment turn, which
     :meth:`Session.drop_last_turn` removes). Raises :class:`~miles.agent.session.TemplateDriftError` when
     the chat template rewrites an earlier turn once they are added (nothing is appended then)."""
-    new = chat_messages(messages)[len(session.messages) :]
+    new = request[len(session.messages) :]
     if new:
         session.add_messages(new)
     return bool(new)

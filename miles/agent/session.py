@@ -10,8 +10,8 @@ A :class:`Session` starts from the prompt's ids and grows by two kinds of turns:
 Ids once appended are never re-tokenized, so the trainer sees byte for byte what was sampled.
 The ids of new messages are the chat template's *delta*: ``render(messages + new)`` minus the
 text the session's ids already cover, tokenized as it would be after that text (behind its last
-special token, so a SentencePiece tokenizer adds no leading ``▁`` of its own). That text is ``render(messages)`` for the part the template
-renders, and the closing the template puts after an assistant turn (``"\\n"`` after
+special token, so a SentencePiece tokenizer adds no leading ``▁`` of its own). That text is
+``render(messages)`` for the part the template renders, and the closing the template puts after an assistant turn (``"\\n"`` after
 ``<|im_end|>`` in ChatML) is appended as part of the next delta.
 
 Template drift: the ids a session holds can differ from what tokenizing the rendered conversation

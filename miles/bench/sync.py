@@ -102,10 +102,8 @@ class BufferEngine:
             receive_s = time.perf_counter() - t0
             self._check(shared.views)
             if all(v.dtype == self.weights[k].dtype for k, v in shared.views.items()):
-                shared.pin.pin()
-                if self._pin is not None and self._pin.reader is not shared.pin.reader:
-                    self._pin.unpin()
-                self.weights, self._pin, self.version = dict(shared.views), shared.pin, int(version)
+                self._pin = shared.pin.take_over(self._pin)
+                self.weights, self.version = dict(shared.views), int(version)
                 nbytes = float(sum(v.numel() * v.element_size() for v in shared.views.values()))
                 return {"update_s": time.perf_counter() - t0 - receive_s, "bytes": nbytes, "receive_s": receive_s,
                         "in_place": 1.0}

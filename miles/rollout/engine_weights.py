@@ -46,7 +46,7 @@ class EngineWeights:
     _peft: Any
     _adapters: dict[str, dict[str, Tensor]]
     _offload: str | dict[str, Tensor] | None
-    _pin: Any  # miles.weights.shm._Pin while the weights are a shared slot's views, else None
+    _pin: Any  # miles.weights.shm_pins.Pin while the weights are a shared slot's views, else None
     _fast: Any
     _released: bool
     _st: dict[str, Tensor]
@@ -109,12 +109,9 @@ class EngineWeights:
             self._check_open("update_weights")
             if self._released:
                 self._drop_offload()
-            shared.pin.pin()  # before the first use: the slot holds this version until unpinned
+            self._pin = shared.pin.take_over(self._pin)  # before the first use: the slot keeps this version
             for k, v in views.items():
                 self._weights[k].data = v
-            if self._pin is not None and self._pin.reader is not shared.pin.reader:
-                self._pin.unpin()  # another transport's page
-            self._pin = shared.pin
             self._new_version(version)
 
         self._run_op(apply)

@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.machine import pid_alive
+
 WEIGHT_LOADS = ("tensor", "distributed", "disk")
 """Values of ``rollout.engine.weight_load``."""
 GROUP_NAME = "miles_weights"
@@ -325,16 +327,6 @@ def weights_dir(engine_id: int) -> Path:
     root.mkdir(exist_ok=True)
     for old in root.iterdir():
         pid = old.name.split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-engine{engine_id}-", dir=root))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -13,7 +13,7 @@ Rank 0 writes version ``v`` into a slot that does not hold the newest version, c
 when done. An engine that can compute from the slot's pages (:meth:`ShmReceiver.receive_shared`, a CPU
 torch engine without adapters or rollout quantization) waits for the whole version and makes its
 weights views of the slot: a version then costs one memory copy, rank 0's. It pins the slot (its pid
-and the slot in the control page's pins, :class:`Shared`): rank 0 never writes into a slot a live
+and the slot in the control page's pins, :mod:`miles.weights.shm_pins`): rank 0 never writes into a slot a live
 process has pinned (:func:`_slot_to_write`), so the engine's weights never change under it, and fails
 the send with the reason if both slots are pinned; a pin of a process that ended does not count.
 Otherwise a version costs one copy on rank 0 (state dict -> segment) and one per engine (segment -> its
@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_map
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
+from miles.weights.shm_pins import Pin, Shared, slots_pinned
 from miles.weights.transport import Sent, Transport
 
 MAGIC = 0x4D494C4553574754  # "MILESWGT"
@@ -63,8 +64,6 @@ _H_MAGIC, _H_KEY, _H_LAYOUT_LEN, _H_DATA_OFF, _H_TOTAL, _H_STRIDE = range(6)
 # control page words: magic, the last failed version, then slot s at 8 + 8 * s
 _C_MAGIC, _C_FAILED = 0, 1
 _S_STATE, _S_VERSION, _S_KEY, _S_WRITTEN = range(4)
-# then the pins from word 64: one [pid, slot + 1] pair per engine process computing in place from a slot
-_PINS_AT, _MAX_PINS = 64, 128
 
 
 def _node_id() -> str:
@@ -123,7 +122,7 @@ class _Process:
     ctl: Tensor  # int64 [512]
     seg: _Segment | None = None
     segs_by_key: dict[int, _Segment] = field(default_factory=dict)
-    pin_entry: int | None = None  # this process's entry in the page's pins, once it computes in place
+    pin_entry: int | None = None  # this process's entry in the page's pins (shm_pins), once it computes in place
 
     def slot(self, s: int) -> Tensor:
         return self.ctl[8 + 8 * s : 16 + 8 * s]
@@ -232,20 +231,10 @@ class ShmSender:
         return w.seg
 
 
-def _pinned(ctl: Tensor) -> dict[int, list[int]]:
-    """Slot -> the live processes computing in place from it (a dead process's pin does not count)."""
-    out: dict[int, list[int]] = {}
-    pins = ctl[_PINS_AT : _PINS_AT + 2 * _MAX_PINS].view(-1, 2).tolist()
-    for pid, slot in pins:
-        if pid > 0 and slot > 0 and _alive(pid):
-            out.setdefault(slot - 1, []).append(pid)
-    return out
-
-
 def _slot_to_write(w: _Process) -> int:
     """The slot for the next version: never one an engine computes from in place; of the others, one that
     holds no whole version, else the older one (so the newest whole version stays whole meanwhile)."""
-    pinned = _pinned(w.ctl)
+    pinned = slots_pinned(w.ctl)
     free = [s for s in (0, 1) if s not in pinned]
     if not free:
         raise RuntimeError(
@@ -416,65 +405,6 @@ class _Arriving(Tensor):
         return dst
 
 
-class _Pin:
-    """This process's pin on one slot of one control page (module docstring of :class:`Shared`)."""
-
-    def __init__(self, reader: _Process, ctl_path: str, slot: int) -> None:
-        self.reader, self.ctl_path, self.slot = reader, ctl_path, slot
-
-    def _entry(self) -> int:
-        if self.reader.pin_entry is None:  # claimed once per process, under a lock on the page's file
-            import fcntl
-
-            ctl, me = self.reader.ctl, os.getpid()
-            with open(self.ctl_path, "rb+") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                pins = ctl[_PINS_AT : _PINS_AT + 2 * _MAX_PINS].view(-1, 2)
-                free = None
-                for i, (pid, _) in enumerate(pins.tolist()):
-                    if pid == me:
-                        free = i
-                        break
-                    if free is None and (pid <= 0 or not _alive(pid)):
-                        free = i
-                if free is None:
-                    raise RuntimeError(f"weight_sync shm: more than {_MAX_PINS} engine processes compute in place")
-                pins[free, 1] = 0
-                pins[free, 0] = me
-            self.reader.pin_entry = free
-        return self.reader.pin_entry
-
-    def pin(self) -> None:
-        """Rank 0 writes no version into this slot while this process computes from it."""
-        self.reader.ctl[_PINS_AT + 2 * self._entry() + 1] = self.slot + 1
-
-    def unpin(self) -> None:
-        """This process no longer computes from any slot of this page."""
-        if self.reader.pin_entry is not None:
-            self.reader.ctl[_PINS_AT + 2 * self.reader.pin_entry + 1] = 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    return True
-
-
-@dataclass
-class Shared:
-    """A version an engine computes from in place: ``views`` of the slot that holds it (plain tensors over
-    the shared pages: never write into them). An engine that uses them calls ``pin.pin()``; trainer rank 0
-    then writes no later version into that slot (:func:`_slot_to_write`) until ``pin.unpin()`` or until
-    the engine's process has ended. So one copy (rank 0's) makes a version, instead of two."""
-
-    views: dict[str, Tensor]
-    pin: _Pin
-
-
 class ShmReceiver:
     """Runs in an engine on rank 0's node: views of the slot holding ``version`` (the engine copies them in).
 
@@ -509,7 +439,7 @@ class ShmReceiver:
             held = getattr(engine, "weight_version", None)
             stream = _Stream(self.prefix, r, seg, s, self.version, self.wait_s, int(held()) if callable(held) else None)
             stream.wait(seg.layout.total_bytes)  # on failure nothing was touched: the engine keeps its version
-        return Shared(dict(seg.slots[s]), _Pin(r, self.handle["ctl"], s))
+        return Shared(dict(seg.slots[s]), Pin(r, self.handle["ctl"], s))
 
     def _locate(self) -> tuple[_Process, int, _Segment]:
         """This process's reader, the slot holding the version (see :meth:`_find_slot`) and its segment."""
