@@ -58,10 +58,8 @@ the scheduler thread between two steps, never during a forward):
   its tokens) and, per token, the version of the weights that sampled it
   (``token_versions``). A caller that needs single-version samples updates
   when no ``generate`` is in flight (the synchronous loop does) or ``abort``s
-  the in-flight requests first. ``update_weights_from(receiver, version)`` with
-  a shared-memory receiver makes the weights views of the version's slot instead
-  of copying it (CPU, no adapters, no rollout quantization, same dtypes;
-  :mod:`miles.rollout.engine_weights`, :mod:`miles.weights.shm`).
+  the in-flight requests first. From ``shm``, ``update_weights_from`` computes from
+  the version's slot in place (:meth:`~miles.rollout.engine_weights.EngineWeights._adopt`).
 - ``pause()`` / ``resume()``: no further steps while paused; in-flight rows
   keep their slots and cache, new requests queue. ``pause()`` returns once the
   current step has finished.
