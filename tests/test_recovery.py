@@ -64,9 +64,11 @@ class Fault:
                 continue
             # this run's engines: the module's runs do not keep their actors (cluster.reuse_actors=false), and
             # the engines of this test process's Ray cluster (its raylet's children) are this run's, never those
-            # of another test process on the machine
+            # of another test process on the machine; an engine an earlier fault stopped is not one of them any
+            # more (replaced, and killed when Ray gets to it: until then it is still a stopped process)
             mine = [p for p in psutil.Process().children(recursive=True)
-                    if _cmd0(p).startswith("ray::TorchEngine") and _status(p) != psutil.STATUS_ZOMBIE]
+                    if _cmd0(p).startswith("ray::TorchEngine")
+                    and _status(p) not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)]
             assert len(mine) >= count, f"found engine processes {mine}"
             for p in sorted(mine, key=lambda p: p.pid)[:count]:
                 os.kill(p.pid, sig)
