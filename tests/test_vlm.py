@@ -113,7 +113,7 @@ def _hf_logprobs(model, request: GenerateRequest, response: tuple[int, ...]) -> 
     full = list(request.prompt_ids) + list(response)
     im = request.images
     pos = sequence_positions(
-        request.prompt_ids, len(response), None if im is None else im.grid_thw, model.config.image_token_id, 2
+        request.prompt_ids, response, None if im is None else im.grid_thw, model.config.image_token_id, 2
     )
     kw = {} if im is None else {"pixel_values": im.pixel_values, "image_grid_thw": im.grid_thw}
     with torch.no_grad():
@@ -289,8 +289,8 @@ def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path)
             "tested in fp32 only",
         ),
         (
-            {"rollout": {"generate_fn": {"_target_": "miles.agent.rollout.tool_loop", "_partial_": True}}},
-            "only single_turn passes a problem's images",
+            {"rollout": {"generate_fn": {"_target_": "miles.agent.openai_rollout.openai_agent", "_partial_": True}}},
+            "only single_turn and the tool loop",
         ),
     ],
 )
@@ -309,7 +309,7 @@ def test_image_tasks_need_a_vision_model_and_freeze_vision_a_vision_tower(tmp_pa
     from miles.core.run import build_components
 
     text = {"_target_": "miles.models.qwen3.qwen3_spec", "flavor": "tiny"}
-    with pytest.raises(ConfigError, match="its prompts carry images, but qwen3 is a text model"):
+    with pytest.raises(ConfigError, match="its prompts or tools carry images, but qwen3 is a text model"):
         build_components(_run(tmp_path, model=text))
     with pytest.raises(ConfigError, match="model.freeze_vision=true: qwen3 is a text model"):
         build_components(validate({"model": {**text, "freeze_vision": True}}))

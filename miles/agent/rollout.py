@@ -60,6 +60,7 @@ from dataclasses import replace
 
 from miles.agent.session import Session, TemplateDriftError
 from miles.agent.tools import Tool, ToolOutcome, parse_tool_calls, run_call, schema, tool_response_message
+from miles.models.vision import PLACEHOLDER
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
 from miles.types import GenerateRequest, GenerateResult, Problem, Sample, SamplingParams, Status, session_key
@@ -84,15 +85,18 @@ async def tool_loop(
     if max_turns < 1 or max_calls_per_turn < 1:
         raise ValueError(f"tool_loop: max_turns and max_calls_per_turn must be >= 1, found {max_turns}, "
                          f"{max_calls_per_turn}")
+    tools = [t.for_problem(problem) if hasattr(t, "for_problem") else t for t in tools]
     by_name = {t.name: t for t in tools}
+    pictures = tuple(getattr(problem, "images", None) or ())
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": problem.prompt}]
+        {"role": "user", "content": PLACEHOLDER * len(pictures) + problem.prompt}]
     render = {"tools": [schema(t) for t in tools]} if tools and tools_in_template else {}
-    sessions = [Session(ctx.tokenizer, messages, strict=strict_template, render_kwargs=render) for _ in range(ctx.n)]
+    sessions = [Session(ctx.tokenizer, messages, strict=strict_template, render_kwargs=render, pictures=pictures,
+                        encoder=ctx.image_encoder) for _ in range(ctx.n)]
     session_id = f"agent-{ctx.group_id}-{secrets.token_hex(4)}"  # unique even when group ids repeat
     first = await ctx.engine_generate(GenerateRequest(
         request_id=f"{ctx.group_id}-t1", prompt_ids=tuple(sessions[0].ids), n=ctx.n, seed=ctx.seed,
-        session_id=session_id), sampling)
+        session_id=session_id, images=sessions[0].images), sampling)
     loop = _Loop(ctx, sampling, by_name, max_turns, max_calls_per_turn, max_context_tokens, session_id)
     return list(await asyncio.gather(*(loop.run(s, r, problem) for s, r in zip(sessions, first, strict=True))))
 
@@ -122,7 +126,7 @@ class _Loop:
                 break
             outcomes += await self._call(calls)
             try:
-                session.add_messages([tool_response_message(outcomes)])
+                session.add_messages([tool_response_message(outcomes)], [p for o in outcomes for p in o.images])
             except TemplateDriftError:
                 if session.strict:
                     raise
@@ -145,7 +149,7 @@ class _Loop:
             response_ids=list(session.response_ids), rollout_logprobs=list(session.logprobs),
             loss_mask=list(session.loss_mask), status=Status.FAILED if failure else session.status,
             weight_version=session.weight_version, label=problem.label, response_text=text, failure=failure,
-            metadata={"counts": dict(counts)})
+            images=session.images, metadata={"counts": dict(counts)})
 
     async def _call(self, calls: list) -> list[ToolOutcome]:
         extra = [ToolOutcome(name=c.name, text=f"error: more than {self.max_calls} tool calls in one turn; not run",
@@ -172,5 +176,6 @@ async def next_turn(ctx: GenerateContext, session: Session, sampling: SamplingPa
     turn = session.policy_turns + 1
     (result,) = await ctx.engine_generate(GenerateRequest(
         request_id=f"{ctx.group_id}-{index}-t{turn}", prompt_ids=tuple(session.ids), n=1,
-        seed=ctx.seed + 7919 * turn + index, session_id=session_key(session_id, ctx.n, index)), sampling)
+        seed=ctx.seed + 7919 * turn + index, session_id=session_key(session_id, ctx.n, index),
+        images=session.images), sampling)
     return replace(result, index=index)

@@ -30,15 +30,24 @@ server still answers it, from a fresh rendering of the conversation as sent
 ids: its context is not the record, so it is never trained on. The record (``ids``, ``logprobs``,
 ``loss_mask``) then ends at the last turn generated from it; ``masked_turns`` counts the rest and
 ``off_record`` says why the first one left it.
+
+Pictures (a vision-language model): with an :class:`~miles.models.vision.ImageEncoder`, the prompt's
+and each environment turn's messages may hold image placeholders (:data:`miles.models.vision.PLACEHOLDER`),
+one per picture given with them. Their ids get each placeholder expanded to the image's tokens, and
+``images`` holds every picture of the conversation in order (what an engine request and a train row
+carry). Image tokens are environment tokens: loss mask 0. Drift is checked on the expanded ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.types import GenerateResult, Status
+
+if TYPE_CHECKING:
+    from miles.models.vision import ImageEncoder, Images
 
 
 class TemplateDriftError(ValueError):
@@ -70,19 +79,24 @@ class Session:
     """The token ids of one conversation, turn by turn; see the module docstring.
 
     ``messages`` are the chat messages the prompt ids were rendered from (``[{"role": "user",
-    "content": ...}]``); ``render_kwargs`` go to every ``apply_chat_template`` call (e.g. ``tools``).
+    "content": ...}]``); ``render_kwargs`` go to every ``apply_chat_template`` call (e.g. ``tools``);
+    ``pictures``: the prompt's pictures, one per placeholder in ``messages``, with ``encoder`` (needed
+    for any picture, here or in :meth:`add_messages`).
     """
 
     def __init__(
         self, tokenizer: Any, messages: Sequence[Mapping[str, str]], *, strict: bool = False,
-        render_kwargs: Mapping[str, Any] | None = None,
+        render_kwargs: Mapping[str, Any] | None = None, pictures: Sequence[Any] = (),
+        encoder: ImageEncoder | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.strict = strict
         self.render_kwargs = dict(render_kwargs or {})
+        self.encoder = encoder
+        self.images: Images | None = self._pictures(pictures)
         self.messages: list[dict[str, str]] = [dict(m) for m in messages]
         self._covered = self._render(self.messages, generation_prompt=True)  # text the ids stand for
-        self.prompt_ids: list[int] = self._ids(self._covered)
+        self.prompt_ids: list[int] = self._expand(self._ids(self._covered), self.images)
         self.response_ids: list[int] = []
         self.logprobs: list[float] = []
         self.loss_mask: list[int] = []
@@ -121,13 +135,16 @@ class Session:
         self._covered += raw
         return text
 
-    def add_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Append environment messages (and the assistant header after them) as ids with loss mask 0.
+    def add_messages(self, messages: Sequence[Mapping[str, str]], pictures: Sequence[Any] = ()) -> list[int]:
+        """Append environment messages (and the assistant header after them) as ids with loss mask 0;
+        ``pictures``: one per image placeholder in ``messages``, in order.
 
         Returns the appended ids. Raises :class:`TemplateDriftError` when the rendered conversation
         does not start with the text the session already covers (the template rewrote an earlier
-        turn), since no delta then exists; nothing is appended then.
+        turn), since no delta then exists, and ValueError when the placeholders and ``pictures`` do not
+        pair up; nothing is appended then.
         """
+        new_images = self._pictures(pictures)
         extended = self.messages + [dict(m) for m in messages]
         rendered = self._render(extended, generation_prompt=True)
         if not rendered.startswith(self._covered):
@@ -138,9 +155,11 @@ class Session:
                 f"{self._covered[at:at + 40]!r} but the template renders {rendered[at:at + 40]!r}; "
                 "ids cannot be appended without re-tokenizing (use a template that keeps past turns as "
                 "they were generated)")
+        delta = self._expand(self._delta_ids(rendered[len(self._covered):]), new_images)
         self.messages = extended
-        delta = self._delta_ids(rendered[len(self._covered):])
-        self._covered_before_messages = self._covered
+        self._covered_before_messages, self._images_before_messages = self._covered, self.images
+        if new_images is not None:
+            self.images = new_images if self.images is None else self.images + new_images
         self.turn_starts.append(len(self.response_ids))
         self.response_ids += delta
         self.logprobs += [0.0] * len(delta)
@@ -173,7 +192,7 @@ class Session:
         del self.response_ids[start:], self.logprobs[start:], self.loss_mask[start:]
         while self.messages[-1]["role"] != "assistant":
             self.messages.pop()
-        self._covered = self._covered_before_messages
+        self._covered, self.images = self._covered_before_messages, self._images_before_messages
 
     # ---- drift -------------------------------------------------------------------------------
 
@@ -183,6 +202,10 @@ class Session:
         last_is_policy = bool(self.messages) and self.messages[-1]["role"] == "assistant"
         rendered = self._render(self.messages, generation_prompt=not last_is_policy)
         expected, ours = self._ids(rendered), self.ids
+        try:
+            expected = self._expand(expected, self.images)
+        except ValueError:  # the rendering lost or gained a placeholder: the difference is reported below
+            pass
         if last_is_policy:  # the template closes the turn after what the model generated
             expected = expected[:len(ours)] if expected[:len(ours)] == ours else expected
         if expected == ours:
@@ -208,6 +231,18 @@ class Session:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _pictures(self, pictures: Sequence[Any]) -> Images | None:
+        if not pictures:
+            return None
+        if self.encoder is None:
+            raise ValueError(f"{len(pictures)} picture(s) for a session without an image encoder (a text-only "
+                             "model cannot see them; use a vision-language model, e.g. model=qwen_vl)")
+        return self.encoder.images(pictures)
+
+    def _expand(self, ids: list[int], images: Images | None) -> list[int]:
+        """``ids`` with their image placeholders expanded to ``images``' tokens (unchanged without an encoder)."""
+        return ids if self.encoder is None else self.encoder.expand(ids, images)
 
     def _delta_ids(self, text: str) -> list[int]:
         """``text``'s ids as they tokenize after the covered text: encoded behind the covered text's tail

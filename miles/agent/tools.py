@@ -39,7 +39,12 @@ _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.
 
 
 class Tool(Protocol):
-    """A callable tool: ``tool(arguments) -> observation text``; raise to report an error."""
+    """A callable tool: ``tool(arguments) -> observation text`` (or an :class:`Observation` with pictures);
+    raise to report an error.
+
+    A tool may also define ``for_problem(problem) -> Tool``: the tool loop then calls that once per prompt
+    and uses what it returns for that prompt's samples (a tool that works on the problem's own state, such as
+    its picture)."""
 
     name: str
     description: str
@@ -49,6 +54,16 @@ class Tool(Protocol):
     """Per-call deadline in seconds."""
 
     def __call__(self, arguments: dict[str, Any]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a tool returns when its answer holds pictures: ``text`` and ``images`` (PNG bytes, paths or PIL
+    images). Each picture is shown to a vision-language model before the text, in the tool's response
+    block; a text-only model refuses such a tool (see :mod:`miles.agent.rollout`)."""
+
+    text: str = ""
+    images: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +84,8 @@ class ToolOutcome:
     """The observation shown to the model."""
     error: str | None = None
     """None on success, else one of "malformed", "unknown_tool", "timeout", "raised"."""
+    images: tuple[Any, ...] = ()
+    """The pictures of an :class:`Observation` (none for text or an error)."""
 
 
 def schema(tool: Tool) -> dict[str, Any]:
@@ -124,6 +141,8 @@ async def run_call(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
                            error="timeout")
     except Exception as e:  # the tool's own failure is the model's observation
         return ToolOutcome(name=call.name, text=f"error: {type(e).__name__}: {e}", error="raised")
+    if isinstance(text, Observation):
+        return ToolOutcome(name=call.name, text=text.text, images=tuple(text.images))
     return ToolOutcome(name=call.name, text=str(text))
 
 
@@ -152,6 +171,9 @@ def run_in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
 
 
 def tool_response_message(outcomes: Sequence[ToolOutcome]) -> dict[str, str]:
-    """One user message with a ``<tool_response>`` block per outcome (Qwen3's rendering of tool turns)."""
-    body = "\n".join(f"<tool_response>\n{o.text}\n</tool_response>" for o in outcomes)
+    """One user message with a ``<tool_response>`` block per outcome (Qwen3's rendering of tool turns); an
+    outcome's pictures are image placeholders (:data:`miles.models.vision.PLACEHOLDER`) before its text."""
+    from miles.models.vision import PLACEHOLDER
+
+    body = "\n".join(f"<tool_response>\n{PLACEHOLDER * len(o.images)}{o.text}\n</tool_response>" for o in outcomes)
     return {"role": "user", "content": body}

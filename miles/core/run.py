@@ -105,17 +105,19 @@ def build_components(run: MilesConfig) -> dict[str, Any]:
 
 VISION_ENGINE = "miles.rollout.torch_engine.TorchEngine"
 VISION_TRAINER = "miles.train.fsdp.FSDPTrainer"
+VISION_GENERATE_FNS = ("miles.rollout.generate.single_turn", "miles.agent.rollout.tool_loop")
 
 
 def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
     """Refuse, before Ray starts, what a vision-language run does not support (and image tasks on text models)."""
-    has_images = bool(getattr(next(iter(task.eval_problems(1)), None), "images", None))
+    has_images = bool(getattr(task, "needs_vision", False)
+                      or getattr(next(iter(task.eval_problems(1)), None), "images", None))
     if not spec.extra.get("vision"):
         if run.model.freeze_vision:
             raise ConfigError(f"model.freeze_vision=true: {spec.name} is a text model (no vision tower); "
                               "set it on a vision-language model (model=qwen_vl) only")
         if has_images:
-            raise ConfigError(f"task {run.task.name}: its prompts carry images, but {spec.name} is a text model; "
+            raise ConfigError(f"task {run.task.name}: its prompts or tools carry images, but {spec.name} is a text model; "
                               "use a vision-language model, e.g. model=qwen_vl")
         return
     p = run.precision
@@ -136,9 +138,10 @@ def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
          "there); use precision=fp32"),
         (run.algo.estimator == "gae", "algo.estimator=gae: the PPO critic is a text-only value model; use a "
          "group estimator (algo=grpo, ...)"),
-        (run.rollout.generate_fn.target != "miles.rollout.generate.single_turn",
-         f"rollout.generate_fn={run.rollout.generate_fn.target}: only single_turn passes a problem's images to "
-         "the engine; multi-turn and agent generate functions would drop them"),
+        (run.rollout.generate_fn.target not in VISION_GENERATE_FNS,
+         f"rollout.generate_fn={run.rollout.generate_fn.target}: only single_turn and the tool loop "
+         "(miles.agent.rollout.tool_loop) pass images to the engine; other agent generate functions would drop "
+         "them"),
         (bool(run.tenants), "tenants: multi-tenant runs are not wired for vision-language models"),
         (run.teacher.model is not None, "teacher.model: the teacher scores text only (on-policy distillation "
          "of vision-language models is not built); set teacher.model=null"),

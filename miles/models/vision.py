@@ -76,6 +76,15 @@ class Images:
     def __len__(self) -> int:
         return int(self.grid_thw.shape[0])
 
+    def __add__(self, other: Images) -> Images:
+        """These images followed by ``other``'s (a conversation's images, turn by turn)."""
+        return Images(pixel_values=torch.cat([self.pixel_values, other.pixel_values]),
+                      grid_thw=torch.cat([self.grid_thw, other.grid_thw]), digests=self.digests + other.digests)
+
+    def token_counts(self, merge: int) -> list[int]:
+        """Image tokens of each image: its merged patches."""
+        return (self.grid_thw.prod(-1) // merge**2).tolist()
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Images) and other.digests == self.digests
 
@@ -125,6 +134,59 @@ def image_token_ids(tokenizer: Any) -> tuple[int, int, int]:
     return tuple(int(i) for i in ids)  # type: ignore[return-value]
 
 
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""One image in a text before :func:`expand_images`: its start token, one pad, its end token."""
+
+
+def process_images(image_processor: Any, images: Sequence[Any], cache: dict | None = None) -> Images:
+    """The :class:`Images` of pictures (bytes, paths or PIL images). ``cache`` (optional) keeps them by their
+    bytes (pictures given as bytes only)."""
+    key = tuple(images) if cache is not None and all(isinstance(x, bytes) for x in images) else None
+    imgs = cache.get(key) if key is not None else None  # type: ignore[union-attr]
+    if imgs is None:
+        out = image_processor(images=[load_image(x, where="image") for x in images], return_tensors="pt")
+        imgs = Images.of(out["pixel_values"], out["image_grid_thw"])
+        if key is not None:
+            cache[key] = imgs  # type: ignore[index]
+    return imgs
+
+
+def expand_images(ids: Sequence[int], images: Images | None, pad_id: int, merge: int) -> list[int]:
+    """``ids`` with each single ``<|image_pad|>`` (one per image, in order) repeated to its image's token
+    count; raises ValueError when the pads and the images do not pair up."""
+    counts = images.token_counts(merge) if images is not None else []
+    pads = sum(1 for i in ids if i == pad_id)
+    if pads != len(counts):
+        raise ValueError(f"{pads} image placeholder(s) in the text, {len(counts)} image(s)")
+    it = iter(counts)
+    out: list[int] = []
+    for i in ids:
+        out.extend([pad_id] * next(it) if i == pad_id else [i])
+    return out
+
+
+@dataclass(frozen=True)
+class ImageEncoder:
+    """The image side of a vision-language tokenizer: pictures to :class:`Images`, placeholders to image
+    tokens. What a multi-turn session needs to append a tool's pictures (:class:`miles.agent.session.Session`)."""
+
+    image_processor: Any
+    pad_id: int
+    merge: int
+    cache: dict | None = None
+
+    @staticmethod
+    def of(tokenizer: Any, image_processor: Any, cache: dict | None = None) -> ImageEncoder:
+        return ImageEncoder(image_processor, image_token_ids(tokenizer)[1],
+                            int(getattr(image_processor, "merge_size", 2)), cache)
+
+    def images(self, pictures: Sequence[Any]) -> Images:
+        return process_images(self.image_processor, pictures, self.cache)
+
+    def expand(self, ids: Sequence[int], images: Images | None) -> list[int]:
+        return expand_images(ids, images, self.pad_id, self.merge)
+
+
 def encode_image_prompt(
     tokenizer: Any,
     image_processor: Any,
@@ -133,55 +195,47 @@ def encode_image_prompt(
     chat_template: bool = True,
     cache: dict | None = None,
 ) -> tuple[tuple[int, ...], Images | None]:
-    """Prompt ids (images first, then ``text``, as one user turn) and their :class:`Images`.
+    """Prompt ids (as one user turn) and their :class:`Images`.
 
-    Each image becomes ``<|vision_start|>`` + ``<|image_pad|>`` x (merged patches) + ``<|vision_end|>``.
+    Each image becomes ``<|vision_start|>`` + ``<|image_pad|>`` x (merged patches) + ``<|vision_end|>``,
+    before ``text``; or where ``text`` holds :data:`PLACEHOLDER` s, one per image, there (a prompt that
+    renders earlier turns, e.g. a tool's picture in a warm-start example of a multi-turn session).
     ``cache`` (optional) keeps processed images by their bytes (images given as bytes only).
     """
-    from miles.models.qwen_vl import VISION_TOKENS
     from miles.models.tokenizer import encode_prompt
 
     if not images:
         return tuple(encode_prompt(tokenizer, text, chat_template)), None
-    start, pad, end = VISION_TOKENS
-    content = f"{start}{pad}{end}" * len(images) + text
+    content = text if PLACEHOLDER in text else PLACEHOLDER * len(images) + text
+    imgs = process_images(image_processor, images, cache)
     ids = encode_prompt(tokenizer, content, chat_template)
-    key = tuple(images) if cache is not None and all(isinstance(x, bytes) for x in images) else None
-    imgs = cache.get(key) if key is not None else None  # type: ignore[union-attr]
-    if imgs is None:
-        out = image_processor(images=[load_image(x, where="image") for x in images], return_tensors="pt")
-        imgs = Images.of(out["pixel_values"], out["image_grid_thw"])
-        if key is not None:
-            cache[key] = imgs  # type: ignore[index]
     merge = int(getattr(image_processor, "merge_size", 2))
-    counts = iter((imgs.grid_thw.prod(-1) // merge**2).tolist())
-    pad_id = image_token_ids(tokenizer)[1]
-    expanded: list[int] = []
-    for i in ids:
-        expanded.extend([pad_id] * next(counts) if i == pad_id else [i])
-    return tuple(expanded), imgs
+    return tuple(expand_images(ids, imgs, image_token_ids(tokenizer)[1], merge)), imgs
 
 
 def sequence_positions(
-    prompt: Sequence[int], num_response: int, grid_thw: torch.Tensor | None, image_token_id: int, merge: int
+    prompt: Sequence[int], response: Sequence[int], grid_thw: torch.Tensor | None, image_token_id: int, merge: int
 ) -> torch.Tensor:
-    """mRoPE positions [3, P + R] of a prompt and its ``num_response`` generated tokens.
+    """mRoPE positions [3, P + R] of a prompt and its response ids.
 
-    Response tokens are text whatever their id (a policy may sample the image placeholder): token ``t``
-    after the prompt sits at ``P + t + delta`` in all three streams, as the engine's decode steps put it.
+    The images of ``grid_thw`` are the image-token runs in order, the prompt's first and then those of the
+    response (pictures that tools returned in a multi-turn session). Image tokens after the last image are
+    text (a policy that sampled the placeholder): every such token ``t`` sits at ``t + delta`` in all three
+    streams, as the engine's decode steps put it.
     """
-    pos, delta = mrope_positions(prompt, grid_thw, image_token_id, merge)
-    tail = torch.arange(len(prompt), len(prompt) + num_response) + delta
-    return torch.cat([pos, tail.expand(3, num_response)], dim=1)
+    return mrope_positions(list(prompt) + list(response), grid_thw, image_token_id, merge, runs_after_images="text")[0]
 
 
 def mrope_positions(
-    ids: Sequence[int], grid_thw: torch.Tensor | None, image_token_id: int, merge: int
+    ids: Sequence[int], grid_thw: torch.Tensor | None, image_token_id: int, merge: int,
+    runs_after_images: str = "error",
 ) -> tuple[torch.Tensor, int]:
     """Multimodal RoPE positions of one unpadded sequence: ``([3, T] int64, delta)``.
 
     Each maximal run of ``image_token_id`` is the next image of ``grid_thw``; a run whose length is not
-    that image's merged patch count raises ValueError. Without images: ``arange(T)`` three times, delta 0.
+    that image's merged patch count raises ValueError, and so does a run after the last image unless
+    ``runs_after_images="text"`` (it is then text). Without images (``grid_thw`` None or empty):
+    ``arange(T)`` three times, delta 0.
     """
     n = len(ids)
     t = torch.as_tensor(list(ids), dtype=torch.long)
@@ -195,14 +249,14 @@ def mrope_positions(
         j = i
         while j < n and is_img[j] == is_img[i]:
             j += 1
-        if not is_img[i]:
+        grid = next(grids, None) if is_img[i] else None
+        if is_img[i] and grid is None and runs_after_images != "text":
+            raise ValueError("mrope_positions: more image-token runs than images in grid_thw")
+        if grid is None:
             out[:, i:j] = torch.arange(cur, cur + j - i)
             cur += j - i
         else:
-            try:
-                gt, gh, gw = next(grids)
-            except StopIteration:
-                raise ValueError("mrope_positions: more image-token runs than images in grid_thw") from None
+            gt, gh, gw = grid
             h, w = gh // merge, gw // merge
             if j - i != gt * h * w:
                 raise ValueError(

@@ -32,6 +32,9 @@ class GenerateContext:
     _generate: Callable[[GenerateRequest, SamplingParams | None], Awaitable[list[GenerateResult]]]
     _encode: Callable[[str], tuple[int, ...]]
     _encode_images: Callable[[str, tuple], tuple[tuple[int, ...], Any]] | None = None
+    image_encoder: Any = None
+    """A vision-language model's :class:`miles.models.vision.ImageEncoder` (None for a text model): what a
+    multi-turn function appends pictures with (:class:`miles.agent.session.Session`)."""
 
     async def engine_generate(
         self, request: GenerateRequest, sampling: SamplingParams | None = None

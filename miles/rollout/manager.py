@@ -135,6 +135,11 @@ class RolloutManager:
                     "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self._image_cache: dict = {}  # processed pictures by their bytes
+        self.image_encoder = None  # a vision-language model's: what multi-turn sessions append pictures with
+        if image_processor is not None:
+            from miles.models.vision import ImageEncoder
+
+            self.image_encoder = ImageEncoder.of(tokenizer, image_processor, self._image_cache)
         self.reward, self.eval_reward = reward, eval_reward
         self.cfg = config or RolloutConfig()
         self.generate_fn = generate_fn
@@ -228,7 +233,8 @@ class RolloutManager:
                 return await dispatch.generate(request, sampling)
 
         ctx = GenerateContext(group_id=group_id, n=n, seed=seed, tokenizer=self.tokenizer,
-                              _generate=generate, _encode=self.encode, _encode_images=self.encode_images)
+                              _generate=generate, _encode=self.encode, _encode_images=self.encode_images,
+                              image_encoder=self.image_encoder)
         samples = await fn(ctx, problem, sampling)
         if self.adapter is not None and isinstance(samples, list):
             for s in samples:

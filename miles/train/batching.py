@@ -128,7 +128,7 @@ def pad_batch(batch: TrainBatch, *, pad_id: int = 0, vision: tuple[int, int] | N
         position_ids = torch.arange(seq_len).expand(3, n, seq_len).clone()
         for i, (p, r, im) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.images, strict=True)):
             grid = im.grid_thw if im is not None else None
-            position_ids[:, i, : len(p) + len(r)] = sequence_positions(p, len(r), grid, *vision)
+            position_ids[:, i, : len(p) + len(r)] = sequence_positions(p, r, grid, *vision)
         pixels = cat_images(batch.images)
     return PaddedBatch(
         input_ids=input_ids,
