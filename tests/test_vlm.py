@@ -228,6 +228,55 @@ def test_trainer_logprobs_equal_the_engines_on_mixed_image_batches(vl) -> None:
     assert any(k.startswith("model.language_model.") for k in moved)
 
 
+def _batch(reqs: list[GenerateRequest], out) -> TrainBatch:
+    by_id = {r.request_id: r for r in reqs}
+    src = [by_id[o.request_id] for o in out]
+    return TrainBatch(
+        prompt_ids=[list(r.prompt_ids) for r in src],
+        response_ids=[list(o.response_ids) for o in out],
+        rollout_logprobs=[list(o.logprobs) for o in out],
+        loss_mask=[[1] * len(o.response_ids) for o in out],
+        advantages=[1.0, -1.0, 0.5, -0.5],
+        images=[r.images for r in src],
+    )
+
+
+def test_lora_adapters_sit_on_the_language_model_and_sync_to_the_engine(vl, tmp_path: Path) -> None:
+    """adapter=lora on a VLM: adapters on the language model's projections only (the vision tower's MLP has
+    the same names and gets none); after a train step the engine, given the adapters alone, computes the
+    trainer's log-probs on image batches; the export's config excludes the vision tower."""
+    import json
+
+    from miles.adapters import lora
+    from miles.rollout.torch_engine import TorchEngine
+
+    ckpt, tok, proc, run = vl
+    lora_run = _run(Path(run.warm_start.cache_dir), adapter={"kind": "lora", "rank": 4, "alpha": 8.0},
+                    trainer={"lr": 1e-2})
+    reqs = _requests(tok, proc)
+    engine = TorchEngine(str(ckpt), PrecisionConfig(), num_threads=1, max_batch_size=8, adapter=lora_run.adapter)
+    try:
+        batch = _batch(reqs, engine.generate(reqs, SamplingParams(max_new_tokens=6)))
+        with local_trainer(ckpt, lora_run) as t:
+            trained = [n for n, p in t.model.named_parameters() if p.requires_grad]
+            assert trained and all(".visual." not in n for n in trained)
+            assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained} == set(lora_run.adapter.target_modules)
+            t.train_step(batch)
+            state = lora.sync_state(t.model, ("default",))
+            assert any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)  # the adapters moved
+            engine.update_weights(state, 1)
+            after = _batch(reqs, engine.generate(reqs, SamplingParams(max_new_tokens=6)))
+            logps = t.compute_logprobs(after)
+            paths = t.export_adapters(str(tmp_path / "adapters"))
+        diff = torch.cat([torch.tensor(a) - torch.tensor(b)
+                          for a, b in zip(logps, after.rollout_logprobs, strict=True)]).abs()
+        assert diff.mean() < 1e-5 and diff.max() < 1e-4
+        exported = json.loads((Path(paths[0]) / "adapter_config.json").read_text())
+        assert exported["exclude_modules"] == lora.VISION_TOWER
+    finally:
+        engine.close()
+
+
 def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path) -> None:
     import base64
     import json
@@ -283,7 +332,6 @@ def test_jsonl_rows_take_image_paths_bytes_and_name_the_bad_ones(tmp_path: Path)
             {"rollout": {"engine": {"_target_": "miles.rollout.sglang_engine.SGLangEngine"}}},
             "only the torch engine serves image prompts",
         ),
-        ({"adapter": {"kind": "lora"}}, "adapter=lora: LoRA adapters are not wired for the vision tower"),
         (
             {"precision": {"name": "bf16", "train_dtype": "bfloat16", "rollout_dtype": "bfloat16"}},
             "tested in fp32 only",
@@ -329,8 +377,8 @@ def test_model_hf_reads_a_vlm_directory_as_the_vision_model(vl, tmp_path: Path) 
     hf = {"_target_": "miles.models.hf.hf_spec", "flavor": "checkpoint", "path": ckpt}
     parts = build_components(_run(tmp_path, model=hf, preset="none"))
     assert parts["spec"].name == "qwen2_5_vl"
-    with pytest.raises(ConfigError, match="adapter=lora: LoRA adapters are not wired for the vision tower"):
-        build_components(_run(tmp_path, model=hf, preset="none", adapter={"kind": "lora"}))
+    with pytest.raises(ConfigError, match="only the FSDP trainer trains vision-language models"):
+        build_components(_run(tmp_path, model=hf, preset="none", trainer={"_target_": "miles.train.megatron.MegatronTrainer"}))
 
 
 class SeesImages:

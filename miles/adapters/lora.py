@@ -39,17 +39,25 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def lora_config(cfg: AdapterConfig, *, inference: bool = False) -> Any:
-    """The ``peft.LoraConfig`` of ``cfg`` (dropout off: see :func:`miles.config.validate.check_adapter_config`)."""
+VISION_TOWER = r".*\bvisual\b.*"
+"""Modules a vision-language model's adapters skip: its vision tower and merger (``model.visual``), whose MLP
+has the language model's projection names (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+
+def lora_config(cfg: AdapterConfig, *, inference: bool = False, vision: bool = False) -> Any:
+    """The ``peft.LoraConfig`` of ``cfg`` (dropout off: see :func:`miles.config.validate.check_adapter_config`);
+    ``vision``: a vision-language model, whose adapters sit on the language model alone."""
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM", inference_mode=inference)
+                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM", inference_mode=inference,
+                      exclude_modules=VISION_TOWER if vision else None)
 
 
 def add_adapters(model: torch.nn.Module, cfg: AdapterConfig, names: Sequence[str], *,
                  trainable: bool) -> Any:
-    """Wrap ``model`` (an HF causal LM) in a ``PeftModel`` holding one LoRA adapter per name.
+    """Wrap ``model`` (an HF causal LM, or a vision-language model: adapters on its language model only) in a
+    ``PeftModel`` holding one LoRA adapter per name.
 
     Every adapter starts as peft initializes it (``lora_B`` zero: the model's outputs are unchanged).
     The base weights are frozen; the adapters' weights are trainable when ``trainable`` (all of them,
@@ -63,9 +71,10 @@ def add_adapters(model: torch.nn.Module, cfg: AdapterConfig, names: Sequence[str
     if missing:
         raise ValueError(f"adapter.target_modules: {missing} name no module of {type(model).__name__}; "
                          f"its linear layers are {sorted(_linear_names(model))}")
-    peft_model = get_peft_model(model, lora_config(cfg), adapter_name=names[0])
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    peft_model = get_peft_model(model, lora_config(cfg, vision=vision), adapter_name=names[0])
     for name in names[1:]:
-        peft_model.add_adapter(name, lora_config(cfg))
+        peft_model.add_adapter(name, lora_config(cfg, vision=vision))
     for n, p in peft_model.named_parameters():
         p.requires_grad_(trainable and _adapter_of(n) is not None)
     return peft_model.eval()  # no dropout on either side (and peft's per-row adapters need eval mode)
@@ -158,8 +167,9 @@ def rows_use(model: Any, names: Sequence[str | None] | str) -> Iterator[None]:
 
 
 def export_adapter(directory: str | Path, state: dict[str, torch.Tensor], cfg: AdapterConfig,
-                   base_model: str | None = None) -> Path:
-    """Write one adapter in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+                   base_model: str | None = None, vision: bool = False) -> Path:
+    """Write one adapter in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``
+    (``vision``: of a vision-language model, whose config excludes the vision tower).
 
     ``state``: ``{PEFT key: tensor}`` (:func:`adapter_state`). The directory is written under a
     temporary name and renamed, so a reader never sees half an adapter. ``peft.PeftModel.from_pretrained``
@@ -175,7 +185,7 @@ def export_adapter(directory: str | Path, state: dict[str, torch.Tensor], cfg: A
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    config = lora_config(cfg, inference=True).to_dict()
+    config = lora_config(cfg, inference=True, vision=vision).to_dict()
     config["base_model_name_or_path"] = base_model
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))

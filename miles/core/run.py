@@ -130,8 +130,6 @@ def check_vision(run: MilesConfig, spec: Any, task: Any) -> None:
         (run.trainer.target != VISION_TRAINER,
          f"trainer={run.trainer.target}: only the FSDP trainer trains vision-language models (the Megatron trainer "
          "maps qwen3 and qwen3_moe only); use trainer=fsdp"),
-        (run.adapter.kind != "none", "adapter=lora: LoRA adapters are not wired for the vision tower and merger; "
-         "use adapter=none (or model.freeze_vision=true to train the language model only)"),
         (p.train_dtype != "float32" or p.rollout_dtype != "float32" or p.rollout_quant != "none"
          or p.train_quant != "none" or p.true_on_policy,
          f"precision={p.name}: vision-language runs are tested in fp32 only (engine and trainer log-probs agree "

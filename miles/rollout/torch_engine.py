@@ -211,10 +211,9 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
         model = load_model(self.checkpoint_dir, self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.vision = is_vision_config(model.config)
-        if self.vision and (adapter is not None and adapter.kind != "none" or capture_routing
-                            or precision.true_on_policy or precision.rollout_quant != "none"):
+        if self.vision and (capture_routing or precision.true_on_policy or precision.rollout_quant != "none"):
             raise ValueError(f"engine: {checkpoint_dir} is a vision-language model; the torch engine serves it "
-                             "without LoRA adapters, routing capture, true on-policy and rollout quantization")
+                             "without routing capture, true on-policy and rollout quantization")
         apply_rollout_quant(self.model, precision)
         cfg, gen_cfg = self.model.config, self.model.generation_config
         self.eos_ids = eos_ids(checkpoint_dir, getattr(gen_cfg, "eos_token_id", None),

@@ -500,7 +500,8 @@ class FSDPTrainer(FSDPRank):
             state = lora.adapter_state(self.model, name)  # collective when sharded
             if self.rank == 0:
                 paths.append(str(lora.export_adapter(f"{directory}/{name}", state, self.config.adapter,
-                                                     base_model=self.config.model_path)))
+                                                     base_model=self.config.model_path,
+                                                     vision=self.vision is not None)))
         return paths
 
     def save_state(self, directory: str) -> None:
