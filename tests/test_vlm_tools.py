@@ -57,7 +57,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     parts = build_components(run)
     path = ensure_checkpoint(run, parts["spec"], parts["task"])
     tok = AutoTokenizer.from_pretrained(path)
-    engine = TorchEngine(str(path), PrecisionConfig(), seed=0, num_threads=1)
+    engine = TorchEngine(str(path), PrecisionConfig(), seed=0, num_threads=1, prefix_cache_tokens=8192)
     yield SimpleNamespace(path=path, run=run, task=parts["task"], tokenizer=tok, engine=engine,
                           encoder=ImageEncoder.of(tok, load_image_processor(path), {}))
     engine.close()
@@ -166,7 +166,9 @@ def test_warm_start_examples_are_the_sessions_own_ids(built) -> None:
 
 def test_tool_loop_pictures_reach_the_engine_and_the_trainer_agrees(built) -> None:
     """Eight sessions on one prompt through the real engine: every later turn's request is the session so far
-    with all its pictures; the samples carry them; the trainer's log-probs equal the engine's."""
+    with all its pictures and reuses the cached KV of the turns before; the samples carry the pictures; the
+    trainer's log-probs equal the engine's (so the reused prefix and the picture's features and positions
+    are the trainer's)."""
     calls = []
 
     async def generate(request, sampling):
@@ -197,6 +199,8 @@ def test_tool_loop_pictures_reach_the_engine_and_the_trainer_agrees(built) -> No
         exact += clean and s.images is not None
         assert s.images in (None, picture)
     assert exact >= 2
+    cache = built.engine._prefix.stats()  # every later turn reused its session's KV, up to the tool's picture
+    assert cache["hits"] >= len(calls) - 1 and cache["hit_tokens"] > 0
     batch = TrainBatch(prompt_ids=[s.prompt_ids for s in samples], response_ids=[s.response_ids for s in samples],
                        rollout_logprobs=[s.rollout_logprobs for s in samples],
                        loss_mask=[s.loss_mask for s in samples], advantages=[1.0] * len(samples),
