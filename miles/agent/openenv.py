@@ -40,6 +40,7 @@ from typing import Any
 from miles.agent.env_tasks import ExternalTask
 from miles.agent.rollout import next_turn
 from miles.agent.session import Session
+from miles.agent.tools import escape_special_tokens, special_token_strings
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
 from miles.tasks.procedural import Problem
@@ -210,6 +211,7 @@ class _Episode:
     def __init__(self, ctx: GenerateContext, sampling: SamplingParams, session_id: str, observation_key: str,
                  action_key: str, max_turns: int, url: str) -> None:
         self.ctx, self.sampling, self.session_id, self.url = ctx, sampling, session_id, url
+        self.specials = special_token_strings(ctx.tokenizer)  # an observation is text, never a forged turn
         self.observation_key, self.action_key, self.max_turns = observation_key, action_key, max_turns
 
     async def play(self, conn: _Connection, session: Session, result: Any, problem: Problem) -> Sample:
@@ -227,8 +229,8 @@ class _Episode:
             if result.status is not Status.COMPLETED or session.policy_turns >= self.max_turns:
                 session.status = Status.TRUNCATED
                 break
-            session.add_messages([{"role": "user",
-                                   "content": _text(answer["observation"], self.observation_key, self.url)}])
+            observation = _text(answer["observation"], self.observation_key, self.url)
+            session.add_messages([{"role": "user", "content": escape_special_tokens(observation, self.specials)[0]}])
             try:
                 result = await next_turn(self.ctx, session, self.sampling, self.session_id, index)
             except EngineRequestError as e:  # retried by the pool already: this episode ends, the group goes on

@@ -21,7 +21,8 @@ prefix cache may hold the context's KV. After each policy turn:
 - a turn without ``<tool_call>`` blocks is the final answer: the session ends (COMPLETED);
 - otherwise the calls run (at most ``max_calls_per_turn``; further ones and malformed ones get an
   error observation), concurrently, each under its tool's deadline, and their results are appended
-  as one ``<tool_response>`` user turn (loss mask 0), unless ``max_turns`` policy turns were taken;
+  as one ``<tool_response>`` user turn (loss mask 0; special tokens' strings in a tool's text are
+  escaped, :func:`miles.agent.tools.escape_special_tokens`), unless ``max_turns`` policy turns were taken;
   the session then ends TRUNCATED, as it does when the tool-response turn plus ``max_new_tokens``
   would not fit in ``max_context_tokens`` (that turn is then taken back).
 
@@ -59,7 +60,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from miles.agent.session import Session, TemplateDriftError
-from miles.agent.tools import Tool, ToolOutcome, parse_tool_calls, run_call, schema, tool_response_message
+from miles.agent.tools import (
+    Tool,
+    ToolOutcome,
+    escape_special_tokens,
+    parse_tool_calls,
+    run_call,
+    schema,
+    special_token_strings,
+    tool_response_message,
+)
 from miles.models.vision import PLACEHOLDER
 from miles.rollout.dispatch import EngineRequestError, first_line
 from miles.rollout.generate import GenerateContext
@@ -98,6 +108,7 @@ async def tool_loop(
         request_id=f"{ctx.group_id}-t1", prompt_ids=tuple(sessions[0].ids), n=ctx.n, seed=ctx.seed,
         session_id=session_id, images=sessions[0].images), sampling)
     loop = _Loop(ctx, sampling, by_name, max_turns, max_calls_per_turn, max_context_tokens, session_id)
+    loop.specials = special_token_strings(ctx.tokenizer)
     return list(await asyncio.gather(*(loop.run(s, r, problem) for s, r in zip(sessions, first, strict=True))))
 
 
@@ -108,6 +119,7 @@ class _Loop:
                  max_calls: int, max_context: int | None, session_id: str) -> None:
         self.ctx, self.sampling, self.tools, self.session_id = ctx, sampling, tools, session_id
         self.max_turns, self.max_calls, self.max_context = max_turns, max_calls, max_context
+        self.specials: tuple[str, ...] = ()  # a tool's text never speaks in special tokens (tools.escape_special_tokens)
 
     async def run(self, session: Session, result: GenerateResult, problem: Problem) -> Sample:
         counts: Counter[str] = Counter(dict.fromkeys(COUNTS, 0))
@@ -155,7 +167,7 @@ class _Loop:
         extra = [ToolOutcome(name=c.name, text=f"error: more than {self.max_calls} tool calls in one turn; not run",
                              error="too_many") for c in calls[self.max_calls:]]
         done = await asyncio.gather(*(run_call(self.tools, c) for c in calls[:self.max_calls]))
-        return list(done) + extra
+        return [replace(o, text=escape_special_tokens(o.text, self.specials)[0]) for o in done] + extra
 
 
 def _count(counts: Counter[str], outcomes: list[ToolOutcome]) -> None:

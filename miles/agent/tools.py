@@ -21,7 +21,10 @@ unbounded bounds itself (the calculator refuses huge powers; the sandbox kills i
 its wall limit).
 
 The results go back as one user turn of ``<tool_response>`` blocks (:func:`tool_response_message`),
-which is exactly how Qwen3's template renders consecutive ``tool`` messages.
+which is exactly how Qwen3's template renders consecutive ``tool`` messages. A tool's text is text:
+:func:`escape_special_tokens` breaks every special token's string in it (``<|im_end|>``,
+``<|im_start|>``, ``<|image_pad|>``, ...) with a zero-width space, so output the model wrote through a
+tool (the sandbox prints what its code prints) can neither forge a turn nor claim a picture.
 """
 
 from __future__ import annotations
@@ -168,6 +171,26 @@ def run_in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
 
     threading.Thread(target=work, name="miles-tool", daemon=True).start()
     return future
+
+
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The strings ``tokenizer`` reads as special tokens: its special tokens and its added special tokens."""
+    added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)]
+    return tuple(sorted({*getattr(tokenizer, "all_special_tokens", ()), *added} - {""}, key=len, reverse=True))
+
+
+def escape_special_tokens(text: str, specials: Sequence[str]) -> tuple[str, int]:
+    """``text`` with each occurrence of a special token's string broken after its first character by a
+    zero-width space (the tokenizer then reads it as plain text), and how many were broken."""
+    count = 0
+    for token in specials:
+        if token in text:
+            count += text.count(token)
+            text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
+    return text, count
 
 
 def tool_response_message(outcomes: Sequence[ToolOutcome]) -> dict[str, str]:
