@@ -268,3 +268,23 @@ def test_a_tools_text_cannot_forge_a_turn_or_a_picture(built) -> None:
         assert observation.count(im_start) == 2  # the template's user and assistant headers, no third
         assert observation.count(built.encoder.pad_id) == 16  # the real picture only
         assert "\u200b|im_end|>" in tok.decode(observation)
+
+
+def test_processed_pictures_are_kept_within_a_byte_budget(built) -> None:
+    """The rollout's cache of processed pictures holds at most its budget: the least recently used go first,
+    a hit keeps an entry, and a picture larger than the budget is processed but not kept."""
+    from miles.models.vision import ImageCache
+
+    pics = [p.images[0] for p in BarsTask().sample(4, random.Random(11))]
+    one = built.encoder.images(pics[:1])
+    size = one.pixel_values.numel() * one.pixel_values.element_size()
+    cache = ImageCache(max_bytes=2 * size)
+    encoder = ImageEncoder(built.encoder.image_processor, built.encoder.pad_id, built.encoder.merge, cache)
+    a = encoder.images(pics[:1])
+    encoder.images(pics[1:2])
+    assert encoder.images(pics[:1]) is a and len(cache) == 2 and cache.bytes == 2 * size  # a hit
+    encoder.images(pics[2:3])  # over the budget: the least recently used (pics[1]) goes
+    assert len(cache) == 2 and cache.evictions == 1 and cache.bytes <= cache.max_bytes
+    assert cache.get((pics[1],)) is None and cache.get((pics[0],)) is a
+    encoder.images(pics)  # four pictures at once: bigger than the budget, not kept
+    assert cache.get(tuple(pics)) is None and cache.bytes <= cache.max_bytes

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,36 @@ PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 """One image in a text before :func:`expand_images`: its start token, one pad, its end token."""
 
 
-def process_images(image_processor: Any, images: Sequence[Any], cache: dict | None = None) -> Images:
+class ImageCache:
+    """Processed pictures by their bytes, at most ``max_bytes`` of pixel values: the least recently used
+    entries go first (a task with many distinct pictures keeps only the recent ones)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes, self.bytes, self.evictions = max_bytes, 0, 0
+        self._entries: OrderedDict[Any, Images] = OrderedDict()
+
+    def get(self, key: Any) -> Images | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def __setitem__(self, key: Any, images: Images) -> None:
+        size = images.pixel_values.numel() * images.pixel_values.element_size()
+        if key in self._entries or size > self.max_bytes:
+            return
+        self._entries[key] = images
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.pixel_values.numel() * old.pixel_values.element_size()
+            self.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def process_images(image_processor: Any, images: Sequence[Any], cache: ImageCache | dict | None = None) -> Images:
     """The :class:`Images` of pictures (bytes, paths or PIL images). ``cache`` (optional) keeps them by their
     bytes (pictures given as bytes only)."""
     key = tuple(images) if cache is not None and all(isinstance(x, bytes) for x in images) else None
@@ -173,10 +203,10 @@ class ImageEncoder:
     image_processor: Any
     pad_id: int
     merge: int
-    cache: dict | None = None
+    cache: ImageCache | dict | None = None
 
     @staticmethod
-    def of(tokenizer: Any, image_processor: Any, cache: dict | None = None) -> ImageEncoder:
+    def of(tokenizer: Any, image_processor: Any, cache: ImageCache | dict | None = None) -> ImageEncoder:
         return ImageEncoder(image_processor, image_token_ids(tokenizer)[1],
                             int(getattr(image_processor, "merge_size", 2)), cache)
 

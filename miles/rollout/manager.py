@@ -134,11 +134,12 @@ class RolloutManager:
                     f"RolloutManager: {name} must be a miles.rewards.RewardRunner, found {type(runner).__name__}; "
                     "for a plain function use RewardRunner(run.task.reward, timeout_s=0) (in-process scoring)")
         self.tokenizer, self.image_processor = tokenizer, image_processor
-        self._image_cache: dict = {}  # processed pictures by their bytes
+        self._image_cache: Any = None  # processed pictures by their bytes (bounded, least recently used out)
         self.image_encoder = None  # a vision-language model's: what multi-turn sessions append pictures with
         if image_processor is not None:
-            from miles.models.vision import ImageEncoder
+            from miles.models.vision import ImageCache, ImageEncoder
 
+            self._image_cache = ImageCache()
             self.image_encoder = ImageEncoder.of(tokenizer, image_processor, self._image_cache)
         self.reward, self.eval_reward = reward, eval_reward
         self.cfg = config or RolloutConfig()
