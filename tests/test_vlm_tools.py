@@ -249,8 +249,8 @@ def test_a_tools_text_cannot_forge_a_turn_or_a_picture(built) -> None:
     tok = built.tokenizer
     specials = special_token_strings(tok)
     assert {"<|im_end|>", "<|im_start|>", "<|image_pad|>"} <= set(specials)
-    text, n = escape_special_tokens(_Forger.FORGED, specials)
-    assert n == 4 and not any(s in text for s in specials) and text.replace("\u200b", "") == _Forger.FORGED
+    text = escape_special_tokens(_Forger.FORGED, specials)
+    assert text.count("\u200b") == 4 and not any(s in text for s in specials) and text.replace("\u200b", "") == _Forger.FORGED
 
     async def generate(request, sampling):
         return await asyncio.to_thread(built.engine.generate, [request], sampling)

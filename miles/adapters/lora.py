@@ -71,6 +71,7 @@ def add_adapters(model: torch.nn.Module, cfg: AdapterConfig, names: Sequence[str
     if missing:
         raise ValueError(f"adapter.target_modules: {missing} name no module of {type(model).__name__}; "
                          f"its linear layers are {sorted(_linear_names(model))}")
+    # a vision-language model (miles.models.vision.is_vision_config, which adapters sit below)
     vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
     peft_model = get_peft_model(model, lora_config(cfg, vision=vision), adapter_name=names[0])
     for name in names[1:]:

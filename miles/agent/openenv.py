@@ -230,7 +230,7 @@ class _Episode:
                 session.status = Status.TRUNCATED
                 break
             observation = _text(answer["observation"], self.observation_key, self.url)
-            session.add_messages([{"role": "user", "content": escape_special_tokens(observation, self.specials)[0]}])
+            session.add_messages([{"role": "user", "content": escape_special_tokens(observation, self.specials)}])
             try:
                 result = await next_turn(self.ctx, session, self.sampling, self.session_id, index)
             except EngineRequestError as e:  # retried by the pool already: this episode ends, the group goes on

@@ -108,7 +108,6 @@ async def tool_loop(
         request_id=f"{ctx.group_id}-t1", prompt_ids=tuple(sessions[0].ids), n=ctx.n, seed=ctx.seed,
         session_id=session_id, images=sessions[0].images), sampling)
     loop = _Loop(ctx, sampling, by_name, max_turns, max_calls_per_turn, max_context_tokens, session_id)
-    loop.specials = special_token_strings(ctx.tokenizer)
     return list(await asyncio.gather(*(loop.run(s, r, problem) for s, r in zip(sessions, first, strict=True))))
 
 
@@ -119,7 +118,7 @@ class _Loop:
                  max_calls: int, max_context: int | None, session_id: str) -> None:
         self.ctx, self.sampling, self.tools, self.session_id = ctx, sampling, tools, session_id
         self.max_turns, self.max_calls, self.max_context = max_turns, max_calls, max_context
-        self.specials: tuple[str, ...] = ()  # a tool's text never speaks in special tokens (tools.escape_special_tokens)
+        self.specials = special_token_strings(ctx.tokenizer)  # a tool's text never speaks in special tokens
 
     async def run(self, session: Session, result: GenerateResult, problem: Problem) -> Sample:
         counts: Counter[str] = Counter(dict.fromkeys(COUNTS, 0))
@@ -167,7 +166,7 @@ class _Loop:
         extra = [ToolOutcome(name=c.name, text=f"error: more than {self.max_calls} tool calls in one turn; not run",
                              error="too_many") for c in calls[self.max_calls:]]
         done = await asyncio.gather(*(run_call(self.tools, c) for c in calls[:self.max_calls]))
-        return [replace(o, text=escape_special_tokens(o.text, self.specials)[0]) for o in done] + extra
+        return [replace(o, text=escape_special_tokens(o.text, self.specials)) for o in done] + extra
 
 
 def _count(counts: Counter[str], outcomes: list[ToolOutcome]) -> None:

@@ -182,15 +182,12 @@ def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted({*getattr(tokenizer, "all_special_tokens", ()), *added} - {""}, key=len, reverse=True))
 
 
-def escape_special_tokens(text: str, specials: Sequence[str]) -> tuple[str, int]:
+def escape_special_tokens(text: str, specials: Sequence[str]) -> str:
     """``text`` with each occurrence of a special token's string broken after its first character by a
-    zero-width space (the tokenizer then reads it as plain text), and how many were broken."""
-    count = 0
+    zero-width space (the tokenizer then reads it as plain text)."""
     for token in specials:
-        if token in text:
-            count += text.count(token)
-            text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
-    return text, count
+        text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
+    return text
 
 
 def tool_response_message(outcomes: Sequence[ToolOutcome]) -> dict[str, str]:

@@ -22,9 +22,6 @@ from transformers import AutoConfig, Qwen2_5_VLConfig
 from miles.config.validate import suggest
 from miles.models.spec import ModelSpec
 
-VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
-"""Added to a built tokenizer, in this order: the image placeholder is expanded to one token per merged patch."""
-
 IMAGE_PIXELS = (56 * 56, 112 * 112)
 """(min, max) pixels of the tiny flavor's image processor: images are resized into this range."""
 

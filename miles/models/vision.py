@@ -27,6 +27,12 @@ from typing import Any
 
 import torch
 
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+"""Added to a built tokenizer, in this order: the image placeholder is expanded to one token per merged patch."""
+
+PLACEHOLDER = "".join(VISION_TOKENS)
+"""One image in a text before :func:`expand_images`: its start token, one pad, its end token."""
+
 
 def is_vision_config(config: Any) -> bool:
     """Whether an HF config is a vision-language model's (it has a ``vision_config``)."""
@@ -82,6 +88,11 @@ class Images:
         return Images(pixel_values=torch.cat([self.pixel_values, other.pixel_values]),
                       grid_thw=torch.cat([self.grid_thw, other.grid_thw]), digests=self.digests + other.digests)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pixel values."""
+        return self.pixel_values.numel() * self.pixel_values.element_size()
+
     def token_counts(self, merge: int) -> list[int]:
         """Image tokens of each image: its merged patches."""
         return (self.grid_thw.prod(-1) // merge**2).tolist()
@@ -125,18 +136,12 @@ def load_image(source: Any, *, where: str) -> Any:
 
 def image_token_ids(tokenizer: Any) -> tuple[int, int, int]:
     """Ids of ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` in ``tokenizer``."""
-    from miles.models.qwen_vl import VISION_TOKENS
-
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
         raise ValueError(
             f"the tokenizer has no vision tokens {VISION_TOKENS}: is this a vision-language checkpoint?"
         )
     return tuple(int(i) for i in ids)  # type: ignore[return-value]
-
-
-PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-"""One image in a text before :func:`expand_images`: its start token, one pad, its end token."""
 
 
 class ImageCache:
@@ -154,14 +159,13 @@ class ImageCache:
         return found
 
     def __setitem__(self, key: Any, images: Images) -> None:
-        size = images.pixel_values.numel() * images.pixel_values.element_size()
-        if key in self._entries or size > self.max_bytes:
+        if key in self._entries or images.nbytes > self.max_bytes:
             return
         self._entries[key] = images
-        self.bytes += size
+        self.bytes += images.nbytes
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
-            self.bytes -= old.pixel_values.numel() * old.pixel_values.element_size()
+            self.bytes -= old.nbytes
             self.evictions += 1
 
     def __len__(self) -> int:

@@ -1,7 +1,7 @@
 """Build a tiny vision-language checkpoint offline: tokenizer, image processor, model, warm start.
 
 The tokenizer is the task-trained BPE of :mod:`miles.models.tokenizer` plus the three vision tokens
-(:data:`miles.models.qwen_vl.VISION_TOKENS`); the image processor is Qwen2-VL's (resizing into
+(:data:`miles.models.vision.VISION_TOKENS`); the image processor is Qwen2-VL's (resizing into
 :data:`miles.models.qwen_vl.IMAGE_PIXELS`, 14-pixel patches, 2x2 merge), saved with the checkpoint as
 ``preprocessor_config.json``. The warm start is :func:`miles.models.warm_start.warm_start`'s recipe on
 ``(prompt, response, images)`` examples: the loss is on the answer and its end-of-turn token only.
@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from miles.models.vision import Images, cat_images, encode_image_prompt, image_token_ids, mrope_positions
+from miles.models.vision import (
+    VISION_TOKENS,
+    Images,
+    cat_images,
+    encode_image_prompt,
+    image_token_ids,
+    mrope_positions,
+)
 
 IGNORE_INDEX = -100
 
@@ -97,7 +104,7 @@ def build_vision_checkpoint(run: Any, spec: Any, task: Any, out: Path, tokenizer
     """Model, image processor and warm start of a vision-language spec, saved into ``out``."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from miles.models.qwen_vl import IMAGE_PIXELS, VISION_TOKENS
+    from miles.models.qwen_vl import IMAGE_PIXELS
     from miles.models.warm_start import sft_loss
 
     tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
