@@ -785,18 +785,36 @@ def test_busy_seconds_grow_while_generating_and_not_while_idle(engine: TorchEngi
 
 
 def test_a_row_draws_noise_only_for_tokens_it_may_still_sample(tiny_qwen3_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row draws the noise chunks its tokens use: 2 for 2 chunks' worth of tokens, not a third after its last."""
+    """A row draws a short first chunk of noise, then full chunks, never past its last token or its
+    ``max_new_tokens``: 4, 16, 12 steps for a row of 32 tokens at most (vocabulary under 4096)."""
+    from miles.rollout.engine_emit import FIRST_NOISE_CHUNK
+
     eng = TorchEngine(str(tiny_qwen3_dir), FP32, seed=0, max_batch_size=4)
     try:
-        draws: list[int] = []
+        draws: list[int] = []  # steps of each draw
         draw = eng._draw_noise
-        monkeypatch.setattr(eng, "_draw_noise", lambda slot, gen: (draws.append(slot), draw(slot, gen)))
-        sp = SamplingParams(temperature=1.0, max_new_tokens=2 * eng.noise_chunk)
+
+        def record(slot: int, gen: torch.Generator) -> None:
+            draw(slot, gen)
+            draws.append(int(eng._st["nlen"][slot]))
+
+        monkeypatch.setattr(eng, "_draw_noise", record)
+        limit = 2 * eng.noise_chunk
+        sp = SamplingParams(temperature=1.0, max_new_tokens=limit)
         reqs = _requests([3, 6], n=1)
         got = eng.generate(reqs, sp)
         lengths = [len(r.response_ids) for r in got]
-        assert 2 * eng.noise_chunk in lengths  # at least one row runs to its limit
-        assert len(draws) == sum(-(-n // eng.noise_chunk) for n in lengths)  # the chunks its tokens use
+        assert limit in lengths  # at least one row runs to its limit
+
+        def chunks(n: int) -> list[int]:  # the draws a row of n tokens makes
+            sizes, left = [], limit
+            while sum(sizes) < n:
+                sizes.append(min(FIRST_NOISE_CHUNK if not sizes else eng.noise_chunk, left))
+                left -= sizes[-1]
+            return sizes
+
+        assert sorted(draws) == sorted(c for n in lengths for c in chunks(n))
+        assert chunks(limit) == [FIRST_NOISE_CHUNK, eng.noise_chunk, eng.noise_chunk - FIRST_NOISE_CHUNK]
         # a longer row draws its third chunk and begins with the same tokens
         longer = eng.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=3 * eng.noise_chunk))
         assert all(r.response_ids[: len(g.response_ids)] == g.response_ids for g, r in zip(got, longer, strict=True))

@@ -27,6 +27,10 @@ from miles.types import GenerateResult, Status, session_key
 
 _TINY = torch.finfo(torch.float32).tiny
 
+FIRST_NOISE_CHUNK = 4
+"""Steps of noise a row draws first: many answers end within a few tokens, and a draw of 16 steps
+costs about 4x one of 4 (V = 286, one thread: 85 against 19 us)."""
+
 
 class EngineEmission:
     """Token emission, stop handling and result delivery; a base of
@@ -77,13 +81,24 @@ class EngineEmission:
                               weight_version=self._version, finish_reason=reason, ttft_s=row.ttft_s)
 
     def _draw_noise(self, slot: int, generator: torch.Generator) -> None:
-        """The next ``noise_chunk`` steps of the row in ``slot``: ``-log E`` with ``E ~ Exp(1)``, [chunk, V]."""
-        buf = self._st["noise"][slot]
+        """The row's next steps of noise: ``-log E`` with ``E ~ Exp(1)`` into the slot's first ``n`` rows.
+
+        ``n`` is ``FIRST_NOISE_CHUNK`` for a row's first draw and ``noise_chunk`` after it, never more than
+        the steps the row has left. The generator's stream is the same however it is cut into draws, so
+        a row's noise at step ``t`` is its stream's ``t``-th block of ``V`` draws: only the draws a short
+        answer never reads are saved.
+        """
+        st = self._st
+        ngen = int(st["ngen"][slot])
+        n = max(1, min(self.noise_chunk if ngen else min(FIRST_NOISE_CHUNK, self.noise_chunk),
+                       int(st["max_new"][slot]) - ngen))
+        buf = st["noise"][slot, :n]
         if buf.device.type == "cpu":
             buf.exponential_(generator=generator)
         else:
             buf.copy_(torch.empty(buf.shape).exponential_(generator=generator))
         buf.clamp_min_(_TINY).log_().neg_()
+        st["nlen"][slot] = n
 
     def _emit(self, lo: int, hi: int, logits: Tensor, routing: Tensor | None) -> list[tuple[int, str]]:
         """Sample one token for slots ``[lo, hi)`` from ``logits [hi - lo, V]`` (fp32), record it with
@@ -103,10 +118,10 @@ class EngineEmission:
                 gumbel.masked_fill_(st["greedy"][sl, None], 0.0)
             tok = (z + gumbel).argmax(dim=-1)
             nidx += 1
-            spent = nidx == self.noise_chunk
+            spent = nidx == st["nlen"][sl]
             if bool(spent.any()):
                 refill = spent.nonzero()[:, 0].tolist()
-                nidx.remainder_(self.noise_chunk)
+                nidx.masked_fill_(spent, 0)
         else:
             z = logits if self._never_sample is None else logits.index_fill(1, self._never_sample, float("-inf"))
             tok = z.argmax(dim=-1)

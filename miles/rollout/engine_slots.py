@@ -40,7 +40,7 @@ class EngineSlots:
         self._st: dict[str, Tensor] = {
             "tok": torch.zeros(s, **long), "pos": torch.zeros(s, **long), "ngen": torch.zeros(s, **long),
             "max_new": torch.ones(s, **long), "top_k": torch.zeros(s, **long),
-            "nidx": torch.zeros(s, **long), "stop": torch.full((s, 1), -1, **long),
+            "nidx": torch.zeros(s, **long), "nlen": torch.ones(s, **long), "stop": torch.full((s, 1), -1, **long),
             "delta": torch.zeros(s, **long),  # mRoPE: position of cache index t is t + delta
             "temp": torch.ones(s, device=self.device), "top_p": torch.ones(s, device=self.device),
             "greedy": torch.zeros(s, dtype=torch.bool, device=self.device),

@@ -32,9 +32,9 @@ sampled from, before top-k/top-p (greedy reports ``T = 1``): what
 :func:`miles.algos.logprobs.token_logprobs` and the trainer compute. Sampling
 is the exponential race ``argmax(filtered_logits / T - log E)`` with
 ``E ~ Exp(1)`` drawn from the row's own ``torch.Generator``, seeded from
-``(request seed, completion index)``; a row draws its noise in fixed chunks of
-``noise_chunk`` steps, so its tokens depend only on its seed and the weights,
-never on which rows share its batch or when it was admitted. Requests without a
+``(request seed, completion index)``; a row draws its noise in chunks of a few
+steps from that stream (the stream is the same however it is cut), so its tokens depend only on
+its seed and the weights, never on which rows share its batch or when it was admitted. Requests without a
 seed get one from the engine's generator (seeded by ``(seed, engine_id)``), in
 submission order. Optionally the top-k log-probs of every step are reported.
 
