@@ -329,6 +329,27 @@ def test_one_rank_meets_the_trainer_contract(checkpoints: dict[str, Path], fsdp_
         assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_one_rank_skips_zero_advantage_samples_with_the_same_gradients(checkpoints: dict[str, Path],
+                                                                      fsdp_reference: dict[str, tuple]):
+    """``trainer.skip_zero_advantage`` (GRPO's defaults: no KL, no entropy term): a group with no spread stays
+    out of the passes, and the gradients and the loss are those of the whole batch."""
+    batch = fsdp_reference["dense"][1]
+    batch = dataclasses.replace(batch, advantages=[0.0 if i < 4 else a for i, a in enumerate(batch.advantages)])
+    got = {}
+    for skip in (True, False):
+        run = validate({"trainer": {"lr": 1e-4, "lr_warmup_steps": 0, "shared_prompt_forward": False,
+                                    "skip_zero_advantage": skip}, "algo": {"num_minibatches": 1}})
+        with local_megatron(checkpoints["dense"], run) as trainer:
+            assert trainer.skip_zero_advantage is skip
+            got[skip] = trainer.compute_gradients(batch), trainer.train_step(batch)
+    (g_on, m_on), (g_off, m_off) = got[True], got[False]
+    assert m_on["train/skipped_samples"] == 4 and m_off["train/skipped_samples"] == 0
+    for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/num_tokens"):
+        assert m_on[k] == pytest.approx(m_off[k], rel=1e-5, abs=1e-7), k
+    for k in g_off:
+        torch.testing.assert_close(g_on[k], g_off[k], atol=1e-7, rtol=1e-5, msg=k)
+
+
 def test_one_rank_moe_logits_are_transformers(checkpoints: dict[str, Path], fsdp_reference: dict[str, tuple]):
     from miles.train.megatron import compat
 

@@ -297,6 +297,18 @@ def sft_loss(
     return -advantages * logp, indicators
 
 
+def vanishes_at_zero_advantage(fn: object) -> bool:
+    """Whether the policy loss ``fn`` (a function or a partial of one) is a built-in one whose value and
+    gradient are 0 on every token with advantage 0: :func:`ppo_clip_loss`, :func:`dual_clip_ppo_loss`,
+    :func:`gspo_loss` and :func:`cispo_loss` (each is ``A`` times a finite factor). The trainers then skip
+    the samples with no advantage (``trainer.skip_zero_advantage``). :func:`sft_loss` vanishes too but
+    is not listed: its ``sft_weighted_frac`` metric counts exactly those samples. A loss of one's own
+    is never assumed to vanish.
+    """
+    inner = getattr(fn, "func", fn)
+    return inner in (ppo_clip_loss, dual_clip_ppo_loss, gspo_loss, cispo_loss)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta.
 

@@ -354,6 +354,13 @@ class TrainerConfig:
     """Compute each distinct prompt of a rank's mini-batch once and attend its n responses to it (same
     log-probs and gradients; :mod:`miles.train.shared_prompt`), where it saves 5% of the tokens on
     every rank. Off with activation checkpointing."""
+    skip_zero_advantage: bool = True
+    """Leave the samples with advantage 0 on every loss token out of the forward and backward passes
+    when they add nothing to the update: a built-in PPO-family policy loss
+    (:func:`miles.algos.losses.vanishes_at_zero_advantage`), ``algo.kl_coef: 0`` and
+    ``algo.entropy_coef: 0``. The loss keeps their tokens in its normalization, so the update is the
+    same; the per-token metrics (entropy, clip fractions, ...) are then means over the samples computed.
+    ``train/skipped_samples`` counts the others."""
     eval_every: int = 50
     """Evaluate every this many steps (and always at step 0 and at the end); 0: only ends."""
     save_every: int = 0

@@ -170,3 +170,43 @@ def unpad_response(values: torch.Tensor, response_lengths: tuple[int, ...]) -> l
     """Per-sample lists from a padded [B, Tr] tensor, cut to each response length."""
     rows = values.detach().float().cpu().tolist()
     return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
+
+
+def loss_counts(batch: TrainBatch) -> tuple[int, int]:
+    """``(loss tokens, sequences with at least one)`` of ``batch``: what the objective normalizes by."""
+    tokens = [sum(m) for m in batch.loss_mask]
+    return sum(tokens), sum(t > 0 for t in tokens)
+
+
+def rows_with_gradient(batch: TrainBatch) -> list[int]:
+    """Indices of the samples whose advantage is non-zero on some loss-mask token.
+
+    Under a policy loss that vanishes at zero advantage
+    (:func:`miles.algos.losses.vanishes_at_zero_advantage`), with no KL and no entropy term, the others
+    add exactly nothing to the loss or its gradient: a group whose rewards are all equal, a sample
+    whose loss mask is empty. A batch with none of them keeps its shortest sample, so that every
+    rank still runs a pass and every parameter gets a (zero) gradient, as AdamW expects.
+    """
+    keep = []
+    for i, mask in enumerate(batch.loss_mask):
+        if batch.token_advantages is not None:
+            live = any(a != 0 and m for a, m in zip(batch.token_advantages[i], mask, strict=False))
+        else:
+            live = batch.advantages[i] != 0 and any(mask)
+        if live:
+            keep.append(i)
+    if not keep and len(batch):
+        keep = [min(range(len(batch)), key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]))]
+    return keep
+
+
+def topped_up(batch: TrainBatch, rows: list[int], count: int) -> list[int]:
+    """``rows`` and, when they are fewer than ``count``, the shortest other samples of ``batch`` up to
+    ``count`` (a rank runs as many micro-batches as the rank that needs most, one sample at least
+    each), in batch order."""
+    if len(rows) >= count:
+        return rows
+    taken = set(rows)
+    rest = sorted((i for i in range(len(batch)) if i not in taken),
+                  key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]))
+    return sorted([*rows, *rest[: count - len(rows)]])

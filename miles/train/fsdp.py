@@ -74,8 +74,16 @@ from miles.config.rank import RankConfig
 from miles.precision.on_policy import sequence_logits
 from miles.precision.recipe import quantize_train_forward
 from miles.tracking.memory import actor_metrics, process_memory
-from miles.train.batching import PaddedBatch, pad_batch, response_logits, unpad_response
-from miles.train.objective import mismatch_settings, policy_objective
+from miles.train.batching import (
+    PaddedBatch,
+    loss_counts,
+    pad_batch,
+    response_logits,
+    rows_with_gradient,
+    topped_up,
+    unpad_response,
+)
+from miles.train.objective import mismatch_settings, policy_objective, skips_zero_advantage
 from miles.train.optim import lr_scheduler
 from miles.train.rank import FSDPRank, pad_token_id
 from miles.train.routing_replay import RouteReplay, find_routers
@@ -140,6 +148,7 @@ class FSDPTrainer(FSDPRank):
         # clip_low/clip_high come from algo.*; setting them under policy_loss is refused by build()
         self.policy_loss_fn = build(config.algo.policy_loss, allow=config.allow, key="algo.policy_loss",
                                     clip_low=config.algo.clip_low, clip_high=config.algo.clip_high)
+        self.skip_zero_advantage = skips_zero_advantage(config, self.policy_loss_fn)
         self._init_rank(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                         config=config, num_threads=num_threads, device=device)
         # one fp32 rank: sharding is the identity, and FSDP would only add copies and DTensor dispatch
@@ -268,28 +277,39 @@ class FSDPTrainer(FSDPRank):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
-    def _plans(self, shards: list[TrainBatch]) -> list[tuple[list[list[int]], _Plan]]:
+    def _plans(self, shards: list[TrainBatch], skip: bool = False) -> list[tuple[list[list[int]], _Plan]]:
         """Each shard's sample indices per micro-batch and its :class:`_Plan`; all ranks get the same
-        micro-batch counts and the same sharing decision (the passes are collective). Collective."""
+        micro-batch counts and the same sharing decision (the passes are collective). ``skip``: leave
+        out the samples with no advantage (:func:`~miles.train.batching.rows_with_gradient`), topped up
+        to the micro-batch count every rank runs. Collective."""
         budget = self.config.trainer.max_tokens_per_microbatch
+        full = shards
+        rows = [rows_with_gradient(s) if skip else list(range(len(s))) for s in full]
+        shards = [s.select(r) for s, r in zip(full, rows, strict=True)] if skip else full
         # a batch carrying rollout routes runs whole sequences (routes are per position of prompt + response)
         share = self.cache_kw is not None and all(
             s.routing is None and s.images is None and worth_sharing(s.prompt_ids, [len(r) for r in s.response_ids]) for s in shards)
         share = bool(self._all_reduce(torch.tensor([int(share)], device=self.device), op=dist.ReduceOp.MIN))
-        # the tokens each row puts through its pass: the response alone when the prompts are shared
-        lengths = [[len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]
-                   for s in shards]
+
+        def lengths_of(s: TrainBatch) -> list[int]:  # the tokens each row puts through its pass
+            return [len(r) if share else len(p) + len(r) for p, r in zip(s.prompt_ids, s.response_ids, strict=True)]
+
+        lengths = [lengths_of(s) for s in shards]
         need = self._all_reduce(torch.tensor([count_microbatches(n, budget) for n in lengths], device=self.device),
                                 op=dist.ReduceOp.MAX).tolist()
+        if skip and any(len(r) < k for r, k in zip(rows, need, strict=True)):
+            rows = [topped_up(f, r, k) for f, r, k in zip(full, rows, need, strict=True)]
+            shards = [f.select(r) for f, r in zip(full, rows, strict=True)]
+            lengths = [lengths_of(s) for s in shards]
         out = []
-        for s, n, k in zip(shards, lengths, need, strict=True):
+        for s, r, n, k in zip(shards, rows, lengths, need, strict=True):
             groups = split_microbatches(n, budget, k)
             plan = _Plan(micro=[pad_batch(s.select(g), pad_id=self.pad_id, vision=self.vision).to(self.device)
                                 for g in groups])
             if share:
                 plan.prompts, of = distinct_prompts(s.prompt_ids)
                 plan.prompt_of = [torch.tensor([of[i] for i in g], device=self.device) for g in groups]
-            out.append((groups, plan))
+            out.append(([[r[i] for i in g] for g in groups], plan))
         return out
 
     def _sync_gradients(self, sync: bool) -> None:
@@ -302,16 +322,20 @@ class FSDPTrainer(FSDPRank):
     def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[_Plan], torch.Tensor, list, list]:
         """This rank's plan per mini-batch, global counts, and the no-grad log-probs. Collective.
 
-        Returns ``(plans, counts [num_mb, 2] (global loss tokens, sequences), old_logps, ref_logps)``;
+        Returns ``(plans, counts [num_mb, 4] (global loss tokens, sequences, loss tokens computed, samples
+        skipped), old_logps, ref_logps)``;
         the log-prob lists are indexed ``[mini-batch][micro-batch]`` and hold None where not needed.
         """
         ws = self.world_size
         if len(batch) == 0 or len(batch) % (num_mb * ws):
             raise ValueError(f"train_step: {len(batch)} samples do not split evenly into "
                              f"algo.num_minibatches ({num_mb}) x world size ({ws})")
-        plans = [plan for _, plan in self._plans([batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)])]
-        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in plan.micro),
-                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in plan.micro)] for plan in plans],
+        shards = [batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)]
+        plans = [plan for _, plan in self._plans(shards, skip=self.skip_zero_advantage)]
+        # the loss normalizes by every sample's tokens; the metrics by those of the samples computed
+        counts = torch.tensor([[*loss_counts(s), sum(p.loss_mask.sum().item() for p in plan.micro),
+                                len(s) - sum(p.input_ids.shape[0] for p in plan.micro)]
+                               for s, plan in zip(shards, plans, strict=True)],
                               dtype=torch.float64, device=self.device)
         counts = self._all_reduce(counts).float()
         none = [[None] * len(plan.micro) for plan in plans]
@@ -344,6 +368,7 @@ class FSDPTrainer(FSDPRank):
                 loss_mask=p.loss_mask, entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=algo,
                 **mismatch_settings(self.config), ref_logp=ref_logps[j],
                 global_tokens=counts[0], global_seqs=counts[1], norm_len=self.config.max_new_tokens,
+                metric_tokens=counts[2],
             )
             # FSDP divides the reduced gradient by W; loss is a share of a sum
             roots, grads = prompts.pending(leaves) if last and prompts is not None else ([], [])
@@ -431,11 +456,13 @@ class FSDPTrainer(FSDPRank):
             mine["train/grad_norm"] = float(torch.stack(grad_norms[t]).mean()) if grad_norms[t] else 0.0
             mine["train/nonfinite_skipped"] = float(skipped[t])
             mine["train/num_tokens"] = float(counts[:, 0].sum())
+            mine["train/skipped_samples"] = float(counts[:, 3].sum())
             mine["train/num_microbatches"] = float(sum(len(plan.micro) for plan in plans))
             out |= mine if name is None else {f"tenant/{name}/{k}": v for k, v in mine.items()}
         if tenants[0][0] is not None:  # totals over the adapters
             out["train/num_tokens"] = sum(out[f"tenant/{n}/train/num_tokens"] for n, _ in tenants)
             out["train/num_microbatches"] = sum(out[f"tenant/{n}/train/num_microbatches"] for n, _ in tenants)
+            out["train/skipped_samples"] = sum(out[f"tenant/{n}/train/skipped_samples"] for n, _ in tenants)
         out["train/lr"] = lr_used
         out["train/trainable_param_frac"] = self.trainable_frac  # of the policy's parameters (LoRA: the adapters')
         if policy_replay is not None:

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from miles.algos.losses import MismatchLevel, MismatchMode, aggregate, kl_penalty, mismatch_weights
+from miles.algos.losses import (
+    MismatchLevel,
+    MismatchMode,
+    aggregate,
+    kl_penalty,
+    mismatch_weights,
+    vanishes_at_zero_advantage,
+)
 from miles.algos.protocols import PolicyLossFn
 from miles.config.rank import RankConfig
 from miles.config.schema import AlgoConfig
@@ -47,13 +54,23 @@ def mismatch_settings(config: RankConfig, *, same_forward: bool = True) -> dict[
     return {"tis_clip": clip, "mismatch_mode": p.mismatch_mode, "mismatch_level": p.mismatch_level}
 
 
+def skips_zero_advantage(config: RankConfig, policy_loss_fn: PolicyLossFn) -> bool:
+    """Whether the trainer leaves samples with no advantage out of its passes (``trainer.skip_zero_advantage``):
+    only when they add nothing to the loss, i.e. a policy loss that vanishes at zero advantage, no KL
+    term and no entropy term (the normalization still counts their tokens)."""
+    a = config.algo
+    return (config.trainer.skip_zero_advantage and a.kl_coef == 0 and a.entropy_coef == 0
+            and vanishes_at_zero_advantage(policy_loss_fn))
+
+
 def policy_objective(*, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                      advantages: torch.Tensor, loss_mask: torch.Tensor, entropy: torch.Tensor,
                      policy_loss_fn: PolicyLossFn, algo: AlgoConfig, tis_clip: float | None = None,
                      mismatch_mode: MismatchMode = "tis", mismatch_level: MismatchLevel = "token",
                      ref_logp: torch.Tensor | None = None, global_tokens: torch.Tensor | float | None = None,
                      global_seqs: torch.Tensor | float | None = None,
-                     norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     norm_len: int | None = None,
+                     metric_tokens: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's share of the loss (scalar, differentiable) and of each metric (detached scalars).
 
     logp (with grad), old_logp, rollout_logp, loss_mask, entropy, ref_logp: [B, T]; advantages: [B] (one
@@ -63,6 +80,9 @@ def policy_objective(*, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp
     ``train/kl`` when ``ref_logp`` is given, and when ``tis_clip`` is set ``train/tis_clip_frac``
     (``mismatch_mode="tis"``: truncated tokens) or ``train/mis_masked_frac`` ("mis": dropped tokens).
     ``norm_len`` is the constant of ``loss_agg: seq_mean_token_sum_norm`` (the maximum response length).
+    ``metric_tokens``: the global token count the metrics' token means divide by, when the passes
+    compute fewer tokens than the loss normalizes by (:func:`skips_zero_advantage`); default
+    ``global_tokens``.
     """
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"policy_objective: advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
@@ -77,7 +97,8 @@ def policy_objective(*, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp
         )
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
-        return aggregate(x.detach().float(), loss_mask, "token_mean", global_tokens=global_tokens)
+        return aggregate(x.detach().float(), loss_mask, "token_mean",
+                         global_tokens=global_tokens if metric_tokens is None else metric_tokens)
 
     pg_tok, indicators = policy_loss_fn(logp, old_logp, advantages, loss_mask=loss_mask)
     metrics: dict[str, torch.Tensor] = {}

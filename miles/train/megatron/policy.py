@@ -17,10 +17,10 @@ from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
 from miles.config.rank import RankConfig
 from miles.config.schema import TrainerConfig
-from miles.train.batching import PaddedBatch, pad_batch
+from miles.train.batching import PaddedBatch, loss_counts, pad_batch, rows_with_gradient, topped_up
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
-from miles.train.objective import mismatch_settings, policy_objective
+from miles.train.objective import mismatch_settings, policy_objective, skips_zero_advantage
 from miles.train.optim import lr_scheduler
 from miles.train.rank import init_device_and_group, pad_token_id
 from miles.types import TrainBatch
@@ -62,6 +62,7 @@ class MegatronPolicy:
         self.mismatch = mismatch_settings(config, same_forward=self.same_forward_as_engine)
         self.policy_loss_fn = build(algo.policy_loss, allow=config.allow, key="algo.policy_loss",
                                     clip_low=algo.clip_low, clip_high=algo.clip_high)
+        self.skip_zero_advantage = skips_zero_advantage(config, self.policy_loss_fn)
         self.device = init_device_and_group(rank=rank, world_size=world_size, master_addr=master_addr,
                                             master_port=master_port, device=device)
         engine, compat = _import_megatron()
@@ -121,7 +122,7 @@ class MegatronPolicy:
         """The metric names :func:`policy_objective` returns for this run (from a one-token call)."""
         one = torch.zeros(1, 1)
         _, metrics = self._objective(one, one, one, torch.zeros(1), torch.ones(1, 1), one,
-                                     one if self.ref_model is not None else None, torch.ones(2))
+                                     one if self.ref_model is not None else None, torch.ones(4))
         return sorted(metrics)
 
     def _objective(self, logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
@@ -131,27 +132,38 @@ class MegatronPolicy:
             logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages, loss_mask=loss_mask,
             entropy=entropy, policy_loss_fn=self.policy_loss_fn, algo=self.config.algo, **self.mismatch,
             ref_logp=ref_logp, global_tokens=counts[0], global_seqs=counts[1],
-            norm_len=self.config.max_new_tokens)
+            norm_len=self.config.max_new_tokens, metric_tokens=counts[2])
 
-    def _micro(self, shard: TrainBatch) -> list[PaddedBatch]:
-        """A replica's share as padded micro-batches; every replica runs the same count. Collective."""
+    def _micro(self, shard: TrainBatch, skip: bool = False) -> list[PaddedBatch]:
+        """A replica's share as padded micro-batches; every replica runs the same count. ``skip``: leave out
+        the samples with no advantage (:func:`~miles.train.batching.rows_with_gradient`), topped up to
+        that count. Collective."""
         budget = self.config.trainer.max_tokens_per_microbatch
-        lengths = [len(p) + len(r) for p, r in zip(shard.prompt_ids, shard.response_ids, strict=True)]
-        need = self.engine.dp_max(count_microbatches(lengths, budget))
-        return [pad_batch(shard.select(g), pad_id=self.pad_id).to(self.device)
-                for g in split_microbatches(lengths, budget, need)]
+        rows = rows_with_gradient(shard) if skip else list(range(len(shard)))
+
+        def lengths_of(r: list[int]) -> list[int]:
+            return [len(shard.prompt_ids[i]) + len(shard.response_ids[i]) for i in r]
+
+        need = self.engine.dp_max(count_microbatches(lengths_of(rows), budget))
+        rows = topped_up(shard, rows, need)
+        part = shard.select(rows)
+        return [pad_batch(part.select(g), pad_id=self.pad_id).to(self.device)
+                for g in split_microbatches(lengths_of(rows), budget, need)]
 
     def _prepare(self, batch: TrainBatch, num_mb: int) -> tuple[list[list[PaddedBatch]], torch.Tensor, list, list]:
-        """Micro-batches per mini-batch, global counts [num_mb, 2] (loss tokens, sequences), and the no-grad
-        log-probs (old, ref) indexed ``[mini-batch][micro-batch]`` (None where not needed). Collective."""
+        """Micro-batches per mini-batch, global counts [num_mb, 4] (loss tokens, sequences, loss tokens
+        computed, samples skipped), and the no-grad log-probs (old, ref) indexed ``[mini-batch][micro-batch]``
+        (None where not needed). Collective."""
         dp, dp_rank = self.dims.dp, self.engine.dp_rank
         if len(batch) == 0 or len(batch) % (num_mb * dp):
             raise ValueError(f"train_step: {len(batch)} samples do not split evenly into algo.num_minibatches "
                              f"({num_mb}) x data-parallel size ({dp} = {self.dims.describe()})")
-        plans = [self._micro(batch.shard(m, num_mb).shard(dp_rank, dp)) for m in range(num_mb)]
-        counts = torch.tensor([[sum(p.loss_mask.sum().item() for p in micro),
-                                sum((p.loss_mask.sum(-1) > 0).sum().item() for p in micro)] for micro in plans],
-                              dtype=torch.float64)
+        shards = [batch.shard(m, num_mb).shard(dp_rank, dp) for m in range(num_mb)]
+        plans = [self._micro(s, skip=self.skip_zero_advantage) for s in shards]
+        # the loss normalizes by every sample's tokens; the metrics by those of the samples computed
+        counts = torch.tensor([[*loss_counts(s), sum(p.loss_mask.sum().item() for p in micro),
+                                len(s) - sum(p.input_ids.shape[0] for p in micro)]
+                               for s, micro in zip(shards, plans, strict=True)], dtype=torch.float64)
         counts = self.engine.dp_sum(counts).float()
         none = [[None] * len(micro) for micro in plans]
         old = [self.engine.logps(self.model, micro, self._temperature) for micro in plans] if num_mb > 1 else none

@@ -98,11 +98,13 @@ def train_step(trainer: MegatronPolicy, batch: TrainBatch) -> dict[str, float]:
         mine["train/grad_norm"] = float(torch.stack(grad_norms[t]).mean()) if grad_norms[t] else 0.0
         mine["train/nonfinite_skipped"] = float(skipped[t])
         mine["train/num_tokens"] = float(counts[:, 0].sum())
+        mine["train/skipped_samples"] = float(counts[:, 3].sum())
         mine["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
         out |= mine if name is None else {f"tenant/{name}/{k}": v for k, v in mine.items()}
     if tenants[0][0] is not None:  # totals over the adapters
         out["train/num_tokens"] = sum(out[f"tenant/{n}/train/num_tokens"] for n, _ in tenants)
         out["train/num_microbatches"] = sum(out[f"tenant/{n}/train/num_microbatches"] for n, _ in tenants)
+        out["train/skipped_samples"] = sum(out[f"tenant/{n}/train/skipped_samples"] for n, _ in tenants)
     out["train/lr"] = lr_used
     out["train/trainable_param_frac"] = trainer.trainable_frac
     routes = engine.route_counts(trainer.model)

@@ -168,6 +168,7 @@ class MegatronTrainer(MegatronPolicy, Reusable, Profiled):
         out["train/lr"] = lr_used
         out["train/trainable_param_frac"] = self.trainable_frac
         out["train/num_tokens"] = float(counts[:, 0].sum())
+        out["train/skipped_samples"] = float(counts[:, 3].sum())
         out["train/num_microbatches"] = float(sum(len(micro) for micro in plans))
         routes = self.engine.route_counts(self.model)
         if routes is not None:  # MoE: how the routes of a batch that carries them were used (.replay)
