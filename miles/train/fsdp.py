@@ -16,7 +16,10 @@ One ``train_step`` (every rank is called with the same full batch):
    length, padded per micro-batch; every rank runs the same number, the largest any rank needs).
    With ``trainer.shared_prompt_forward`` (when it saves tokens on every rank) the distinct prompts
    of a rank's mini-batch are computed once and the micro-batches hold the responses alone, cut by
-   response length (:mod:`miles.train.shared_prompt`);
+   response length (:mod:`miles.train.shared_prompt`). With ``trainer.skip_zero_advantage`` (a loss
+   that vanishes at zero advantage, no KL and no entropy term) samples with advantage 0 on every token
+   stay out of the micro-batches (a rank keeps one at least, and tops up to the count every rank runs);
+   the loss still counts their tokens, so the update is the whole batch's;
 2. ``old_logp``: with one mini-batch the current weights *are* the proximal policy, so
    ``logp.detach()`` (same numbers); otherwise a no-grad pass before the first update;
 3. per mini-batch: the prompt pass if shared, per micro-batch forward,

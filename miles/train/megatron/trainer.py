@@ -13,7 +13,8 @@ One ``train_step`` computes what :class:`miles.train.fsdp.FSDPTrainer` computes 
    first, so updates do not depend on the layout); the TP and PP ranks of a replica share its shard.
    Each shard becomes micro-batches of at most ``trainer.max_tokens_per_microbatch`` padded tokens
    (:mod:`miles.train.batching`; every replica runs the same count, the largest any needs, since
-   expert-parallel all-to-alls span replicas);
+   expert-parallel all-to-alls span replicas). With ``trainer.skip_zero_advantage`` the samples without
+   advantage stay out of them when they add nothing to the loss (as in FSDP, below);
 2. forward and backward through ``get_forward_backward_func()`` (1F1B across pipeline stages; one
    stage: megatron's no-pipelining loop); on the last stage, log-probs and entropies of the
    temperature-scaled distribution from the vocab-parallel logits (:mod:`.logits`), then
