@@ -113,3 +113,17 @@ def test_two_ranks_top_up_and_equal_one_rank(ray_cluster, tiny_qwen3_dir: Path, 
     finally:
         one.close()
         two.close()
+
+
+def test_per_token_metrics_are_means_over_the_samples_computed(tiny_qwen3_dir: Path, batch: TrainBatch) -> None:
+    """With the skip, entropy, clip fractions and the log-prob mismatch are those of the samples with a
+    gradient alone (a step on just them, without the skip), not diluted by the skipped samples' tokens."""
+    kept = rows_with_gradient(batch)
+    assert len(kept) < len(batch)
+    with local_trainer(tiny_qwen3_dir, _run(True)) as trainer:
+        on = trainer.train_step(batch)
+    with local_trainer(tiny_qwen3_dir, _run(False)) as trainer:
+        alone = trainer.train_step(batch.select(kept))
+    for k in ("train/entropy", "train/logp_mismatch_abs_mean", "train/clip_frac_low", "train/clip_frac_high"):
+        assert on[k] == pytest.approx(alone[k], rel=1e-5, abs=1e-7), k
+    assert on["train/entropy"] > 0
