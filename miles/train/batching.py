@@ -172,10 +172,17 @@ def unpad_response(values: torch.Tensor, response_lengths: tuple[int, ...]) -> l
     return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
 
 
-def loss_counts(batch: TrainBatch) -> tuple[int, int]:
-    """``(loss tokens, sequences with at least one)`` of ``batch``: what the objective normalizes by."""
-    tokens = [sum(m) for m in batch.loss_mask]
-    return sum(tokens), sum(t > 0 for t in tokens)
+def step_counts(shard: TrainBatch, micro: list[PaddedBatch]) -> list[int]:
+    """``[loss tokens, sequences with one, loss tokens computed, samples skipped]`` of a rank's ``shard``
+    whose passes are ``micro``: the loss normalizes by the first two (every sample's), the per-token
+    metrics by the third (the samples in ``micro``)."""
+    tokens = [sum(m) for m in shard.loss_mask]
+    return [sum(tokens), sum(t > 0 for t in tokens), int(sum(p.loss_mask.sum().item() for p in micro)),
+            len(shard) - sum(p.input_ids.shape[0] for p in micro)]
+
+
+def _length(batch: TrainBatch, i: int) -> int:
+    return len(batch.prompt_ids[i]) + len(batch.response_ids[i])
 
 
 def rows_with_gradient(batch: TrainBatch) -> list[int]:
@@ -196,7 +203,7 @@ def rows_with_gradient(batch: TrainBatch) -> list[int]:
         if live:
             keep.append(i)
     if not keep and len(batch):
-        keep = [min(range(len(batch)), key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]))]
+        keep = [min(range(len(batch)), key=lambda i: _length(batch, i))]
     return keep
 
 
@@ -207,6 +214,5 @@ def topped_up(batch: TrainBatch, rows: list[int], count: int) -> list[int]:
     if len(rows) >= count:
         return rows
     taken = set(rows)
-    rest = sorted((i for i in range(len(batch)) if i not in taken),
-                  key=lambda i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]))
+    rest = sorted((i for i in range(len(batch)) if i not in taken), key=lambda i: _length(batch, i))
     return sorted([*rows, *rest[: count - len(rows)]])

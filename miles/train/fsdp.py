@@ -79,10 +79,10 @@ from miles.precision.recipe import quantize_train_forward
 from miles.tracking.memory import actor_metrics, process_memory
 from miles.train.batching import (
     PaddedBatch,
-    loss_counts,
     pad_batch,
     response_logits,
     rows_with_gradient,
+    step_counts,
     topped_up,
     unpad_response,
 )
@@ -335,10 +335,7 @@ class FSDPTrainer(FSDPRank):
                              f"algo.num_minibatches ({num_mb}) x world size ({ws})")
         shards = [batch.shard(m, num_mb).shard(self.rank, ws) for m in range(num_mb)]
         plans = [plan for _, plan in self._plans(shards, skip=self.skip_zero_advantage)]
-        # the loss normalizes by every sample's tokens; the metrics by those of the samples computed
-        counts = torch.tensor([[*loss_counts(s), sum(p.loss_mask.sum().item() for p in plan.micro),
-                                len(s) - sum(p.input_ids.shape[0] for p in plan.micro)]
-                               for s, plan in zip(shards, plans, strict=True)],
+        counts = torch.tensor([step_counts(s, plan.micro) for s, plan in zip(shards, plans, strict=True)],
                               dtype=torch.float64, device=self.device)
         counts = self._all_reduce(counts).float()
         none = [[None] * len(plan.micro) for plan in plans]

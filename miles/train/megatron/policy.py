@@ -17,7 +17,7 @@ from miles.algos.microbatches import count_microbatches, split_microbatches
 from miles.config.build import build
 from miles.config.rank import RankConfig
 from miles.config.schema import TrainerConfig
-from miles.train.batching import PaddedBatch, loss_counts, pad_batch, rows_with_gradient, topped_up
+from miles.train.batching import PaddedBatch, pad_batch, rows_with_gradient, step_counts, topped_up
 from miles.train.megatron.arch import Arch
 from miles.train.megatron.dims import ParallelDims, check_dims
 from miles.train.objective import mismatch_settings, policy_objective, skips_zero_advantage
@@ -160,10 +160,8 @@ class MegatronPolicy:
                              f"({num_mb}) x data-parallel size ({dp} = {self.dims.describe()})")
         shards = [batch.shard(m, num_mb).shard(dp_rank, dp) for m in range(num_mb)]
         plans = [self._micro(s, skip=self.skip_zero_advantage) for s in shards]
-        # the loss normalizes by every sample's tokens; the metrics by those of the samples computed
-        counts = torch.tensor([[*loss_counts(s), sum(p.loss_mask.sum().item() for p in micro),
-                                len(s) - sum(p.input_ids.shape[0] for p in micro)]
-                               for s, micro in zip(shards, plans, strict=True)], dtype=torch.float64)
+        counts = torch.tensor([step_counts(s, micro) for s, micro in zip(shards, plans, strict=True)],
+                              dtype=torch.float64)
         counts = self.engine.dp_sum(counts).float()
         none = [[None] * len(micro) for micro in plans]
         old = [self.engine.logps(self.model, micro, self._temperature) for micro in plans] if num_mb > 1 else none
