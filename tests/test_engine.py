@@ -794,9 +794,9 @@ def test_a_row_draws_noise_only_for_tokens_it_may_still_sample(tiny_qwen3_dir, m
         draws: list[int] = []  # steps of each draw
         draw = eng._draw_noise
 
-        def record(slot: int, gen: torch.Generator) -> None:
-            draw(slot, gen)
-            draws.append(int(eng._st["nlen"][slot]))
+        def record(slots: list[int], gens: list[torch.Generator], ngen: list[int], max_new: list[int]) -> None:
+            draw(slots, gens, ngen, max_new)
+            draws.extend(int(eng._st["nlen"][s]) for s in slots)
 
         monkeypatch.setattr(eng, "_draw_noise", record)
         limit = 2 * eng.noise_chunk

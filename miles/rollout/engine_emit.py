@@ -80,25 +80,35 @@ class EngineEmission:
                               logprobs=tuple(logps), status=Status.TRUNCATED if reason == "length" else Status.COMPLETED,
                               weight_version=self._version, finish_reason=reason, ttft_s=row.ttft_s)
 
-    def _draw_noise(self, slot: int, generator: torch.Generator) -> None:
-        """The row's next steps of noise: ``-log E`` with ``E ~ Exp(1)`` into the slot's first ``n`` rows.
+    def _draw_noise(self, slots: list[int], generators: list[torch.Generator], ngen: list[int],
+                    max_new: list[int]) -> None:
+        """The rows' next steps of noise: ``-log E`` with ``E ~ Exp(1)`` into each slot's first ``n`` rows.
 
-        ``n`` is ``FIRST_NOISE_CHUNK`` for a row's first draw and ``noise_chunk`` after it, never more than
-        the steps the row has left. The generator's stream is the same however it is cut into draws, so
-        a row's noise at step ``t`` is its stream's ``t``-th block of ``V`` draws: only the draws a short
-        answer never reads are saved.
+        Slot ``slots[i]`` has sampled ``ngen[i]`` of its ``max_new[i]`` tokens and draws from
+        ``generators[i]``. ``n`` is ``FIRST_NOISE_CHUNK`` for a row's first draw and ``noise_chunk`` after
+        it, never more than the steps the row has left. The generator's stream is the same however it is
+        cut into draws, so a row's noise at step ``t`` is its stream's ``t``-th block of ``V`` draws: only
+        the draws a short answer never reads are saved. Each row draws from its own generator; the
+        ``-log`` runs once over all the rows' steps (a row never reads its steps past ``n``).
         """
-        st = self._st
-        ngen = int(st["ngen"][slot])
-        n = max(1, min(self.noise_chunk if ngen else min(FIRST_NOISE_CHUNK, self.noise_chunk),
-                       int(st["max_new"][slot]) - ngen))
-        buf = st["noise"][slot, :n]
-        if buf.device.type == "cpu":
-            buf.exponential_(generator=generator)
+        st, noise = self._st, self._st["noise"]
+        first = min(FIRST_NOISE_CHUNK, self.noise_chunk)
+        ns = [max(1, min(self.noise_chunk if g else first, m - g)) for g, m in zip(ngen, max_new, strict=True)]
+        for slot, gen, n in zip(slots, generators, ns, strict=True):
+            buf = noise[slot, :n]
+            if buf.device.type == "cpu":
+                buf.exponential_(generator=gen)
+            else:
+                buf.copy_(torch.empty(buf.shape).exponential_(generator=gen))
+        width, lo, hi = max(ns), slots[0], slots[0] + len(slots)
+        lens = torch.tensor(ns, device=noise.device)
+        if slots == list(range(lo, hi)):  # rows admitted together: one block, transformed in place
+            noise[lo:hi, :width].clamp_min_(_TINY).log_().neg_()
+            st["nlen"][lo:hi] = lens
         else:
-            buf.copy_(torch.empty(buf.shape).exponential_(generator=generator))
-        buf.clamp_min_(_TINY).log_().neg_()
-        st["nlen"][slot] = n
+            idx = torch.tensor(slots, device=noise.device)
+            noise[idx, :width] = noise[idx, :width].clamp_min_(_TINY).log_().neg_()
+            st["nlen"][idx] = lens
 
     def _emit(self, lo: int, hi: int, logits: Tensor, routing: Tensor | None) -> list[tuple[int, str]]:
         """Sample one token for slots ``[lo, hi)`` from ``logits [hi - lo, V]`` (fp32), record it with
@@ -150,10 +160,11 @@ class EngineEmission:
             stopped += [(s, "stop_string") for s in range(lo, hi) if s not in done and self._hit_stop_text(s)]
         if refill:  # the next chunk, for rows that go on (a stopped row never samples again)
             done = {s for s, _ in stopped}
-            for b in refill:
-                gen = self._rows[lo + b].generator  # type: ignore[union-attr]
-                if gen is not None and lo + b not in done:
-                    self._draw_noise(lo + b, gen)
+            slots = [lo + b for b in refill if lo + b not in done and self._rows[lo + b].generator is not None]  # type: ignore[union-attr]
+            if slots:
+                idx = torch.tensor(slots, device=self.device)
+                self._draw_noise(slots, [self._rows[s].generator for s in slots],  # type: ignore[union-attr,misc]
+                                 st["ngen"][idx].tolist(), st["max_new"][idx].tolist())
         return stopped
 
     def _hit_stop_text(self, slot: int) -> bool:

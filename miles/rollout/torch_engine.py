@@ -547,9 +547,11 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
         st["ngen"][lo:hi] = 0
         st["delta"][lo:hi] = 0
         st["nidx"][lo:hi] = 0
+        drawing = [i for i, r in enumerate(rows) if r.generator is not None]
+        if drawing:
+            self._draw_noise([lo + i for i in drawing], [rows[i].generator for i in drawing],  # type: ignore[misc]
+                             [0] * len(drawing), [sps[i].max_new_tokens for i in drawing])
         for i, r in enumerate(rows):
-            if r.generator is not None:
-                self._draw_noise(lo + i, r.generator)
             self._rows[lo + i] = r
             self._count.update(r.features)
         self._n = hi
