@@ -128,6 +128,10 @@ def test_timeline_of_a_real_step(ray_cluster, tmp_path: Path) -> None:
     train = [e for e in x if e["cat"] == "trainer rank" and e["name"] == "train_step"]
     assert len(train) == 2 and all(inside(e, learn) for e in train)
     assert any(e["cat"] == "trainer rank" and inside(e, sync) for e in x)  # the weights go out in the sync
+    # the engine's answer to the memory offload is the push's health check, and the push's answers are the
+    # next step's first reading: no health call of its own in a step without eval
+    calls = sorted(e["name"] for e in x if e["cat"] == "engine")
+    assert "health" not in calls and {"release_memory", "update_weights_from"} <= set(calls), calls
 
     client = MlflowClient(uri)
     run_id = client.search_runs([client.get_experiment_by_name("timeline").experiment_id])[0].info.run_id

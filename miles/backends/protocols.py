@@ -88,8 +88,10 @@ class OffloadingEngine(RolloutEngine, Protocol):
     """An engine that can give its memory back between rollouts (``placement=colocate`` with
     ``placement.offload_engines``)."""
 
-    def release_memory(self) -> None:
-        """Drop the KV cache and offload the weights; ``generate`` raises until weights come back."""
+    def release_memory(self) -> dict[str, Any] | None:
+        """Drop the KV cache and offload the weights; ``generate`` raises until weights come back.
+        May return its :meth:`health` answer from right after the release (the loop then does not ask
+        again before the weight push that follows), or None."""
         ...
 
     def resume_memory(self) -> None:

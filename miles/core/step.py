@@ -113,6 +113,10 @@ class LoopContext:
     """The engines' health read last in a step (:func:`push_weights`' check with ``ctx.recovery``,
     else :func:`engine_busy` at the step's end), kept as the next step's first reading when nothing ran
     on the engines in between (no eval); None: the next step reads anew."""
+    offload_answers: dict[int, Any] | None = None
+    """What each engine answered to this step's memory offload (engine index -> answer), until
+    :func:`push_weights` takes it: an engine that answered with its ``health()`` right after releasing is
+    not asked again before the push."""
 
 
 def begin_profile(ctx: LoopContext, step: int) -> None:
@@ -169,16 +173,20 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
     if ctx.draft is not None:  # the draft learns the policy's latest tokens while the policy trains
         ctx.draft_training = ctx.draft.train.remote(draft_sequences(samples))
 
-    # 4. train: every rank gets the batch (once, through the object store) and takes its shard;
+    # 4. train: every rank gets the batch and takes its shard;
     # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
     # CPUs, so one after the other)
     live = list(ctx.rollout.pool.alive)
+    ctx.offload_answers = None
     offloading = ctx.start_offload([ctx.rollout.pool.engines[e] for e in live])  # during the train step
     offloading = dict(zip(live, offloading, strict=True)) if offloading else {}
     try:
         if metrics["train/trainable_samples"] > 0:
             with span("train_step"):
-                batch = ray.put(batch)
+                # one rank: the batch goes with its call (Ray stores a large one itself), saving a round
+                # trip through the object store; several ranks (or critics): stored once, read by each
+                if len(ctx.trainers) + len(ctx.critics) > 1:
+                    batch = ray.put(batch)
                 ranks = get_ranks([t.train_step.remote(batch) for t in ctx.trainers], ctx.trainers, "trainer", hang_s)
             metrics |= ranks[0] | rank_memory(ranks)  # the same metrics on every rank, but each rank's own memory
             if gae:
@@ -189,8 +197,8 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
         else:  # nothing to learn from (e.g. every group filtered out): keep the weights
             log.warning("step %d: no trainable sample (%s); skipping the update", step, why_untrainable(samples))
     finally:  # also when a trainer rank died: its recovery pushes weights to engines done releasing memory
-        with span("offload_wait"):
-            ctx.rollout.settle_calls(offloading, what="memory offload")  # a dead or hung engine leaves the rotation
+        with span("offload_wait"):  # a dead or hung engine leaves the rotation
+            ctx.offload_answers = ctx.rollout.settle_calls(offloading, what="memory offload")
     count_nonfinite(ctx.nonfinite_steps, step, metrics, ctx.run.trainer.max_nonfinite_steps)
     hooks.after_train(step, metrics)
     return metrics, samples
@@ -219,8 +227,9 @@ def push_weights(ctx: LoopContext, version: int) -> dict[str, float]:
     (:meth:`miles.rollout.manager.RolloutManager.drop_dead_engines`), it is retried once on the engines left.
     """
     ctx.engine_readings = None
+    answers, ctx.offload_answers = ctx.offload_answers, None  # health given with the offload just now
     if ctx.recovery is not None:  # an engine that hangs must not hold up the push; its answers: the step's
-        ctx.engine_readings = engine_readings(ctx.rollout.drop_dead_engines())  # last engine reading
+        ctx.engine_readings = engine_readings(ctx.rollout.drop_dead_engines(answers=answers))  # last reading
     engines = ctx.rollout.live_engines
     if not engines and ctx.recovery is None:
         raise ctx.rollout.pool.all_dead_error()

@@ -200,9 +200,11 @@ class EngineWeights:
         self._check_usable("state_dict")
         return self._run_op(lambda: {k: v.detach().to("cpu", copy=True) for k, v in self._weights.items()})
 
-    def release_memory(self) -> None:
-        """Drop the KV cache and offload the weights (colocation); rows still in flight are aborted."""
+    def release_memory(self) -> dict[str, Any]:
+        """Drop the KV cache and offload the weights (colocation); rows still in flight are aborted.
+        Returns :meth:`health` as it is right after: the loop's check before the next weight push."""
         self._run_op(self._release)
+        return self.health()
 
     def resume_memory(self) -> None:
         """Restore what :meth:`release_memory` offloaded, bit-exactly."""

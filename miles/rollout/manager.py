@@ -163,16 +163,21 @@ class RolloutManager:
         """The engines still in rotation (an engine that died is taken out for the rest of the run)."""
         return [self.pool.engines[i] for i in self.pool.alive]
 
-    def drop_dead_engines(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    def drop_dead_engines(self, timeout_s: float | None = None,
+                          answers: dict[int, Any] | None = None) -> list[dict[str, Any]]:
         """Ask every engine in rotation for its health; take out those whose actor died, whose backend
         is gone (``ok`` false) or that do not answer within ``timeout_s`` (hung; default
         ``rollout.engine_timeout_s``). Those the idle watch found so already are taken out first
-        (:meth:`~miles.rollout.dispatch.EnginePool.take_out_unwell`). Returns the ``health()`` answers of
-        the engines left in rotation."""
+        (:meth:`~miles.rollout.dispatch.EnginePool.take_out_unwell`). ``answers``: what engines answered a
+        moment ago (engine index -> answer, e.g. to their memory offload); an answer that is a ``health()``
+        reading counts as this check's, and that engine is not asked again. Returns the ``health()``
+        answers of the engines left in rotation."""
         self.pool.take_out_unwell()
-        refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive)}
+        given = {e: a for e, a in (answers or {}).items()
+                 if e in self.pool.alive and isinstance(a, dict) and "ok" in a}
+        refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive) if e not in given}
         answers = []
-        for e, health in self.settle_calls(refs, timeout_s, what="health check").items():
+        for e, health in (given | self.settle_calls(refs, timeout_s, what="health check")).items():
             if health.get("ok", True):
                 answers.append(health)
             else:
