@@ -191,3 +191,57 @@ def test_a_slot_an_engine_computes_from_is_never_written(actors) -> None:
     finally:
         bystander.kill()
         transport.close()
+
+
+# --- weight_sync.transport=auto ---------------------------------------------------------------------
+
+TORCH_ENGINE = "miles.rollout.torch_engine.TorchEngine"
+
+
+def test_auto_sends_the_first_version_through_the_object_store_and_the_rest_through_shm(actors) -> None:
+    """auto on CPU torch engines of a one-node cluster: version 1 through the object store (copied in),
+    then shm (the engines compute from the slot in place); every version arrives bit-identical."""
+    source, _, engines = actors
+    transport = make_transport(WeightSyncConfig(transport="auto"), [source], engines, engine_class=TORCH_ENGINE)
+    try:
+        took = []
+        for version in range(1, 5):
+            ray.get(source.perturb.remote(version))
+            m = sync_weights([source], engines, version, transport)
+            _assert_hold(engines, ray.get(source.state_dict.remote()), version)
+            took.append((m["weight_sync/shm"], m["weight_sync/in_place"]))
+        assert took == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]
+        assert transport.name == "auto (shm)" and transport.concurrent  # shm's later syncs overlap
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("engine_class, device, why", [
+    ("miles.rollout.sglang_engine.SGLangEngine", "cpu", "shared memory is used with " + TORCH_ENGINE),
+    (TORCH_ENGINE, "cuda", "only CPU runs"),
+])
+def test_auto_keeps_the_object_store_where_shm_is_not_used(actors, engine_class: str, device: str, why: str,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    source, _, engines = actors
+    transport = make_transport(WeightSyncConfig(transport="auto"), [source], engines, engine_class=engine_class,
+                               device=device)
+    try:
+        with caplog.at_level("INFO", logger="miles.weights.auto"):
+            for version in (1, 2):
+                ray.get(source.perturb.remote(version))
+                assert sync_weights([source], engines, version, transport)["weight_sync/shm"] == 0.0
+                _assert_hold(engines, ray.get(source.state_dict.remote()), version)
+        assert transport.name == "auto (object_store)"
+        assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        transport.close()
+
+
+def test_auto_refuses_shm_for_versions_too_big_for_the_shm_dir(ray_cluster, tmp_path: Path) -> None:
+    from miles.weights.auto import shm_reason
+
+    cfg = WeightSyncConfig(transport="auto", shm_dir=str(tmp_path))
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    assert "more than half" in shm_reason(cfg, free // 3, device="cpu", engine_class=TORCH_ENGINE)
+    missing = WeightSyncConfig(transport="auto", shm_dir=str(tmp_path / "missing"))
+    assert "missing" in shm_reason(missing, 1, device="cpu", engine_class=TORCH_ENGINE)

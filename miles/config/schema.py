@@ -488,9 +488,10 @@ class PluginsConfig:
 class WeightSyncConfig:
     """How each new version of the weights travels from trainer rank 0 to the engines (miles.weights)."""
 
-    transport: Literal["object_store", "broadcast", "disk", "shm", "ipc"] = "object_store"
-    """``object_store`` (Ray), ``broadcast`` (gloo/NCCL group), ``disk`` (safetensors), ``shm`` (/dev/shm, one
-    node), ``ipc`` (CUDA IPC handles; colocated on a GPU, untested so far)."""
+    transport: Literal["auto", "object_store", "broadcast", "disk", "shm", "ipc"] = "auto"
+    """``auto`` (``object_store``, then ``shm`` where it works: miles.weights.auto), ``object_store`` (Ray),
+    ``broadcast`` (gloo/NCCL group), ``disk`` (safetensors), ``shm`` (/dev/shm, one node), ``ipc`` (CUDA IPC
+    handles; colocated on a GPU, untested so far)."""
     bucket_mb: float = 128.0
     """broadcast: MiB per flattened bucket (bounds the sender's staging memory)."""
     broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -500,7 +501,7 @@ class WeightSyncConfig:
     disk_dir: str | None = None
     """disk: directory of the version directories (null: a fresh temp dir; several nodes need a shared one)."""
     shm_dir: str = "/dev/shm"
-    """shm: tmpfs directory of the shared-memory segment (engines must be on trainer rank 0's node)."""
+    """shm (and auto): tmpfs directory of the shared-memory segment (engines must be on trainer rank 0's node)."""
 
 
 @dataclass(**_frozen)

@@ -265,7 +265,7 @@ def run_job(
                  len(actors.engines), len(actors.trainers), plan.engine_memory,
                  " (the last job's, reused)" if actors.reused else "")
         transport = make_transport(run.weight_sync, actors.trainers, actors.engines, placement=plan.placement,
-                                   device=plan.device)
+                                   device=plan.device, engine_class=plan.engine_class)
         rollout = RolloutManager(actors.engines, tokenizer, reward, eval_reward=eval_reward, config=run.rollout,
                                  generate_fn=parts["generate_fn"], filters=parts["filters"],
                                  image_processor=_image_processor(parts["spec"], checkpoint))

@@ -1,4 +1,4 @@
-"""Weight sync through the Ray object store (``weight_sync.transport=object_store``, the default).
+"""Weight sync through the Ray object store (``weight_sync.transport=object_store``; ``auto`` starts with it).
 
 Trainer rank 0 puts the full state dict in the object store once per version (each tensor as its
 raw bytes); every engine gets the same object as zero-copy views and applies it as one version.

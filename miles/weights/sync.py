@@ -25,6 +25,10 @@ transport (broadcast) runs them at the same time. A receiver that also offers ``
 | ``shm``        | ``/dev/shm`` segment: computed from in place,  | engines on rank 0's node only        |
 |                | or loaded as it is written                     |                                       |
 | ``ipc``        | CUDA IPC handle to one flat GPU buffer         | colocated on one GPU (untested so far) |
+
+``auto`` (the default, :mod:`miles.weights.auto`) sends the first version through the object store and
+the rest through ``shm`` where that works (a CPU run of torch engines on one node, with room in
+``/dev/shm``), else through the object store.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from miles.config.schema import WeightSyncConfig
 from miles.weights.transport import PendingSent, Sent, Transport
 
 TRANSPORTS: dict[str, str] = {
+    "auto": "miles.weights.auto:AutoTransport",
     "object_store": "miles.weights.object_store:ObjectStoreTransport",
     "broadcast": "miles.weights.broadcast:BroadcastTransport",
     "disk": "miles.weights.disk:DiskTransport",
@@ -62,11 +67,11 @@ def drop_process_state() -> None:
 
 
 def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequence[Any], *,
-                   placement: str = "colocate", device: str = "cpu") -> Transport:
+                   placement: str = "colocate", device: str = "cpu", engine_class: str = "") -> Transport:
     """The transport ``cfg.transport`` for these actors (call ``.close()`` at the end of the run).
 
     ``placement`` and ``device`` (the run's, resolved) say whether engines share trainer rank 0's
-    GPU, which ``ipc`` needs.
+    GPU, which ``ipc`` needs; ``engine_class`` (``rollout.engine._target_``) is for ``auto``.
     """
     if not engines:
         raise ValueError("make_transport: no engines to send weights to")
@@ -74,7 +79,7 @@ def make_transport(cfg: WeightSyncConfig, trainers: Sequence[Any], engines: Sequ
         raise ValueError(f"weight_sync.transport: {cfg.transport!r} is not a transport; valid: {', '.join(TRANSPORTS)}")
     module, _, cls = TRANSPORTS[cfg.transport].partition(":")
     return getattr(importlib.import_module(module), cls)(cfg, num_engines=len(engines), placement=placement,
-                                                         device=device)
+                                                         device=device, engine_class=engine_class)
 
 
 def sync_weights(
@@ -128,10 +133,11 @@ def sync_weights(
         raise RuntimeError(f"weight sync of version {version} over '{transport.name}' failed; engines that did "
                            f"not apply it keep their previous version. Cause: {e}") from e
     seconds = time.perf_counter() - t0
+    synced = transport.synced(sent) if hasattr(transport, "synced") else {}  # auto: what this one took
     # sequential transports: the trainer call is the gather plus the send; a collective or pipelined one
     # overlaps them with the engines' calls
     gather = {} if transport.concurrent or pipelined else {"weight_sync/gather_s": (t_sent - t0) - sent.send_s}
-    return gather | {
+    return gather | synced | {
         "weight_sync/seconds": seconds,
         "weight_sync/send_s": sent.send_s,
         "weight_sync/receive_s": max(float(a.get("receive_s", 0.0)) for a in applied),
