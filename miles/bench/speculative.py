@@ -207,7 +207,7 @@ def compare(policy: str | Path, draft: str | Path, prompts: list[tuple[int, ...]
 
 def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max_new: int, batch_sizes: list[int],
        requests: int, repeats: int, threads: int, arms: list[str], lr: float, workdir: Path,
-       prompts_per_step: int = 4, draft_lr: float | None = None) -> dict[str, Any]:
+       prompts_per_step: int = 4, draft_lr: float | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """``--rl-steps``: speculative rollout through RL training, with the draft frozen and trained online.
 
     The policy (``policy_flavor``) and the draft (``draft_flavor``) are built and warm-started on ``task``
@@ -215,7 +215,8 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     the start; then, per arm, a GRPO run of ``steps`` steps with the draft (``draft.online`` false for
     ``frozen``, true for ``online``; ``prompts_per_step`` x 4 samples) logs ``rollout/spec_accept_rate`` every
     step (``draft_lr``: the online arm's ``draft.lr``; None: its default), and the speed is measured
-    again with that run's final policy and draft (:func:`miles.core.resume.export_policy`, ``export_draft``)."""
+    again with that run's final policy and draft (:func:`miles.core.resume.export_policy`, ``export_draft``).
+    ``overrides``: Hydra overrides of every build and run, after the ones above (e.g. ``warm_start.*``)."""
     from transformers import AutoTokenizer
 
     from miles.bench.e2e import built_checkpoint, compose
@@ -227,7 +228,7 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     base = ["tracking=none", "trainer.eval_every=0", f"task={task}", f"model.flavor={policy_flavor}",
             f"draft.model={spec}", f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
             f"algo.num_prompts_per_step={prompts_per_step}", "algo.num_samples_per_prompt=4",
-            f"trainer.num_steps={steps}"]
+            f"trainer.num_steps={steps}", *overrides]
     t0 = time.perf_counter()
     policy = Path(built_checkpoint(base, threads))
     run, _ = compose(base)
@@ -303,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="--rl-steps: the online arm's draft.lr (default: draft.lr's default)")
     p.add_argument("--prompts-per-step", type=int, default=4,
                    help="--rl-steps: algo.num_prompts_per_step, 4 samples each (default 4)")
+    p.add_argument("overrides", nargs="*",
+                   help="--rl-steps: Hydra overrides of the builds and runs, e.g. warm_start.steps=120")
     args = p.parse_args(argv)
+    if args.overrides and not args.rl_steps:
+        p.error(f"overrides {args.overrides} apply to --rl-steps runs only")
     if args.rl_steps:
         arms = [a for a in args.arms.split(",") if a]
         if not arms or set(arms) - {"frozen", "online"} or args.rl_steps < 5:
@@ -313,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             result = rl(args.rl_steps, args.task, args.policy_flavor, args.draft_flavor, args.k, args.max_new_tokens,
                         parse_batch_sizes(p, args.batch_sizes), args.requests, args.repeats, args.threads, arms,
-                        args.lr, Path(tmp), args.prompts_per_step, args.draft_lr)
+                        args.lr, Path(tmp), args.prompts_per_step, args.draft_lr, tuple(args.overrides))
         print(json.dumps(result))
         return 0
     if args.quick:
