@@ -134,6 +134,24 @@ def test_a_saved_draft_state_continues_exactly(models: dict[str, Path], tmp_path
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_drafts_learning_rate_rises_over_its_warmup_steps(models: dict[str, Path]) -> None:
+    """With lr_warmup_steps=4, steps 1..6 use lr 1/4, 2/4, 3/4, 1, 1, 1 of lr; the first step moves the draft
+    less than a step at the full rate from the same start (Adam's first step is about lr per weight)."""
+    seqs = [([3, 4, 5], [6 + i, 7, 8], [1, 1, 1]) for i in range(3)]
+    rates = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2, lr_warmup_steps=4)
+    start = {k: v.clone() for k, v in rates.state().items()}
+
+    def moved(t: DraftTrainer) -> float:
+        return max(float((t.state()[k] - v).abs().max()) for k, v in start.items())
+
+    assert rates.train(seqs)["draft/lr"] == pytest.approx(2.5e-3)
+    first = moved(rates)
+    assert [rates.train(seqs)["draft/lr"] for _ in range(5)] == pytest.approx([5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
+    full = DraftTrainer(str(models["draft"]), str(models["policy"]), lr=1e-2)
+    assert full.train(seqs)["draft/lr"] == 1e-2
+    assert first < 0.3 * moved(full)
+
+
 def test_update_draft_refuses_a_state_of_another_shape_and_keeps_its_draft(models: dict[str, Path]) -> None:
     eng = TorchEngine(str(models["policy"]), FP32, max_batch_size=4, draft_checkpoint_dir=str(models["draft"]),
                       draft_k=2)
@@ -154,6 +172,7 @@ def test_update_draft_refuses_a_state_of_another_shape_and_keeps_its_draft(model
 @pytest.mark.parametrize(("overrides", "match"), [
     (["draft.online=true"], "draft.online: there is no draft to train"),
     ([DRAFT, "draft.online=true", "draft.lr=0"], r"draft.lr: must be > 0"),
+    ([DRAFT, "draft.online=true", "draft.lr_warmup_steps=-1"], r"draft.lr_warmup_steps: must be 0 or more"),
 ])
 def test_online_draft_refusals_say_why(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -38,6 +38,8 @@ def draft_problem(run: MilesConfig) -> str | None:
         return "draft.online: there is no draft to train; set draft.model or draft.online=false" if d.online else None
     if not d.lr > 0:
         return f"draft.lr: must be > 0, found {d.lr}"
+    if d.lr_warmup_steps < 0:
+        return f"draft.lr_warmup_steps: must be 0 or more (0: none), found {d.lr_warmup_steps}"
     if run.rollout.engine.target.endswith("sglang_engine.SGLangEngine"):
         return f"draft.model with rollout.engine={run.rollout.engine.target}: {SGLANG_REFUSAL}"
     if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):

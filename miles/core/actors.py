@@ -208,7 +208,7 @@ def _new_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) ->
     return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None,
                   probed=True).remote(
         str(checkpoint), checkpoint_dir, lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
-        seed=run.seed + 11)
+        seed=run.seed + 11, lr_warmup_steps=run.draft.lr_warmup_steps)
 
 
 def replace_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) -> Any:

@@ -46,11 +46,15 @@ class DraftTrainer:
 
     ``temperature``: the rollout temperature the samples were drawn at (0 or less: greedy rollouts, trained at
     1); ``micro_batch``: sequences per forward (the gradient of a step is accumulated over all of them);
-    ``max_grad_norm``: clipping of the step's gradient (0: none).
+    ``max_grad_norm``: clipping of the step's gradient (0: none); ``lr_warmup_steps``: step ``s`` (from 1) of
+    the first ``lr_warmup_steps`` uses ``lr * s / lr_warmup_steps`` (0: ``lr`` from the first step). Adam's
+    first updates move every weight by about the learning rate whatever its gradient, which throws a draft
+    that is close to its policy away from it.
     """
 
     def __init__(self, checkpoint_dir: str, policy_dir: str, *, lr: float, temperature: float = 1.0,
-                 micro_batch: int = 16, max_grad_norm: float = 1.0, num_threads: int = 1, seed: int = 0) -> None:
+                 micro_batch: int = 16, max_grad_norm: float = 1.0, num_threads: int = 1, seed: int = 0,
+                 lr_warmup_steps: int = 0) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)
@@ -62,6 +66,7 @@ class DraftTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.micro_batch, self.max_grad_norm = micro_batch, max_grad_norm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.lr, self.lr_warmup_steps = lr, lr_warmup_steps
         self.steps = 0
         self._names = {id(p): n for n, p in self.model.named_parameters()}
 
@@ -82,7 +87,7 @@ class DraftTrainer:
     def train(self, sequences: Sequence[DraftSequence]) -> dict[str, float]:
         """One AdamW step on ``sequences``: the mean forward KL ``KL(p_T || q_T)`` over every response token the
         policy generated. Returns ``draft/kl`` (before this update), ``draft/top1`` (how often the draft's argmax
-        is the policy's: greedy acceptance of a first proposal), ``draft/tokens``, ``draft/grad_norm``,
+        is the policy's: greedy acceptance of a first proposal), ``draft/tokens``, ``draft/grad_norm``, ``draft/lr``,
         ``draft/steps`` (optimizer steps taken so far) and ``draft/train_s``.
         A step whose loss or gradient is not finite is skipped (``draft/nonfinite_skipped`` 1)."""
         t0 = time.perf_counter()
@@ -121,6 +126,10 @@ class DraftTrainer:
         out = {"draft/kl": loss_sum, "draft/top1": top1 / total, "draft/tokens": float(total),
                "draft/grad_norm": norm}
         if math.isfinite(loss_sum) and math.isfinite(norm):
+            lr = self.lr * min(1.0, (self.steps + 1) / self.lr_warmup_steps) if self.lr_warmup_steps else self.lr
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            out["draft/lr"] = lr
             self.optimizer.step()
             self.steps += 1
             out["draft/nonfinite_skipped"] = 0.0
