@@ -256,13 +256,15 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
         t1 = time.perf_counter()
         run_job(arm_run, resolved_yaml=resolved, overrides=overrides, on_metrics=seen)
         first, last = (statistics.mean(rates[s] for s in sorted(rates)[sl]) for sl in (slice(0, 5), slice(-5, None)))
+        start = rates[min(rates)]  # step 1's rollout: the policy and draft as they were at step 0
         trained = export_policy(save, policy, workdir / f"{arm}_policy")
         arm_draft = export_draft(save, draft, workdir / f"{arm}_draft") if arm == "online" else draft
         print(f"{arm}: {steps} RL steps in {time.perf_counter() - t1:.0f} s; rollout/spec_accept_rate "
-              f"{first:.3f} (steps 1-5) -> {last:.3f} (last 5) = {last / first:.2f} of the start; speed after:",
+              f"{start:.3f} (step 1), {first:.3f} (steps 1-5) -> {last:.3f} (last 5) = {last / start:.2f} of step 1; "
+              "speed after:",
               flush=True)
-        out[arm] = {"accept_first5": round(first, 4), "accept_last5": round(last, 4),
-                    "retained": round(last / first, 3), "accept_per_step": {s: round(r, 4) for s, r in rates.items()},
+        out[arm] = {"accept_step1": round(start, 4), "accept_first5": round(first, 4), "accept_last5": round(last, 4),
+                    "retained": round(last / start, 3), "accept_per_step": {s: round(r, 4) for s, r in rates.items()},
                     "after": compare(trained, arm_draft, prompts, batch_sizes, max_new, repeats, k, threads)}
     return out
 
