@@ -176,13 +176,13 @@ class RolloutManager:
         given = {e: a for e, a in (answers or {}).items()
                  if e in self.pool.alive and isinstance(a, dict) and "ok" in a}
         refs = {e: self.pool.engines[e].health.remote() for e in list(self.pool.alive) if e not in given}
-        answers = []
+        healthy = []
         for e, health in (given | self.settle_calls(refs, timeout_s, what="health check")).items():
             if health.get("ok", True):
-                answers.append(health)
+                healthy.append(health)
             else:
                 self.pool.mark_dead(e, RuntimeError(f"health check: {health}"))
-        return answers
+        return healthy
 
     def settle_calls(self, refs: dict[int, Any], timeout_s: float | None = None, what: str = "call") -> dict[int, Any]:
         """The results of calls made to engines (engine index -> object ref), e.g. the memory offload, by
