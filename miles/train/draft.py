@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from miles.train.optim import flatten_optimizer_state, refuse_nonfinite, unflatten_optimizer_state
+from miles.train.optim import (
+    flatten_optimizer_state,
+    lr_multiplier,
+    refuse_nonfinite,
+    unflatten_optimizer_state,
+)
 
 DraftSequence = tuple[Sequence[int], Sequence[int], Sequence[int]]
 """``(prompt_ids, response_ids, loss_mask)`` of one sample (``loss_mask`` over the response)."""
@@ -126,7 +131,8 @@ class DraftTrainer:
         out = {"draft/kl": loss_sum, "draft/top1": top1 / total, "draft/tokens": float(total),
                "draft/grad_norm": norm}
         if math.isfinite(loss_sum) and math.isfinite(norm):
-            lr = self.lr * min(1.0, (self.steps + 1) / self.lr_warmup_steps) if self.lr_warmup_steps else self.lr
+            lr = self.lr * lr_multiplier(self.steps, warmup_steps=self.lr_warmup_steps, total_steps=0,
+                                         schedule="constant", min_lr_ratio=1.0)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             out["draft/lr"] = lr
