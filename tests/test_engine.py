@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -199,9 +203,11 @@ def test_a_parked_engine_reinitialised_generates_like_a_new_one(tiny_qwen3_dir, 
     eng.generate([req], sp)
     eng.release_memory()
     offload, thread = eng._offload, eng._thread
-    assert isinstance(offload, str) and Path(offload).is_file()
+    assert isinstance(offload, int) and os.fstat(offload).st_size > 0 and os.fstat(offload).st_nlink == 0
     eng.park()
-    assert vars(eng) == {} and not thread.is_alive() and not Path(offload).exists()
+    assert vars(eng) == {} and not thread.is_alive()
+    with pytest.raises(OSError):  # the descriptor is closed: the nameless file is gone
+        os.fstat(offload)
     eng.reinit(str(tiny_qwen3_dir), FP32, seed=1)
     got, want = eng.generate([req], sp), TorchEngine(str(tiny_qwen3_dir), FP32, seed=1).generate([req], sp)
     assert [(r.response_ids, r.logprobs, r.status) for r in got] == [(r.response_ids, r.logprobs, r.status) for r in want]
@@ -210,6 +216,42 @@ def test_a_parked_engine_reinitialised_generates_like_a_new_one(tiny_qwen3_dir, 
     eng.reinit(str(tiny_qwen3_dir), FP32, seed=1)  # a reinit of a live engine parks it first
     assert not second.is_alive() and eng.generate([req], sp)[0].response_ids == want[0].response_ids
     eng.close()
+
+
+_RELEASE_AND_WAIT = """
+import sys, time
+from miles.config.schema import PrecisionConfig
+from miles.rollout.torch_engine import TorchEngine
+from miles.types import GenerateRequest, SamplingParams
+eng = TorchEngine(sys.argv[1], PrecisionConfig())
+eng.generate([GenerateRequest(request_id="r", prompt_ids=(5, 17, 33), n=1)], SamplingParams(max_new_tokens=4))
+eng.release_memory()
+print("released", eng._offload, flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_engine_killed_while_released_leaves_no_offload_file(tiny_qwen3_dir, tmp_path: Path) -> None:
+    """A released CPU engine's weights are in a file with no name: SIGKILL in that state (an engine actor that
+    dies, or is killed, between a train step and the next push) leaves nothing in the temporary directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _RELEASE_AND_WAIT, str(tiny_qwen3_dir)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("released "), line
+        fd = int(line.split()[1])
+        target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        assert target.startswith(str(tmp)) and target.endswith("(deleted)"), target  # written there, no name
+        assert list(tmp.iterdir()) == []
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(tmp.iterdir()) == []
 
 
 def test_greedy_logprobs_are_temperature_one_and_top_k_1_is_greedy(engine: TorchEngine, tiny_qwen3_dir

@@ -45,7 +45,7 @@ class EngineWeights:
     _shapes: dict[str, tuple[int, ...]]
     _peft: Any
     _adapters: dict[str, dict[str, Tensor]]
-    _offload: str | dict[str, Tensor] | None
+    _offload: int | dict[str, Tensor] | None  # int: the descriptor of a nameless file (offload_to_file)
     _pin: Any  # miles.weights.shm_pins.Pin while the weights are a shared slot's views, else None
     _fast: Any
     _released: bool
@@ -225,12 +225,8 @@ class EngineWeights:
         if self._pin is not None:  # computing from a pinned shared slot: its pages stay, nothing to save
             self._offload = {k: v.data for k, v in unique.items()}
         elif self.device.type == "cpu":
-            from safetensors.torch import save_file
-
-            fd, path = tempfile.mkstemp(prefix=f"miles-engine{self.engine_id}-", suffix=".safetensors")
-            os.close(fd)
-            save_file({k: v.detach().contiguous() for k, v in unique.items()}, path)
-            self._offload = path
+            self._offload = offload_to_file({k: v.detach().contiguous() for k, v in unique.items()},
+                                            f"miles-engine{self.engine_id}-")
         else:
             self._offload = {k: v.detach().to("cpu", copy=True) for k, v in unique.items()}
         for v in unique.values():
@@ -242,11 +238,8 @@ class EngineWeights:
     def _restore(self) -> None:
         if not self._released:
             return
-        if isinstance(self._offload, str):
-            from safetensors.torch import load_file
-
-            saved = load_file(self._offload)
-            os.unlink(self._offload)
+        if isinstance(self._offload, int):
+            saved = load_offload(self._offload)
         else:
             saved = self._offload or {}
         for k, v in saved.items():
@@ -268,8 +261,8 @@ class EngineWeights:
 
     def _drop_offload(self) -> None:
         """Released -> not released, the weights left as they are (about to be replaced whole)."""
-        if isinstance(self._offload, str):
-            os.unlink(self._offload)
+        if isinstance(self._offload, int):
+            os.close(self._offload)
         self._regrow_noise()
         self._offload, self._released = None, False
 
@@ -277,3 +270,29 @@ class EngineWeights:
         """The noise buffer the release dropped, uninitialised: every row draws its noise before it reads it,
         so zeroing its ``max_batch_size x noise_chunk x V`` floats (4.7 MB for the tiny model) is not needed."""
         self._st["noise"] = torch.empty(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+
+
+def offload_to_file(tensors: dict[str, Tensor], prefix: str) -> int:
+    """Write ``tensors`` (safetensors) to a file in the temporary directory and return a descriptor of it, open
+    for reading, after its name is gone: the file exists only while the descriptor does, so the kernel frees it
+    when the engine closes it or its process dies (a named file would stay behind an engine killed while
+    released). Only a death inside this call can leave a name behind."""
+    from safetensors.torch import save_file
+
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(tensors, path)
+        return os.open(path, os.O_RDONLY)
+    finally:
+        os.unlink(path)
+
+
+def load_offload(fd: int) -> dict[str, Tensor]:
+    """The tensors of :func:`offload_to_file`'s file ``fd`` (read through ``/proc/self/fd``); closes ``fd``."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)

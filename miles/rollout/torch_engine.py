@@ -259,7 +259,7 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
         self.default_adapter = adapter_names[0] if self._peft is not None else None
         self._lm_head = self.model.get_output_embeddings()  # an adapter's own layer when lm_head is a target
         self._init_intake(seed, tuple(self._adapters))
-        self._offload: str | dict[str, Tensor] | None = None  # weights while released
+        self._offload: int | dict[str, Tensor] | None = None  # weights while released (int: a file's descriptor)
         self._pin: Any = None  # while the weights are a shared-memory slot's views (engine_weights)
         self.capture_routing = capture_routing
         self._routers = self._hook_routers() if capture_routing else []
@@ -358,8 +358,8 @@ class TorchEngine(EngineSlots, EngineIntake, EngineEmission, EngineWeights, Engi
     def _end_job(self) -> None:
         """Parking (:mod:`miles.backends.reuse`): the scheduler stops, and the offloaded weights' file goes."""
         self.close()
-        if isinstance(self._offload, str):
-            os.unlink(self._offload)
+        if isinstance(self._offload, int):
+            os.close(self._offload)
 
     # ---- checks and scheduler ops (caller threads) ------------------------------------------
 
