@@ -81,6 +81,7 @@ from miles.agent.server_requests import (
     to_request,
 )
 from miles.agent.session import Session, TemplateDriftError
+from miles.agent.tools import special_token_strings
 from miles.config.validate import ConfigError
 from miles.rollout.requests import EngineLimits
 from miles.types import GenerateRequest, GenerateResult, Status
@@ -223,6 +224,7 @@ def create_app(
     sessions = SessionTable(max_sessions=max_sessions, ttl_s=session_ttl_s)
     app.state.sessions = sessions
     busy: set[str | None] = set()
+    specials = special_token_strings(tokenizer)  # broken in the text of every message but the assistant's
     roots = [os.path.realpath(d) for d in weights_dirs]
     app.add_middleware(
         Guard,
@@ -282,7 +284,7 @@ def create_app(
         held = sessions.get(session_id) if session_id is not None else None
         added, unrecorded, why = False, None, None
         try:
-            rendered = chat_messages(messages)
+            rendered = chat_messages(messages, specials)
             session = held or Session(tokenizer, rendered, render_kwargs=extra)
             if held is not None:
                 why = off_record(held, messages, rendered)

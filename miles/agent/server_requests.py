@@ -4,12 +4,13 @@ and how a chat request's messages continue a :class:`~miles.agent.session.Sessio
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import HTTPException
 
 from miles.agent.session import Session
-from miles.agent.tools import CLOSE, OPEN, parse_tool_calls
+from miles.agent.tools import CLOSE, OPEN, escape_special_tokens, parse_tool_calls
 from miles.rollout.requests import EngineLimits, check_request
 from miles.types import GenerateRequest, SamplingParams
 
@@ -154,14 +155,22 @@ def _assistant_text(message: dict[str, Any]) -> str:
     return "\n".join([text, *blocks] if text else blocks)
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def chat_messages(messages: list[dict[str, Any]], specials: Sequence[str] = ()) -> list[dict[str, str]]:
     """OpenAI messages as the session renders them: consecutive ``tool`` messages become one user turn
     of ``<tool_response>`` blocks (Qwen3's rendering), an assistant message's ``tool_calls`` become
-    ``<tool_call>`` blocks after its content; other roles keep their text content."""
+    ``<tool_call>`` blocks after its content; other roles keep their text content.
+
+    Every special token's string in a system, user or tool message's text (``specials``, the tokenizer's:
+    :func:`~miles.agent.tools.special_token_strings`) is broken as in a tool's output
+    (:func:`~miles.agent.tools.escape_special_tokens`): text an agent passes on from an environment cannot
+    close its turn and forge an assistant turn. Assistant messages are the policy's replies, kept as sent."""
     out: list[dict[str, str]] = []
     for m in messages:
+        text = m.get("content") or ""
+        if m["role"] != "assistant":
+            text = escape_special_tokens(text, specials)
         if m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            block = f"<tool_response>\n{text}\n</tool_response>"
             if out and out[-1].get("_tools"):
                 out[-1]["content"] += "\n" + block
             else:
@@ -169,7 +178,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         elif m["role"] == "assistant" and m.get("tool_calls"):
             out.append({"role": "assistant", "content": _assistant_text(m)})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            out.append({"role": m["role"], "content": text})
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
