@@ -263,9 +263,14 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
               f"{start:.3f} (step 1), {first:.3f} (steps 1-5) -> {last:.3f} (last 5) = {last / start:.2f} of step 1; "
               "speed after:",
               flush=True)
+        after = compare(trained, arm_draft, prompts, batch_sizes, max_new, repeats, k, threads)
+        held_out = {f"{a['mode']}@{a['batch_size']}": round(a["accept_rate"] / max(b["accept_rate"], 1e-9), 3)
+                    for a, b in zip(after, out["start"], strict=True)}
+        print(f"{arm}: acceptance on the held-out prompts after {steps} steps over before: "
+              + ", ".join(f"{m} {r:.2f}" for m, r in held_out.items()), flush=True)
         out[arm] = {"accept_step1": round(start, 4), "accept_first5": round(first, 4), "accept_last5": round(last, 4),
                     "retained": round(last / start, 3), "accept_per_step": {s: round(r, 4) for s, r in rates.items()},
-                    "after": compare(trained, arm_draft, prompts, batch_sizes, max_new, repeats, k, threads)}
+                    "after": after, "retained_held_out": held_out}
     return out
 
 
