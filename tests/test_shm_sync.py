@@ -75,7 +75,7 @@ def test_segments_are_reused_and_later_syncs_overlap_send_and_load(actors) -> No
         assert not transport.concurrent
         sync_weights([source], engines, 1, transport)
         files = _files(transport)
-        assert len(files) == 2, f"one control page and one segment, found {sorted(files)}"
+        assert len(files) == 3, f"one control page, one segment and the file its processes hold, found {sorted(files)}"
         assert transport.concurrent, "after a sync through the segment, sender and engines run together"
         for version in range(2, 6):
             ray.get(source.perturb.remote(version))

@@ -286,3 +286,47 @@ def test_every_transport_delivers_adapter_only_updates(ray_cluster, tiny_qwen3_d
     finally:
         for e in engines:
             ray.kill(e)
+
+
+_SEND_AND_WAIT = """
+import sys, time, torch
+from miles.weights.shm import ShmSender
+ShmSender(sys.argv[1]).send({"w": torch.arange(1000, dtype=torch.float32)}, 1)
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_runs_shm_files_are_removed_by_the_next_run_and_a_live_runs_are_kept(tmp_path: Path) -> None:
+    """A run killed before its driver closed the transport leaves its control page and segment in the shm dir
+    (a tmpfs holds them in memory); the next run's rank 0 removes them at its first send. A run whose rank 0
+    (or an engine) is alive holds its control page, and its files stay."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from miles.weights.shm import ShmReceiver, ShmSender, drop_process_state
+
+    killed, live, new = (str(tmp_path / f"miles-weights-{n:012x}") for n in (1, 2, 3))
+    proc = subprocess.Popen([sys.executable, "-c", _SEND_AND_WAIT, killed], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "sent\n"  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    files = lambda stem: sorted(p.name for p in tmp_path.glob(f"{Path(stem).name}-*"))  # noqa: E731
+    assert len(files(killed)) == 3  # its control page, its segment and the file its processes hold
+    try:
+        sent = ShmSender(live).send({"w": torch.ones(10)}, 1)  # the next run: this process holds its page
+        assert files(killed) == [] and len(files(live)) == 3
+        ShmSender(new).send({"w": torch.zeros(10)}, 1)
+        assert files(killed) == [] and len(files(live)) == 3 and len(files(new)) == 3
+        assert ShmReceiver(live, sent.handle, 1).receive(object())["w"].sum() == 10  # still whole
+        os.unlink(f"{live}-ctl")  # a page removed under a reader that had not opened it yet: a clear error
+        with pytest.raises(FileNotFoundError, match="control page .* is gone"):
+            ShmReceiver(live + "x", {**sent.handle, "ctl": f"{live}-ctl"}, 1).receive(object())
+    finally:
+        drop_process_state()

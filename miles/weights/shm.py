@@ -1,12 +1,17 @@
 """Weight sync through shared memory on trainer rank 0's node, with sending and loading overlapped.
 
-Two files in ``weight_sync.shm_dir`` (tmpfs, ``/dev/shm``) that trainer rank 0 and the engines keep
+Files in ``weight_sync.shm_dir`` (tmpfs, ``/dev/shm``) that trainer rank 0 and the engines keep
 mapped for the whole run (mapped with ``MAP_POPULATE``, so no page is faulted during a sync):
 
 - a **control page** ``<prefix>-ctl``: two slots, each ``[state, version, layout key, bytes written]``,
   the last version whose send raised, and the pins of the engine processes computing from a slot;
 - a **segment** per layout ``<prefix>-<key>``: a header, the layout as JSON (names, shapes, dtypes,
   byte offsets, written once) and two data regions, one per slot (:class:`miles.weights.layout.FlatLayout`).
+
+Beside them an empty ``<prefix>-held`` that each of those processes holds a shared lock on while it maps
+the files. The driver removes the files when the run ends; a run killed before that leaves them (in
+memory, on a tmpfs), and the next run's rank 0 removes every set nobody holds a lock on
+(:func:`sweep_stale`) before it writes its first version.
 
 Rank 0 writes version ``v`` into a slot that does not hold the newest version, chunk by chunk
 (:data:`CHUNK_BYTES`), and advances the slot's ``bytes written`` after each chunk; ``state=READY``
@@ -35,6 +40,8 @@ nodes and the transports that work across nodes.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import time
@@ -51,6 +58,8 @@ from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
 from miles.weights.shm_pins import Pin, Shared, slots_pinned
 from miles.weights.transport import Sent, Transport
+
+log = logging.getLogger(__name__)
 
 MAGIC = 0x4D494C4553574754  # "MILESWGT"
 CTL_MAGIC = 0x4D494C4553435443  # "MILESCTC"
@@ -120,6 +129,7 @@ class _Process:
     """This process's side of one transport: the control page and the current segment."""
 
     ctl: Tensor  # int64 [512]
+    held: int = -1  # a descriptor of the run's -held file with a shared lock on it (_hold), while mapped
     seg: _Segment | None = None
     segs_by_key: dict[int, _Segment] = field(default_factory=dict)
     pin_entry: int | None = None  # this process's entry in the page's pins (shm_pins), once it computes in place
@@ -135,12 +145,60 @@ _READERS: dict[str, _Process] = {}
 
 def drop_process_state() -> None:
     """Unmap every segment this process wrote or read (a finished run's transport removed the files)."""
+    for p in (*_WRITERS.values(), *_READERS.values()):
+        if p.held >= 0:
+            os.close(p.held)  # its lock goes with it
     _WRITERS.clear()
     _READERS.clear()
 
 
+def _hold(path: str, create: bool = False) -> int:
+    """A descriptor of a run's ``-held`` file ``path`` with a shared lock on it, kept while this process maps
+    the run's files: while any process of a run holds one, :func:`sweep_stale` leaves that run's files alone,
+    and the kernel drops the lock of a process that dies. (A file of its own: the control page's whole-file
+    lock is the pins' mutex, :mod:`miles.weights.shm_pins`.) Raises FileNotFoundError when the file is not
+    there, or was removed between the open and the lock."""
+    fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0), 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if os.fstat(fd).st_nlink == 0:
+        os.close(fd)
+        raise FileNotFoundError(path)
+    return fd
+
+
+def sweep_stale(directory: str, keep: str) -> list[str]:
+    """Remove the files of other runs' transports in ``directory`` that no live process holds: runs killed
+    before their driver could close the transport (a run's rank 0 and engines hold its ``-held`` file for as
+    long as they map its files, :func:`_hold`). ``keep``: this run's prefix. Returns the prefixes removed;
+    files of another user, or that cannot be opened, are left alone."""
+    removed = []
+    for held in sorted(Path(directory).glob("miles-weights-*-held")):
+        stem = str(held)[: -len("-held")]
+        if stem == keep:
+            continue
+        try:
+            fd = os.open(held, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live process of that run holds it
+            for f in Path(directory).glob(f"{Path(stem).name}-*"):
+                f.unlink(missing_ok=True)
+            removed.append(stem)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _ctl_path(prefix: str) -> str:
     return f"{prefix}-ctl"
+
+
+def _held_path(prefix: str) -> str:
+    return f"{prefix}-held"
 
 
 def _seg_path(prefix: str, key: int) -> str:
@@ -178,6 +236,17 @@ class ShmSender:
 
     def _open(self) -> _Process:
         path = _ctl_path(self.prefix)
+        stale = sweep_stale(os.path.dirname(path), self.prefix)
+        if stale:
+            log.info("weight_sync shm: removed the files of %d earlier run(s) that ended without closing their "
+                     "transport: %s", len(stale), ", ".join(os.path.basename(p) for p in stale))
+        for attempt in range(3):  # another run's sweep can take a file that is not held yet: make it again
+            try:
+                held = _hold(_held_path(self.prefix), create=True)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # a restarted rank 0 reopens the run's page
         try:
             if os.fstat(fd).st_size < HEADER_BYTES:
@@ -191,7 +260,7 @@ class ShmSender:
             for s in (0, 1):
                 ctl[8 + 8 * s + _S_VERSION] = -1
             ctl[_C_MAGIC] = CTL_MAGIC
-        w = _WRITERS[self.prefix] = _Process(ctl)
+        w = _WRITERS[self.prefix] = _Process(ctl, held)
         return w
 
     def _adopt(self, w: _Process, layout: FlatLayout) -> _Segment:
@@ -471,15 +540,20 @@ class ShmReceiver:
         r = _READERS.get(self.prefix)
         if r is None:
             path = self.handle["ctl"]
+            held = -1
             try:
+                held = _hold(_held_path(path[: -len("-ctl")]))
                 ctl = _map(path, 0, create=False).view(torch.int64)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"weight_sync shm: control page {path} is gone (removed, or the run closed its transport)"
-                ) from None
-            if int(ctl[_C_MAGIC]) != CTL_MAGIC:
-                raise ValueError(f"weight_sync shm: {path} is not a miles weight-sync control page")
-            r = _READERS[self.prefix] = _Process(ctl)
+                if int(ctl[_C_MAGIC]) != CTL_MAGIC:
+                    raise ValueError(f"weight_sync shm: {path} is not a miles weight-sync control page")
+            except (OSError, ValueError) as e:
+                if held >= 0:
+                    os.close(held)
+                if isinstance(e, FileNotFoundError):
+                    raise FileNotFoundError(f"weight_sync shm: control page {path} is gone (removed, or the run "
+                                            "closed its transport)") from None
+                raise
+            r = _READERS[self.prefix] = _Process(ctl, held)
         return r
 
     def _find_slot(self, r: _Process) -> int:
