@@ -8,10 +8,8 @@ mapped for the whole run (mapped with ``MAP_POPULATE``, so no page is faulted du
 - a **segment** per layout ``<prefix>-<key>``: a header, the layout as JSON (names, shapes, dtypes,
   byte offsets, written once) and two data regions, one per slot (:class:`miles.weights.layout.FlatLayout`).
 
-Beside them an empty ``<prefix>-held`` that each of those processes holds a shared lock on while it maps
-the files. The driver removes the files when the run ends; a run killed before that leaves them (in
-memory, on a tmpfs), and the next run's rank 0 removes every set nobody holds a lock on
-(:func:`sweep_stale`) before it writes its first version.
+Beside them an empty ``<prefix>-held``, locked by each process that maps them, so that the next run removes
+the files of a run that was killed before its driver could (:mod:`miles.weights.shm_files`).
 
 Rank 0 writes version ``v`` into a slot that does not hold the newest version, chunk by chunk
 (:data:`CHUNK_BYTES`), and advances the slot's ``bytes written`` after each chunk; ``state=READY``
@@ -40,7 +38,6 @@ nodes and the transports that work across nodes.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
@@ -56,6 +53,7 @@ from torch.utils._pytree import tree_map
 
 from miles.config.schema import WeightSyncConfig
 from miles.weights.layout import FlatLayout
+from miles.weights.shm_files import hold, remove_files, sweep_stale
 from miles.weights.shm_pins import Pin, Shared, slots_pinned
 from miles.weights.transport import Sent, Transport
 
@@ -129,7 +127,7 @@ class _Process:
     """This process's side of one transport: the control page and the current segment."""
 
     ctl: Tensor  # int64 [512]
-    held: int = -1  # a descriptor of the run's -held file with a shared lock on it (_hold), while mapped
+    held: int = -1  # a descriptor of the run's -held file with a shared lock on it (shm_files.hold)
     seg: _Segment | None = None
     segs_by_key: dict[int, _Segment] = field(default_factory=dict)
     pin_entry: int | None = None  # this process's entry in the page's pins (shm_pins), once it computes in place
@@ -152,53 +150,8 @@ def drop_process_state() -> None:
     _READERS.clear()
 
 
-def _hold(path: str, create: bool = False) -> int:
-    """A descriptor of a run's ``-held`` file ``path`` with a shared lock on it, kept while this process maps
-    the run's files: while any process of a run holds one, :func:`sweep_stale` leaves that run's files alone,
-    and the kernel drops the lock of a process that dies. (A file of its own: the control page's whole-file
-    lock is the pins' mutex, :mod:`miles.weights.shm_pins`.) Raises FileNotFoundError when the file is not
-    there, or was removed between the open and the lock."""
-    fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0), 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    if os.fstat(fd).st_nlink == 0:
-        os.close(fd)
-        raise FileNotFoundError(path)
-    return fd
-
-
-def sweep_stale(directory: str, keep: str) -> list[str]:
-    """Remove the files of other runs' transports in ``directory`` that no live process holds: runs killed
-    before their driver could close the transport (a run's rank 0 and engines hold its ``-held`` file for as
-    long as they map its files, :func:`_hold`). ``keep``: this run's prefix. Returns the prefixes removed;
-    files of another user, or that cannot be opened, are left alone."""
-    removed = []
-    for held in sorted(Path(directory).glob("miles-weights-*-held")):
-        stem = str(held)[: -len("-held")]
-        if stem == keep:
-            continue
-        try:
-            fd = os.open(held, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live process of that run holds it
-            for f in Path(directory).glob(f"{Path(stem).name}-*"):
-                f.unlink(missing_ok=True)
-            removed.append(stem)
-        finally:
-            os.close(fd)
-    return removed
-
-
 def _ctl_path(prefix: str) -> str:
     return f"{prefix}-ctl"
-
-
-def _held_path(prefix: str) -> str:
-    return f"{prefix}-held"
 
 
 def _seg_path(prefix: str, key: int) -> str:
@@ -240,13 +193,7 @@ class ShmSender:
         if stale:
             log.info("weight_sync shm: removed the files of %d earlier run(s) that ended without closing their "
                      "transport: %s", len(stale), ", ".join(os.path.basename(p) for p in stale))
-        for attempt in range(3):  # another run's sweep can take a file that is not held yet: make it again
-            try:
-                held = _hold(_held_path(self.prefix), create=True)
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
+        held = hold(self.prefix, create=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # a restarted rank 0 reopens the run's page
         try:
             if os.fstat(fd).st_size < HEADER_BYTES:
@@ -540,19 +487,20 @@ class ShmReceiver:
         r = _READERS.get(self.prefix)
         if r is None:
             path = self.handle["ctl"]
-            held = -1
             try:
-                held = _hold(_held_path(path[: -len("-ctl")]))
-                ctl = _map(path, 0, create=False).view(torch.int64)
-                if int(ctl[_C_MAGIC]) != CTL_MAGIC:
-                    raise ValueError(f"weight_sync shm: {path} is not a miles weight-sync control page")
-            except (OSError, ValueError) as e:
-                if held >= 0:
+                held = hold(path[: -len("-ctl")])  # before the page: a sweep removes nothing held
+                try:
+                    ctl = _map(path, 0, create=False).view(torch.int64)
+                except BaseException:
                     os.close(held)
-                if isinstance(e, FileNotFoundError):
-                    raise FileNotFoundError(f"weight_sync shm: control page {path} is gone (removed, or the run "
-                                            "closed its transport)") from None
-                raise
+                    raise
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"weight_sync shm: control page {path} is gone (removed, or the run closed its transport)"
+                ) from None
+            if int(ctl[_C_MAGIC]) != CTL_MAGIC:
+                os.close(held)
+                raise ValueError(f"weight_sync shm: {path} is not a miles weight-sync control page")
             r = _READERS[self.prefix] = _Process(ctl, held)
         return r
 
@@ -619,6 +567,4 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         """Unlink the files (on this node: with rank 0 on another node they go with that node's tmpfs)."""
-        parent, stem = os.path.split(self.prefix)
-        for p in Path(parent).glob(f"{stem}-*"):
-            p.unlink(missing_ok=True)
+        remove_files(self.prefix)
