@@ -145,6 +145,10 @@ DRAFT_ONLINE = {"draft": {"model": {"_target_": "miles.models.qwen3.qwen3_spec",
 """Speculative rollout with the draft trained online: the torch engine's async runs have it (under fully_async,
 weights and draft are pushed while rows are in flight)."""
 
+DRAFT_HEADS_ONLINE = {"draft": {"heads": True, "online": True, "k": 2}}
+"""The policy's own draft heads, trained online: the megatron trainer's async runs have them (the draft trains in
+an actor of its own, beside either trainer)."""
+
 
 @pytest.mark.parametrize("engine,schedule,extra", [
     *(pytest.param("torch", schedule, extra | (DRAFT_ONLINE if schedule != "sync" else {}),
@@ -153,8 +157,8 @@ weights and draft are pushed while rows are in flight)."""
       for schedule, extra in SCHEDULES),
     # the product stack: the megatron trainer under both async schedules, on either engine (the jobs of
     # one engine share its actors: the second costs a few seconds)
-    *(pytest.param("torch+megatron", schedule, extra, id=f"torch-megatron-{schedule}", marks=pytest.mark.megatron)
-      for schedule, extra in SCHEDULES[1:]),
+    *(pytest.param("torch+megatron", schedule, extra | DRAFT_HEADS_ONLINE, id=f"torch-megatron-{schedule}",
+                   marks=pytest.mark.megatron) for schedule, extra in SCHEDULES[1:]),
     *(pytest.param("sglang+megatron", schedule, extra, id=f"sglang-megatron-{schedule}",
                    marks=[pytest.mark.megatron, pytest.mark.sglang, SGLANG_ACTORS])
       for schedule, extra in SCHEDULES[1:]),

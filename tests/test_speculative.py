@@ -15,7 +15,7 @@ from miles.config import ConfigError, validate
 from miles.config.schema import PrecisionConfig
 from miles.config.validate import check_draft_tokenizer
 from miles.rollout import engine_spec
-from miles.rollout.speculative import truncated_draft
+from miles.rollout.speculative import sample_inverse_cdf, truncated_draft
 from miles.rollout.torch_engine import TorchEngine
 from miles.types import GenerateRequest, SamplingParams
 
@@ -235,13 +235,13 @@ def _chi_square_p(
     return float(chisquare(observed, expected).pvalue)
 
 
-def _wrong(p, q, draft, uniform, gumbel, greedy=None, argmax=None):  # noqa: ANN001, ANN202
+def _wrong(p, q, draft, uniform, final_uniform, greedy=None, argmax=None):  # noqa: ANN001, ANN202
     """A deliberately wrong rule: after a rejection, resample from p instead of normalize(max(0, p - q))."""
     b, k = draft.shape
     rows = torch.arange(b)
     ok = uniform * q.gather(-1, draft[..., None])[..., 0] < p[:, :k].gather(-1, draft[..., None])[..., 0]
     accepted = ok.long().cumprod(dim=1).sum(dim=1)
-    final = (p[rows, accepted].log() + gumbel).argmax(dim=-1)  # the bug: p, not the residual
+    final = sample_inverse_cdf(p[rows, accepted], final_uniform)  # the bug: p, not the residual
     tokens = torch.cat([draft, draft[:, :1]], dim=1).clone()
     tokens[rows, accepted] = final
     return accepted, tokens
@@ -304,3 +304,10 @@ def test_the_driver_builds_the_draft_and_the_rollout_reports_its_acceptance_rate
     assert metrics["rollout/spec_proposed"] == sum(r.spec_counts[0] for r in results) > 0  # type: ignore[index]
     assert 0.9 < metrics["rollout/spec_accept_rate"] <= 1.0
     assert "rollout/spec_accept_rate" not in sample_counts([])  # without a draft: no such metric
+
+
+def test_inverse_cdf_sampling_never_draws_a_zero_and_splits_the_unit_interval_by_mass() -> None:
+    probs = torch.tensor([[0.0, 2.0, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]])  # any positive total
+    u = torch.tensor([[0.0, 0.49, 0.5, 0.999999], [0.0, 0.3, 0.7, 0.999999]])
+    got = sample_inverse_cdf(probs[:, None].expand(2, 4, 4), u)
+    assert got.tolist() == [[1, 1, 3, 3], [0, 0, 0, 0]]

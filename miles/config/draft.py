@@ -3,7 +3,8 @@ once the draft's checkpoint exists.
 
 A draft can only propose tokens the policy reads the same way: :func:`tokenizer_mismatch` compares
 the two checkpoints' vocabularies (``config.json``'s ``vocab_size`` and, where both have one, the token
--> id table of ``tokenizer.json``) and names both when they differ. Speculation runs in the torch engine only:
+-> id table of ``tokenizer.json``) and names both when they differ. A draft is a second model (``draft.model``) or the policy's own heads (``draft.heads``,
+:func:`speculation_on`). Speculation runs in the torch engine only:
 :data:`SGLANG_REFUSAL` says why SGLang's own speculative decoding is not used.
 """
 
@@ -24,7 +25,7 @@ SGLANG_REFUSAL = (
     "which needs sgl-kernel's CPU kernels (not on PyPI, source build only), and torch_native, the backend SGLang "
     "runs with on CPU here, is not in the list ('EAGLE is not supported in decode attention backend "
     "torch_native'). miles does not drive it on GPU either (untested). Speculative rollout runs in the torch "
-    "engine: use rollout=torch, or set draft.model=null"
+    "engine: use rollout=torch, or set draft.model=null and draft.heads=false"
 )
 
 
@@ -34,17 +35,22 @@ def draft_problem(run: MilesConfig) -> str | None:
     d = run.draft
     if not 1 <= d.k <= MAX_DRAFT_K:
         return f"draft.k: must be in [1, {MAX_DRAFT_K}], found {d.k}"
-    if d.model is None:
-        return "draft.online: there is no draft to train; set draft.model or draft.online=false" if d.online else None
+    if d.heads and d.model is not None:
+        return ("draft.heads=true with a draft.model: the draft is either the policy's own heads or a second model; "
+                "set draft.model=null or draft.heads=false")
+    if not speculation_on(run):
+        return ("draft.online: there is no draft to train; set draft.model or draft.heads=true, or draft.online=false"
+                if d.online else None)
     if not d.lr > 0:
         return f"draft.lr: must be > 0, found {d.lr}"
     if d.lr_warmup_steps < 0:
         return f"draft.lr_warmup_steps: must be 0 or more (0: none), found {d.lr_warmup_steps}"
+    key = "draft.heads" if d.heads else "draft.model"
     if run.rollout.engine.target.endswith("sglang_engine.SGLangEngine"):
-        return f"draft.model with rollout.engine={run.rollout.engine.target}: {SGLANG_REFUSAL}"
+        return f"{key} with rollout.engine={run.rollout.engine.target}: {SGLANG_REFUSAL}"
     if not run.rollout.engine.target.endswith("torch_engine.TorchEngine"):
         return (
-            f"draft.model: speculative rollout needs the torch engine "
+            f"{key}: speculative rollout needs the torch engine "
             f"(miles.rollout.torch_engine.TorchEngine), found {run.rollout.engine.target}"
         )
     why = {
@@ -62,10 +68,16 @@ def draft_problem(run: MilesConfig) -> str | None:
             "verifying drafts under LoRA adapters is not implemented",
         ),
     }
+    off = "draft.heads=false" if d.heads else "draft.model=null"
     for setting, (on, reason) in why.items():
         if on:
-            return f"draft.model cannot be combined with {setting}: {reason}; set draft.model=null"
-    return checkpoint_problem(run, d.model, "draft")
+            return f"{key} cannot be combined with {setting}: {reason}; set {off}"
+    return None if d.heads else checkpoint_problem(run, d.model, "draft")
+
+
+def speculation_on(run: MilesConfig) -> bool:
+    """Whether the run has a draft: a second model (``draft.model``) or the policy's own heads (``draft.heads``)."""
+    return run.draft.model is not None or run.draft.heads
 
 
 def checkpoint_problem(run: MilesConfig, model: Any, role: str) -> str | None:

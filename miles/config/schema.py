@@ -574,7 +574,12 @@ class DraftConfig:
 
     model: ModelConfig | None = None
     """The draft's model spec, built like ``model`` (``_target_``, ``flavor``, ``path``; a built flavor is
-    warm-started on the run's task like the policy); null: speculation off. Its tokenizer must be the policy's."""
+    warm-started on the run's task like the policy); null (and ``heads`` false): speculation off. Its tokenizer must
+    be the policy's."""
+    heads: bool = False
+    """The draft is the policy's own ``k`` extra heads (:mod:`miles.models.draft_heads`): each reads the policy's
+    last hidden state and proposes one of the next ``k`` tokens through the policy's LM head, so proposing costs
+    no forward of a second model. Warm-started on the run's task with the policy frozen; excludes ``model``."""
     k: int = 4
     """Tokens the draft proposes per row and step (the policy verifies all ``k + 1`` positions at once)."""
     online: bool = False

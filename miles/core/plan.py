@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from miles.config import ConfigError, MilesConfig, check_allowed, locate
+from miles.config.draft import speculation_on
 from miles.config.schema import PlacementConfig
 from miles.config.teacher import teacher_models
 from miles.machine import Machine, resolve_device
@@ -269,7 +270,7 @@ def make_plan(run: MilesConfig, machine: Machine) -> Plan:
         teacher_names=teacher_names,
         teacher_kwargs=teacher_kwargs(run) if teacher_names else {},
         draft_trainer=slots("draft_trainer", 1, trainer_pool, 0, 0, trainer_threads)
-        if run.draft.model is not None and run.draft.online else (),
+        if speculation_on(run) and run.draft.online else (),
         cores=cores if not joined else int(sum(pool.cpus for pool in pools)),
         reserved=reserved if not joined else 0, ready_timeout_s=p.ready_timeout_s,
     )

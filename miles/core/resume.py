@@ -254,8 +254,9 @@ def export_policy(checkpoint: str | Path, base_model: str | Path, out: str | Pat
 
 def export_draft(checkpoint: str | Path, base_draft: str | Path, out: str | Path) -> Path:
     """The online-trained draft of a run checkpoint (``draft.online``; its ``draft/`` part) as an HF checkpoint
-    directory, loadable as a ``draft.model`` path. ``base_draft``: the draft the run started from (config,
-    tokenizer); ``checkpoint`` and ``out`` as in :func:`export_policy`."""
+    directory, loadable as a ``draft.model`` path; draft heads (``draft.heads``) as a heads directory.
+    ``base_draft``: the draft the run started from (config, tokenizer; the heads directory it loaded);
+    ``checkpoint`` and ``out`` as in :func:`export_policy`."""
     from safetensors.torch import load_file
 
     from miles.config import checkpoints
@@ -266,7 +267,20 @@ def export_draft(checkpoint: str | Path, base_draft: str | Path, out: str | Path
         raise ValueError(f"export_draft: {state.path} holds no draft (it was written without draft.online)")
     if Path(out).exists():
         raise ValueError(f"export_draft: {out} exists; export into a new directory")
-    return _export(load_file(str(state.path / "draft" / "model.safetensors")), state, base_draft, Path(out), "draft")
+    weights = load_file(str(state.path / "draft" / "model.safetensors"))
+    from miles.models.draft_heads import META, is_heads_dir, load_heads, save_heads
+
+    if is_heads_dir(base_draft):  # draft.heads: a heads directory, loadable by engines and DraftTrainer alike
+        heads = load_heads(base_draft)
+        missing, unexpected = heads.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"export_draft: {state.path} does not hold {base_draft}'s heads: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        save_heads(heads, out, **{k: v for k, v in json.loads((Path(base_draft) / META).read_text()).items()
+                                  if k not in ("k", "hidden_size")} | {"exported_from": str(state.path)})
+        log.info("exported the draft heads of %s (step %d) to %s", state.path, state.step, out)
+        return Path(out)
+    return _export(weights, state, base_draft, Path(out), "draft")
 
 
 def _export(weights: dict[str, torch.Tensor], state: Any, base: str | Path, out: Path, what: str) -> Path:

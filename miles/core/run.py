@@ -397,12 +397,56 @@ def _tee(*fns: Callable[[dict[str, float], int], None]) -> Callable[[dict[str, f
 def ensure_draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path | None:
     """The draft model's checkpoint (``draft.model``), built and cached like the policy's when it is not a path;
     refused when its vocabulary is not the policy's. None without a draft."""
+    if run.draft.heads:
+        return _draft_heads(run, policy_checkpoint, task)
     if run.draft.model is None:
         return None
     path = _second_checkpoint(run, run.draft.model, "draft", policy_checkpoint, task)
     log.info("speculative rollout: draft %s (%s), %d token(s) proposed per step", run.draft.model.flavor, path,
              run.draft.k)
     return path
+
+
+def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
+    """The policy's own draft heads (``draft.heads``): warm-started on the run's task with the policy frozen
+    (:func:`miles.train.draft.build_heads`) and cached under ``warm_start.cache_dir`` by everything that shapes
+    them (the policy's weights, ``draft.k``, the task, the warm start's steps and batch, ``draft.lr``, the seed)."""
+    import hashlib
+    import json
+    import shutil
+    import tempfile
+
+    from miles.models.draft_heads import META
+    from miles.train.draft import build_heads
+
+    d, ws = run.draft, run.warm_start
+    weights = sorted(policy_checkpoint.glob("*.safetensors"))
+    key = hashlib.sha256(json.dumps({
+        "policy": str(policy_checkpoint.resolve()),
+        "weights": [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
+        "k": d.k, "lr": d.lr, "lr_warmup_steps": d.lr_warmup_steps, "temperature": run.rollout.temperature,
+        "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
+        "tenants": [t.name for t in run.tenants], "steps": ws.steps, "batch_size": ws.batch_size, "seed": run.seed,
+    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    final = Path(ws.cache_dir).expanduser() / f"draft-heads-{key}"
+    if not (final / META).is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            t0 = time.perf_counter()
+            metrics = build_heads(policy_checkpoint, tmp, k=d.k, task=task, steps=ws.steps,
+                                  batch_size=ws.batch_size, lr=d.lr, lr_warmup_steps=d.lr_warmup_steps,
+                                  temperature=run.rollout.temperature, seed=run.seed + 13,
+                                  num_threads=torch.get_num_threads(),
+                                  chat_template=getattr(task, "chat_template", True))
+            log.info("built %d draft heads in %.1fs (%s)", d.k, time.perf_counter() - t0, metrics)
+            if not (final / META).is_file():
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("speculative rollout: the policy's own %d draft heads (%s)", d.k, final)
+    return final
 
 
 def _teacher_pools(actors: Any, run: MilesConfig) -> Any:

@@ -200,7 +200,7 @@ class EngineEmission:
             for t in self._st.values():
                 t[dst] = t[src]
             self._cache.move(dst, src)
-            if self.draft is not None:
+            if self.draft is not None and self.draft.cache is not None:
                 self.draft.cache.move(dst, src)
             for d, s in zip(holes, movers, strict=True):
                 self._rows[d] = self._rows[s]

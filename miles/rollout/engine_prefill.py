@@ -103,9 +103,10 @@ class EnginePrefill:
             self._st["delta"][lo:hi] = deltas[src]
         hidden = self._forward(ids.to(self.device), mask, position_ids, [g[0] for g in groups], embeds)
         last = lens_t - 1
-        logits = self._head(hidden[torch.arange(u, device=self.device), last], [g[0] for g in groups])[src]
+        hidden_last = hidden[torch.arange(u, device=self.device), last]
+        logits = self._head(hidden_last, [g[0] for g in groups])[src]
         if self.draft is not None:
-            self._draft_prefill([tuple(g[0].request.prompt_ids) for g in groups], lo, hi, src)
+            self._draft_prefill([tuple(g[0].request.prompt_ids) for g in groups], lo, hi, src, hidden_last)
         routing = None
         if self._routers:  # per layer [u * t, k] -> [u, t, layers, k]
             routes = torch.stack([r.view(u, t, -1) for r in self._step_routing], 2)
@@ -138,6 +139,7 @@ class EnginePrefill:
         st["ngen"][lo:hi] = 0
         st["delta"][lo:hi] = 0
         st["nidx"][lo:hi] = 0
+        st["sidx"][lo:hi] = self.spec_noise_rounds  # spent: a speculating row draws at its first round
         drawing = [i for i, r in enumerate(rows) if r.generator is not None]
         if drawing:
             self._draw_noise([lo + i for i in drawing], [rows[i].generator for i in drawing],  # type: ignore[misc]

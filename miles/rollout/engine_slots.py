@@ -48,6 +48,11 @@ class EngineSlots:
             "out_tok": torch.zeros(s, 0, **long), "out_lp": torch.zeros(s, 0, device=self.device),
             "out_ver": torch.zeros(s, 0, **long),
             "prev": torch.zeros(s, **long), "spec_prop": torch.zeros(s, **long), "spec_acc": torch.zeros(s, **long),
+            # speculative rounds' uniform draws, spec_noise_rounds at a time (spec_noise_buffer), and the next one
+            "snoise": self._spec_noise_buffer(), "sidx": torch.zeros(s, **long),
+            # draft heads: the final hidden state of each row's last fed token (what the heads propose from)
+            "hid": torch.zeros(s, self._hidden_size() if self._draft_heads() else 0, dtype=self.dtype,
+                               device=self.device),
             "top_v": torch.zeros(s, 0, 0, device=self.device), "top_i": torch.zeros(s, 0, 0, **long),
             "route": torch.zeros(s, 0, len(self._routers), self._router_top_k(), dtype=torch.int16,
                                  device=self.device),
@@ -59,6 +64,18 @@ class EngineSlots:
         self._positions = torch.arange(self.max_positions or 1 << 16, device=self.device)
         self._eos = torch.tensor(self.eos_ids, device=self.device)
         self._cache = SlotCache(s)
+
+    def _spec_noise_buffer(self) -> Tensor:
+        """Per slot, the U[0, 1) draws of ``spec_noise_rounds`` speculative rounds ``[R, 2k + 1]`` (uninitialised: a
+        row draws before it reads)."""
+        return torch.empty(self.max_batch_size, self.spec_noise_rounds, 2 * self.draft_k + 1, device=self.device)
+
+    def _draft_heads(self) -> bool:
+        """Whether the draft is the policy's own heads (:class:`~miles.rollout.speculative.DraftHeads`)."""
+        return self.draft is not None and self.draft.cache is None
+
+    def _hidden_size(self) -> int:
+        return int(self.model.config.get_text_config().hidden_size)
 
     def _grow(self, name: str, dim: int, size: int, fill: int = 0) -> None:
         """Widen ``self._st[name]`` along ``dim`` to ``size`` (new entries ``fill``), keeping its contents."""
@@ -86,7 +103,7 @@ class EngineSlots:
             return
         # a speculative round writes up to draft_k positions past a row's last token
         extra = self.draft_k + 1
-        for cache in (self._cache, self.draft.cache):
+        for cache in (self._cache, self.draft.cache) if self.draft.cache is not None else (self._cache,):
             cache.reserve(self._n + len(rows), need_len + extra, self.max_positions and self.max_positions + extra)
 
     # ---- MoE routing --------------------------------------------------------------------------

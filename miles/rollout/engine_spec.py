@@ -17,11 +17,12 @@ is one speculative round instead of one token:
    proposals (in both caches) lie past it, are never attended to (attention reads indices up to each
    query's position) and are overwritten by the next round before anything reads them.
 
-Random numbers come from each row's own generator (its seed): per round one ``[k + 1, V + 1]`` draw of
-``Exp(1)`` gives the draft's sampling noise (rows ``0 .. k - 1``), the final token's (row ``k``) and the
-acceptance uniforms (``exp(-E)`` of column ``V``). A row's tokens therefore depend on its seed and the
-weights, not on its neighbours; they differ from a run without the draft (other draws), while their
-distribution is the same. Per completion the engine counts proposed and accepted tokens
+Random numbers come from each row's own generator (its seed): per round ``2k + 1`` uniforms, drawn 16
+rounds at a time, give the draft's ``k`` proposals and the final token by inverse-CDF sampling
+(:func:`miles.rollout.speculative.sample_inverse_cdf`: one uniform per token, where Gumbel-max needs one
+exponential per vocabulary entry) and the ``k`` acceptance tests. A row's tokens therefore depend on its
+seed and the weights, not on its neighbours; they differ from a run without the draft (other draws), while
+their distribution is the same. Per completion the engine counts proposed and accepted tokens
 (``GenerateResult.spec_counts``), from which the rollout reports ``rollout/spec_accept_rate``.
 """
 
@@ -38,16 +39,17 @@ from torch import Tensor
 from miles.rollout.engine_rows import _Row
 from miles.rollout.sampling import filter_logits_rows
 from miles.rollout.slot_cache import SlotCache
-from miles.rollout.speculative import DraftModel, speculative_accept
+from miles.rollout.speculative import DraftHeads, DraftModel, sample_inverse_cdf, speculative_accept
 
 
 class EngineSpeculation:
     """Speculative decode rounds; a base of :class:`~miles.rollout.torch_engine.TorchEngine`, whose
     constructor sets the attributes below."""
 
-    draft: DraftModel | None
+    draft: DraftModel | DraftHeads | None
     draft_k: int
     draft_version: int
+    spec_noise_rounds: int
     vocab_size: int
     device: torch.device
     _version: int
@@ -91,9 +93,15 @@ class EngineSpeculation:
         self._run_op(apply)  # type: ignore[attr-defined]
         return {"draft_update_s": time.perf_counter() - t0}
 
-    def _draft_prefill(self, prompts: list[tuple[int, ...]], lo: int, hi: int, src: Tensor) -> None:
-        """The draft's K/V of whole prompts (one per prompt row; slots ``[lo, hi)`` take ``prompts[src[i]]``)."""
+    def _draft_prefill(self, prompts: list[tuple[int, ...]], lo: int, hi: int, src: Tensor, hidden: Tensor) -> None:
+        """Slots ``[lo, hi)`` take prompt ``prompts[src[i]]``: a draft model's K/V of the whole prompts, or (draft
+        heads) the policy's hidden state of each prompt's last token (``hidden`` [prompts, D])."""
         assert self.draft is not None
+        self._st["spec_prop"][lo:hi] = 0
+        self._st["spec_acc"][lo:hi] = 0
+        if self.draft.cache is None:
+            self._st["hid"][lo:hi] = hidden[src]
+            return
         lens = [len(p) for p in prompts]
         u, t = len(prompts), max(lens)
         ids = torch.zeros((u, t), dtype=torch.long)
@@ -108,23 +116,27 @@ class EngineSpeculation:
         self.draft.cache.prefill(self._arange[lo:hi], src)
         self.draft.forward(ids.to(self.device), mask, positions.expand(u, t))
         self._st["prev"][lo:hi] = ids.to(self.device)[src, (lens_t - 1)[src]]
-        self._st["spec_prop"][lo:hi] = 0
-        self._st["spec_acc"][lo:hi] = 0
 
-    def _round_noise(self, b: int, k: int) -> tuple[Tensor, Tensor]:
-        """Each row's draws for one round: ``-log E`` [b, k + 1, V] and uniforms [b, k] (zeros / ones for
-        greedy rows, which use neither)."""
-        v = self.vocab_size
-        e = torch.ones(b, k + 1, v + 1)
-        for i in range(b):
-            gen = self._rows[i].generator  # type: ignore[union-attr]
-            if gen is not None:
-                e[i].exponential_(generator=gen)
-        e = e.to(self.device)
-        tiny = torch.finfo(e.dtype).tiny
-        gumbel = -e[:, :, :v].clamp_min(tiny).log()
-        uniform = torch.exp(-e[:, :k, v])
-        return gumbel, uniform
+    def _round_noise(self, b: int, k: int) -> Tensor:
+        """Each row's ``2k + 1`` U[0, 1) draws for one round [b, 2k + 1]: the draft's ``k`` proposals, the ``k``
+        acceptance tests, the final token. A row draws ``spec_noise_rounds`` rounds at once from its own generator
+        (one call instead of one per round) and reads one per round; greedy rows use none of them."""
+        st = self._st
+        sidx = st["sidx"][:b]
+        spent = (sidx >= self.spec_noise_rounds).nonzero().flatten().tolist()
+        for i in spent:
+            gen, buf = self._rows[i].generator, st["snoise"][i]  # type: ignore[union-attr]
+            if gen is None:
+                buf.fill_(0.5)
+            elif buf.device.type == "cpu":
+                buf.uniform_(generator=gen)
+            else:
+                buf.copy_(torch.rand(buf.shape, generator=gen))
+        if spent:
+            sidx[spent] = 0
+        u = st["snoise"][self._arange[:b], sidx]
+        sidx += 1
+        return u
 
     def _filtered(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
         """``filter(z / T)`` per row (logits [b, V]), as plain sampling races on."""
@@ -136,35 +148,16 @@ class EngineSpeculation:
         assert self.draft is not None
         b, st, k, v = self._n, self._st, self.draft_k, self.vocab_size
         arange = self._arange[:b]
-        pos, tok, prev = st["pos"][:b], st["tok"][:b], st["prev"][:b]
+        pos, tok = st["pos"][:b], st["tok"][:b]
         temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
-        gumbel, uniform = self._round_noise(b, k)
-        top = int(pos.max())
+        u = self._round_noise(b, k)
         # 1. draft proposals
-        dc = self.draft.cache
-        qpos = pos[:, None] + torch.tensor([-1, 0], device=self.device)[None]
-        dc.decode(arange, pos - 1, top + 1)
-        mask = (self._positions[: top + 1][None, None, :] <= qpos[:, :, None])[:, None]
-        hidden = self.draft.forward(torch.stack([prev, tok], 1), mask, qpos)[:, -1]
-        proposals, q = [], []
-        for j in range(k):
-            z = self._filtered(self.draft.logits(hidden), temp, top_k, top_p)
-            logq = z.log_softmax(dim=-1)
-            d = (logq + gumbel[:, j]).argmax(dim=-1)
-            if self._count["greedy"]:
-                d = torch.where(greedy, z.argmax(dim=-1), d)
-            proposals.append(d)
-            q.append(logq.exp())
-            if j < k - 1:
-                p_j = pos + 1 + j
-                dc.decode(arange, p_j, top + 2 + j)
-                mask = (self._positions[: top + 2 + j][None, :] <= p_j[:, None])[:, None, None, :]
-                hidden = self.draft.forward(d[:, None], mask, p_j[:, None])[:, -1]
-        draft = torch.stack(proposals, 1)  # [b, k]
+        heads = self.draft.cache is None
+        draft, q = self._head_proposals(b, u[:, :k]) if heads else self._model_proposals(b, u[:, :k])
         # 2. the policy over the current token and the proposals
         ids = torch.cat([tok[:, None], draft], 1)
         vpos = pos[:, None] + torch.arange(k + 1, device=self.device)[None]
-        kv_len = top + k + 1
+        kv_len = int(pos.max()) + k + 1
         self._cache.decode(arange, pos, kv_len)
         mask = (self._positions[:kv_len][None, None, :] <= vpos[:, :, None])[:, None]
         hidden = self._forward(ids, mask, vpos, self._rows[:b])  # type: ignore[arg-type]
@@ -181,16 +174,65 @@ class EngineSpeculation:
         # 3. accept / reject, then the rows' tokens
         accepted, tokens = speculative_accept(
             p,
-            torch.stack(q, 1),
+            q,
             draft,
-            uniform,
-            gumbel[:, k],
+            u[:, k:2 * k],
+            u[:, 2 * k],
             greedy if self._count["greedy"] else None,
             logits.argmax(dim=-1) if self._count["greedy"] else None,
         )
         st["spec_prop"][:b] += k
         st["spec_acc"][:b] += accepted
-        return self._emit_many(b, tokens, accepted + 1, logp)
+        before = pos.clone()
+        stopped = self._emit_many(b, tokens, accepted + 1, logp)
+        if heads:  # the hidden state of each row's new last fed token: its input at the new position - 1
+            st["hid"][:b] = hidden[arange, st["pos"][:b] - before - 1]
+        return stopped
+
+    def _head_proposals(self, b: int, u: Tensor) -> tuple[Tensor, Tensor]:
+        """The draft heads' ``k`` proposals per row from the row's last hidden state: one batched matmul and one
+        LM head over ``k`` positions -> (proposals [b, k], q [b, k, V])."""
+        assert self.draft is not None
+        st, k, v = self._st, self.draft_k, self.vocab_size
+        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
+        logits = self._lm_head(self.draft.model(st["hid"][:b])).float()  # [b, k, V]
+        z = self._filtered(logits.reshape(b * k, v), temp.repeat_interleave(k), top_k.repeat_interleave(k),
+                           top_p.repeat_interleave(k)).view(b, k, v)
+        q = z.softmax(dim=-1)
+        draft = z.argmax(dim=-1) if not self._count["sampled"] else sample_inverse_cdf(q, u)
+        if self._count["greedy"] and self._count["sampled"]:
+            draft = torch.where(greedy[:, None], z.argmax(dim=-1), draft)
+        return draft, q
+
+    def _model_proposals(self, b: int, u: Tensor) -> tuple[Tensor, Tensor]:
+        """A draft model's ``k`` proposals per row: a forward over the row's last two tokens, then ``k - 1``
+        one-token forwards through its own cache -> (proposals [b, k], q [b, k, V])."""
+        assert self.draft is not None and self.draft.cache is not None
+        st, k = self._st, self.draft_k
+        arange = self._arange[:b]
+        pos, tok, prev = st["pos"][:b], st["tok"][:b], st["prev"][:b]
+        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
+        top = int(pos.max())
+        dc = self.draft.cache
+        qpos = pos[:, None] + torch.tensor([-1, 0], device=self.device)[None]
+        dc.decode(arange, pos - 1, top + 1)
+        mask = (self._positions[: top + 1][None, None, :] <= qpos[:, :, None])[:, None]
+        hidden = self.draft.forward(torch.stack([prev, tok], 1), mask, qpos)[:, -1]
+        proposals, q = [], []
+        for j in range(k):
+            z = self._filtered(self.draft.logits(hidden), temp, top_k, top_p)
+            q_j = z.softmax(dim=-1)
+            d = z.argmax(dim=-1) if not self._count["sampled"] else sample_inverse_cdf(q_j, u[:, j])
+            if self._count["greedy"] and self._count["sampled"]:
+                d = torch.where(greedy, z.argmax(dim=-1), d)
+            proposals.append(d)
+            q.append(q_j)
+            if j < k - 1:
+                p_j = pos + 1 + j
+                dc.decode(arange, p_j, top + 2 + j)
+                mask = (self._positions[: top + 2 + j][None, :] <= p_j[:, None])[:, None, None, :]
+                hidden = self.draft.forward(d[:, None], mask, p_j[:, None])[:, -1]
+        return torch.stack(proposals, 1), torch.stack(q, 1)
 
     def _emit_many(self, b: int, tokens: Tensor, count: Tensor, logp: Tensor) -> list[tuple[int, str]]:
         """Record up to ``count[i]`` tokens ``tokens[i]`` of slot ``i < b`` (cut at a stop and at

@@ -219,7 +219,7 @@ class EngineWeights:
             self._abort({r.request.request_id for r in [*self._rows[: self._n], *self._waiting] if r is not None})
         self._cache = SlotCache(self.max_batch_size)  # the old buffers are freed
         self._prefix.clear()
-        for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise"):  # regrown / redrawn on admission
+        for k in ("out_tok", "out_lp", "out_ver", "top_v", "top_i", "route", "noise", "snoise"):  # regrown / redrawn
             self._st[k] = self._st[k].new_zeros((self.max_batch_size, 0, *self._st[k].shape[2:]))
         unique = {k: self._weights[k] for k in self._required}
         if self._pin is not None:  # computing from a pinned shared slot: its pages stay, nothing to save
@@ -270,6 +270,7 @@ class EngineWeights:
         """The noise buffer the release dropped, uninitialised: every row draws its noise before it reads it,
         so zeroing its ``max_batch_size x noise_chunk x V`` floats (4.7 MB for the tiny model) is not needed."""
         self._st["noise"] = torch.empty(self.max_batch_size, self.noise_chunk, self.vocab_size, device=self.device)
+        self._st["snoise"] = self._spec_noise_buffer()  # type: ignore[attr-defined]
 
 
 def offload_to_file(tensors: dict[str, Tensor], prefix: str) -> int:

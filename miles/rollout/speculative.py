@@ -25,7 +25,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.models.draft_heads import load_heads
 from miles.rollout.slot_cache import FastQwen3, SlotCache
+
+
+def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """One id per row of ``probs`` [..., V] (non-negative, any positive total), drawn with the uniform ``u`` [...] in
+    [0, 1): the first id whose cumulative probability (summed in float64) exceeds ``u`` times the row's total.
+    An id of probability 0 is never drawn; one uniform per draw, where Gumbel-max needs ``V``."""
+    c = probs.double().cumsum(-1)
+    idx = torch.searchsorted(c, (u.double() * c[..., -1])[..., None], right=True)[..., 0]
+    return idx.clamp_max(probs.shape[-1] - 1)
 
 
 def speculative_accept(
@@ -33,17 +43,18 @@ def speculative_accept(
     q: Tensor,
     draft: Tensor,
     uniform: Tensor,
-    gumbel: Tensor,
+    final_uniform: Tensor,
     greedy: Tensor | None = None,
     argmax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The accept / reject rule over a batch of rows.
 
     p: [B, k + 1, V] policy probabilities; q: [B, k, V] draft probabilities; draft: [B, k] proposed ids;
-    uniform: [B, k] U(0, 1] draws; gumbel: [B, V] ``-log E`` (``E ~ Exp(1)``) for the final token;
-    greedy: [B] bool rows decoded greedily, whose final token is ``argmax`` [B, k + 1] (the policy's
-    argmax per position) -> (accepted [B] in ``0 .. k``, tokens [B, k + 1]: the accepted proposals, then
-    the resampled or bonus token at index ``accepted``; entries past it are meaningless).
+    uniform: [B, k] U[0, 1) draws (proposal ``j`` is kept when ``uniform * q_j(d_j) < p_j(d_j)``);
+    final_uniform: [B] U[0, 1) draws for the final token (:func:`sample_inverse_cdf`); greedy: [B] bool rows
+    decoded greedily, whose final token is ``argmax`` [B, k + 1] (the policy's argmax per position) ->
+    (accepted [B] in ``0 .. k``, tokens [B, k + 1]: the accepted proposals, then the resampled or bonus token
+    at index ``accepted``; entries past it are meaningless).
     """
     b, k = draft.shape
     rows = torch.arange(b, device=p.device)
@@ -61,7 +72,7 @@ def speculative_accept(
     residual = torch.where(
         residual.sum(-1, keepdim=True) > 0, residual, p_a
     )  # p == q to rounding: never rejected
-    final = (residual.log() + gumbel).argmax(dim=-1)
+    final = sample_inverse_cdf(residual, final_uniform)
     if greedy is not None and argmax is not None:
         final = torch.where(greedy, argmax[rows, accepted], final)
     tokens = torch.cat([draft, draft[:, :1]], dim=1).clone()
@@ -125,3 +136,18 @@ def truncated_draft(policy_dir: str | Path, out_dir: str | Path, num_layers: int
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) and f.is_file():
             shutil.copy(f, out / f.name)
     return out
+
+
+class DraftHeads:
+    """The engine's side of a heads draft: :attr:`model` (the heads, in the engine's dtype; the weights that
+    ``update_draft`` replaces) and no KV cache of its own (``cache`` is None)."""
+
+    cache = None
+
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, hidden_size: int) -> None:
+        self.checkpoint_dir = path
+        self.model = load_heads(path, dtype).to(device).eval().requires_grad_(False)
+        if self.model.weight.shape[1] != hidden_size:
+            raise ValueError(f"the draft heads in {path} read hidden states of size {self.model.weight.shape[1]}; "
+                             f"the policy's are {hidden_size}: train heads for this policy")
+        self.k = self.model.k

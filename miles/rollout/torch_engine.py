@@ -112,6 +112,7 @@ from torch import Tensor
 from miles.adapters import lora
 from miles.backends.reuse import Reusable
 from miles.config.schema import AdapterConfig, PrecisionConfig
+from miles.models.draft_heads import is_heads_dir
 from miles.precision.recipe import apply_rollout_quant
 from miles.rollout.engine_emit import EngineEmission
 from miles.rollout.engine_intake import EngineIntake
@@ -125,7 +126,7 @@ from miles.rollout.engine_weights import EngineWeights
 from miles.rollout.prefix_cache import PrefixStore
 from miles.rollout.requests import eos_ids
 from miles.rollout.slot_cache import FastQwen3, SlotCache, forward_matches
-from miles.rollout.speculative import DraftModel
+from miles.rollout.speculative import DraftHeads, DraftModel
 from miles.tracking.memory import process_memory
 from miles.tracking.profiler import Profiled
 from miles.types import GenerateRequest, GenerateResult, SamplingParams
@@ -146,9 +147,9 @@ class TorchEngine(EngineSlots, EngineIntake, EnginePrefill, EngineEmission, Engi
     weights (:mod:`miles.adapters.lora`), chosen per request (``GenerateRequest.adapter``); ``prefix_cache_tokens``:
     keep the K/V of finished completions of requests with a ``session_id``, up to this many tokens, and
     prefill a later turn of the session from where they end (:mod:`miles.rollout.prefix_cache`; 0: off);
-    ``draft_checkpoint_dir``: a draft model (same vocabulary) that proposes ``draft_k`` tokens per row and
-    decode step, verified by the policy in one forward (exact speculative sampling,
-    :mod:`miles.rollout.engine_spec`; None: off).
+    ``draft_checkpoint_dir``: a draft model (same vocabulary), or the policy's own draft heads
+    (:mod:`miles.models.draft_heads`), that proposes ``draft_k`` tokens per row and decode step, verified by the
+    policy in one forward (exact speculative sampling, :mod:`miles.rollout.engine_spec`; None: off).
     """
 
     reports_token_versions = True
@@ -270,12 +271,19 @@ class TorchEngine(EngineSlots, EngineIntake, EnginePrefill, EngineEmission, Engi
         self.draft_k = draft_k
         self.draft = None
         self.draft_version = 0  # the policy version the draft's weights were last pushed with (update_draft)
-        if draft_checkpoint_dir is not None:
+        if draft_checkpoint_dir is not None and is_heads_dir(draft_checkpoint_dir):
+            self.draft = DraftHeads(str(draft_checkpoint_dir), self.dtype, self.device, int(text_cfg.hidden_size))
+            if self.draft.k != draft_k:
+                raise ValueError(f"the draft heads in {draft_checkpoint_dir} are {self.draft.k}; draft_k={draft_k} "
+                                 "needs one head per proposed token")
+        elif draft_checkpoint_dir is not None:
             self.draft = DraftModel(str(draft_checkpoint_dir), self.dtype, self.device, max_batch_size)
             if self.draft.vocab_size != self.vocab_size:
                 raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size} tokens, {draft_checkpoint_dir}) is "
                                  f"not the policy's ({self.vocab_size}, {self.checkpoint_dir}); build the draft "
                                  "with the policy's tokenizer")
+        # A speculative round reads 2k + 1 uniforms per slot; a slot draws this many rounds' at once.
+        self.spec_noise_rounds = 16 if self.draft is not None else 0
         self._alloc_slots()
         self._fast = FastQwen3(self.model) if FastQwen3.supports(self.model) else None
         with torch.no_grad():

@@ -21,6 +21,7 @@ had. Nothing here is collective: one process.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import time
@@ -35,6 +36,8 @@ from miles.train.optim import (
     refuse_nonfinite,
     unflatten_optimizer_state,
 )
+
+log = logging.getLogger(__name__)
 
 DraftSequence = tuple[Sequence[int], Sequence[int], Sequence[int]]
 """``(prompt_ids, response_ids, loss_mask)`` of one sample (``loss_mask`` over the response)."""
@@ -62,10 +65,14 @@ class DraftTrainer:
                  lr_warmup_steps: int = 0) -> None:
         from transformers import AutoModelForCausalLM
 
+        from miles.models.draft_heads import is_heads_dir, load_heads
+
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
-                                                          attn_implementation="sdpa").train()
+        self.heads = is_heads_dir(checkpoint_dir)  # the policy's own heads (draft.heads), not a second model
+        self.model: torch.nn.Module = (load_heads(checkpoint_dir).train() if self.heads else
+                                       AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+                                                                            attn_implementation="sdpa").train())
         self.policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval().requires_grad_(False)
         self.temperature = temperature if temperature > 0 else 1.0
@@ -99,20 +106,13 @@ class DraftTrainer:
         seqs = [s for s in sequences if any(s[2])]
         if not seqs:
             return {}
+        if self.heads:
+            return self._train_heads(seqs, t0)
         total = sum(int(sum(m)) for _, _, m in seqs)
         loss_sum, top1 = 0.0, 0
         self.optimizer.zero_grad(set_to_none=True)
         for lo in range(0, len(seqs), self.micro_batch):
-            chunk = seqs[lo:lo + self.micro_batch]
-            width = max(len(p) + len(r) for p, r, _ in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            attn = torch.zeros(len(chunk), width, dtype=torch.long)
-            weight = torch.zeros(len(chunk), width)  # 1 where the token at that position is a target
-            for b, (p, r, m) in enumerate(chunk):
-                n = len(p) + len(r)
-                ids[b, :n] = torch.tensor([*p, *r], dtype=torch.long)
-                attn[b, :n] = 1
-                weight[b, len(p):n] = torch.tensor(m, dtype=torch.float32)
+            ids, attn, weight = _pack(seqs[lo:lo + self.micro_batch])
             with torch.no_grad():
                 logp = (self.policy(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
                         / self.temperature).log_softmax(-1)
@@ -124,12 +124,46 @@ class DraftTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
             top1 += int(((logq.argmax(-1) == logp.argmax(-1)).float() * w).sum())
+        return self._step({"draft/kl": loss_sum, "draft/top1": top1 / total, "draft/tokens": float(total)}, t0)
+
+    def _train_heads(self, seqs: Sequence[DraftSequence], t0: float) -> dict[str, float]:
+        """:meth:`train` for the policy's own heads (``draft.heads``): head ``j`` at position ``t`` learns the policy's
+        distribution of the token at ``t + 2 + j`` (:func:`heads_kl`), at every such token the policy generated; the
+        loss is the mean over heads of each head's mean KL. ``draft/top1`` is the first head's."""
+        k = self.model.k  # type: ignore[attr-defined]
+        totals = [0] * k
+        for p, _, m in seqs:
+            full = [0] * len(p) + [int(x) for x in m]
+            for j in range(k):
+                totals[j] += sum(full[2 + j:])
+        if not any(totals):
+            return {}
+        head = self.policy.get_output_embeddings()
+        kl_sum, top1 = torch.zeros(k), torch.zeros(k)
+        self.optimizer.zero_grad(set_to_none=True)
+        for lo in range(0, len(seqs), self.micro_batch):
+            ids, attn, weight = _pack(seqs[lo:lo + self.micro_batch])
+            with torch.no_grad():
+                hidden = self.policy.base_model(input_ids=ids, attention_mask=attn).last_hidden_state.float()
+                logp = (head(hidden).float() / self.temperature).log_softmax(-1)
+            kl, agree = heads_kl(self.model, head, hidden, logp, weight, self.temperature)
+            loss = sum(kl[j] / max(totals[j], 1) for j in range(k)) / k
+            loss.backward()  # type: ignore[union-attr]
+            kl_sum += kl.detach()
+            top1 += agree
+        per_head = [float(kl_sum[j]) / max(totals[j], 1) for j in range(k)]
+        return self._step({"draft/kl": sum(per_head) / k, "draft/top1": float(top1[0]) / max(totals[0], 1),
+                           "draft/tokens": float(sum(int(sum(m)) for _, _, m in seqs))}, t0)
+
+    def _step(self, out: dict[str, float], t0: float) -> dict[str, float]:
+        """Clip the accumulated gradient and take the optimizer step (skipped when the loss or the gradient is
+        not finite); ``out`` gets ``draft/grad_norm``, ``draft/lr``, ``draft/steps`` and ``draft/train_s``."""
+        loss_sum = out["draft/kl"]
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
                      if self.max_grad_norm > 0 else torch.linalg.vector_norm(torch.stack(
                          [torch.linalg.vector_norm(g) for g in grads])))
-        out = {"draft/kl": loss_sum, "draft/top1": top1 / total, "draft/tokens": float(total),
-               "draft/grad_norm": norm}
+        out["draft/grad_norm"] = norm
         if math.isfinite(loss_sum) and math.isfinite(norm):
             lr = self.lr * lr_multiplier(self.steps, warmup_steps=self.lr_warmup_steps, total_steps=0,
                                          schedule="constant", min_lr_ratio=1.0)
@@ -202,7 +236,87 @@ class DraftTrainer:
                 "param_groups": [g | {"params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
+def _pack(chunk: Sequence[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(ids, attention_mask, weight)`` [B, T] of ``chunk``; ``weight`` is 1 where the token at that
+    position is one the policy generated (a target), 0 elsewhere."""
+    width = max(len(p) + len(r) for p, r, _ in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    attn = torch.zeros(len(chunk), width, dtype=torch.long)
+    weight = torch.zeros(len(chunk), width)
+    for b, (p, r, m) in enumerate(chunk):
+        n = len(p) + len(r)
+        ids[b, :n] = torch.tensor([*p, *r], dtype=torch.long)
+        attn[b, :n] = 1
+        weight[b, len(p):n] = torch.tensor(m, dtype=torch.float32)
+    return ids, attn, weight
+
+
+def heads_kl(heads: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor, logp: torch.Tensor,
+             weight: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft heads' summed forward KL and argmax agreement, per head.
+
+    hidden: [B, T, D] the policy's final-normed hidden states; logp: [B, T, V] its log-probs at the temperature
+    (position ``s``: the distribution of the token at ``s + 1``); weight: [B, T] 1 at target tokens. Head ``j``
+    at position ``t`` proposes the token at ``t + 2 + j``, whose policy distribution is ``logp[:, t + 1 + j]``
+    -> (``sum KL(p || q_j)`` over targets [k] (differentiable in the heads), count of ``argmax q_j == argmax p``
+    over targets [k]).
+    """
+    t = hidden.shape[1]
+    kl, agree = [], []
+    for j in range(heads.k):  # type: ignore[attr-defined]
+        if t < 3 + j:
+            kl.append(hidden.new_zeros(()))
+            agree.append(0.0)
+            continue
+        h = heads(hidden[:, : t - 2 - j])[..., j, :]
+        logq = (lm_head(h).float() / temperature).log_softmax(-1)
+        p, w = logp[:, 1 + j: t - 1], weight[:, 2 + j:]
+        kl.append(((p.exp() * (p - logq)).sum(-1) * w).sum())
+        agree.append(float(((logq.argmax(-1) == p.argmax(-1)).float() * w).sum()))
+    return torch.stack(kl), torch.tensor(agree)
+
+
 def tied_names(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias another parameter (tied embeddings), which a load may leave out."""
     names = {n for n, _ in model.named_parameters()}
     return {k for k in model.state_dict() if k not in names}
+
+
+def build_heads(policy_dir: str | Path, out: str | Path, *, k: int, task: object, steps: int, batch_size: int,
+                lr: float, temperature: float, seed: int, lr_warmup_steps: int = 0, num_threads: int = 1,
+                chat_template: bool = True) -> dict[str, float]:
+    """New draft heads for the policy in ``policy_dir`` (``draft.heads``), warm-started on ``task``'s supervised
+    examples (``task.sft_examples(n, rng)``: the prompts and answers the policy's own warm start reads) with the
+    policy frozen: ``steps`` steps of :meth:`DraftTrainer.train` on ``batch_size`` examples each, every answer
+    token a target. Written into ``out`` (:func:`miles.models.draft_heads.save_heads`); returns the last step's
+    ``draft/*`` metrics (``{}`` for 0 steps: the new heads, which propose from the policy's next-token
+    distribution)."""
+    import random
+    import tempfile
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from miles.models.draft_heads import PolicyHeads, save_heads
+    from miles.models.tokenizer import encode_prompt
+
+    hidden = int(AutoConfig.from_pretrained(str(policy_dir)).get_text_config().hidden_size)
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="miles-heads-") as tmp:
+        save_heads(PolicyHeads(k, hidden), tmp)
+        trainer = DraftTrainer(tmp, str(policy_dir), lr=lr, temperature=temperature, num_threads=num_threads,
+                               seed=seed, lr_warmup_steps=lr_warmup_steps)
+    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    rng = random.Random(seed)
+    metrics: dict[str, float] = {}
+    for step in range(steps):
+        seqs = []
+        for prompt, answer in task.sft_examples(batch_size, rng):  # type: ignore[attr-defined]
+            response = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            seqs.append((encode_prompt(tokenizer, prompt, chat_template), response, [1] * len(response)))
+        metrics = trainer.train(seqs)
+        if (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
+            log.info("draft heads warm start step %d/%d: kl %.4f, top1 %.3f", step + 1, steps,
+                     metrics.get("draft/kl", float("nan")), metrics.get("draft/top1", float("nan")))
+    save_heads(trainer.model, out, policy=str(policy_dir), warm_start_steps=steps,  # type: ignore[arg-type]
+               **{m.removeprefix("draft/"): v for m, v in metrics.items() if m in ("draft/kl", "draft/top1")})
+    return metrics
