@@ -38,3 +38,15 @@ def test_rollout_bench_quick_prints_json_last(capsys: pytest.CaptureFixture) -> 
         assert row["ratio_vs_hf_generate"] == pytest.approx(row["tokens_per_s_miles"] / row["tokens_per_s_hf_generate"])
     with pytest.raises(SystemExit):
         main(["--batch-sizes", "0"])
+
+
+def test_rollout_bench_with_draft_heads_checks_greedy_outputs_and_reports_acceptance(capsys: pytest.CaptureFixture) -> None:
+    from miles.bench.rollout import main
+
+    assert bench_main(["rollout", "--quick", "--batch-sizes", "2", "--draft-heads", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["engines"] == ["hf", "miles", "heads"] and result["heads_greedy_outputs_equal"] is True
+    assert 0 < result["heads_accept_rate"] <= 1 and result["tokens_per_s_heads"] > 0
+    assert result["heads_ratio_vs_miles"] == pytest.approx(result["tokens_per_s_heads"] / result["tokens_per_s_miles"])
+    with pytest.raises(SystemExit):
+        main(["--draft-heads", "17"])

@@ -23,6 +23,10 @@ request is exactly ``--max-new-tokens`` long on every side.
   static batches of ``batch size`` rows (left padding, attention mask), ``max_new_tokens`` per batch.
 - miles: one in-process :class:`~miles.rollout.torch_engine.TorchEngine` with
   ``max_batch_size = batch size`` slots, all requests in one ``generate`` call (not via Ray).
+- heads (``--draft-heads K``): the torch engine as above, speculating with ``K`` new draft heads of the model
+  (:mod:`miles.models.draft_heads`, ``draft.heads``: each proposes from the model's next-token distribution at
+  the row's last token; on a near-uniform random model that accepts about 0.94 of the proposals). Its greedy
+  outputs on 16 prompts are compared with the plain engine's (``heads_greedy_outputs_equal``).
 - sglang (``--engine sglang``, needs ``scripts/setup_sglang.sh``): one in-process
   :class:`~miles.rollout.sglang_engine.SGLangEngine`, a real SGLang server started anew for each batch
   size with ``max_batch_size = batch size`` (the start is not timed), all requests in one
@@ -109,17 +113,32 @@ def run_hf(model: Any, prompts: list[tuple[int, ...]], batch_size: int, max_new:
     return time.perf_counter() - t0, lengths
 
 
-def run_miles(engine: Any, prompts: list[tuple[int, ...]], max_new: int, seed: int) -> tuple[float, list[int]]:
-    """Seconds and per-row lengths for one engine generate call over all prompts."""
+def run_miles(engine: Any, prompts: list[tuple[int, ...]], max_new: int, seed: int,
+              spec: list[tuple[int, int]] | None = None) -> tuple[float, list[int]]:
+    """Seconds and per-row lengths for one engine generate call over all prompts; ``spec`` (a speculative
+    engine's) gets each row's (proposed, accepted) draft tokens."""
     from miles.types import GenerateRequest, SamplingParams
 
     reqs = [GenerateRequest(request_id=str(i), prompt_ids=p, seed=seed * 100_003 + i) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     results = engine.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=max_new))
-    return time.perf_counter() - t0, [len(r.response_ids) for r in results]
+    seconds = time.perf_counter() - t0
+    if spec is not None:
+        spec += [r.spec_counts for r in results if r.spec_counts is not None]
+    return seconds, [len(r.response_ids) for r in results]
 
 
-def _engine(kind: str, path: Path, batch_size: int, threads: int) -> Any:
+def greedy_outputs(engine: Any, prompts: list[tuple[int, ...]], max_new: int) -> list[tuple[int, ...]]:
+    """The engine's greedy responses to ``prompts``."""
+    from miles.types import GenerateRequest, SamplingParams
+
+    reqs = [GenerateRequest(request_id=str(i), prompt_ids=p) for i, p in enumerate(prompts)]
+    return [tuple(r.response_ids) for r in engine.generate(reqs, SamplingParams(greedy=True, max_new_tokens=max_new))]
+
+
+def _engine(kind: str, path: Path, batch_size: int, threads: int, heads: Path | None = None) -> Any:
+    """The side ``kind``'s engine: ``torch``, ``sglang``, or ``heads`` (the torch engine with the draft heads in
+    ``heads``)."""
     from miles.config.schema import PrecisionConfig
 
     if kind == "sglang":
@@ -129,28 +148,44 @@ def _engine(kind: str, path: Path, batch_size: int, threads: int) -> Any:
                             max_total_tokens=max(8192, batch_size * 256))
     from miles.rollout.torch_engine import TorchEngine
 
+    if kind == "heads":
+        from miles.models.draft_heads import load_heads
+
+        return TorchEngine(str(path), PrecisionConfig(), max_batch_size=batch_size, num_threads=threads,
+                           draft_checkpoint_dir=str(heads), draft_k=load_heads(heads).k)
     return TorchEngine(str(path), PrecisionConfig(), max_batch_size=batch_size, num_threads=threads)
 
 
 def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: int, eos_prob: float,
-          threads: int, out=None, engine: str = "torch") -> dict[str, Any]:
+          threads: int, out=None, engine: str = "torch", draft_heads: int = 0) -> dict[str, Any]:
     """Every side on every batch size (a line each to ``out``), then batch-1 latency: the JSON summary.
 
-    Sides: HF generate and the miles torch engine; with ``engine="sglang"`` also the SGLang engine."""
+    Sides: HF generate and the miles torch engine; with ``engine="sglang"`` also the SGLang engine; with
+    ``draft_heads=k`` also the torch engine speculating with ``k`` new draft heads of the policy
+    (:mod:`miles.models.draft_heads`: each proposes from the policy's next-token distribution at the row's last
+    token), whose greedy outputs are compared with the plain engine's."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     out = out or sys.stdout  # looked up per call: a test may have swapped it since import
-    sides = ("hf", "miles", "sglang") if engine == "sglang" else ("hf", "miles")
+    sides: tuple[str, ...] = ("hf", "miles", "sglang") if engine == "sglang" else ("hf", "miles")
+    sides += ("heads",) * bool(draft_heads)
     with tempfile.TemporaryDirectory(prefix="miles-bench-rollout-") as tmp:
         path = build_model(Path(tmp) / "tiny", eos_prob)
+        heads = None
+        if draft_heads:
+            from miles.models.draft_heads import PolicyHeads, save_heads
+
+            heads = save_heads(PolicyHeads(draft_heads, int(AutoModelForCausalLM.from_pretrained(str(path)).config
+                                                            .hidden_size)), Path(tmp) / "heads")
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
         table = []
         for bs in batch_sizes:
-            engines = {side: _engine("torch" if side == "miles" else side, path, bs, threads)
+            engines = {side: _engine("torch" if side == "miles" else side, path, bs, threads, heads)
                        for side in sides if side != "hf"}
             n_rows = max(rows_per_batch * bs, 4)
+            spec: list[tuple[int, int]] = []
             run_hf(hf, make_prompts(bs, vocab, 999), bs, 8)  # warm-up every side
             for e in engines.values():
                 run_miles(e, make_prompts(bs, vocab, 999), 8, 999)
@@ -164,10 +199,16 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
                     if side == "hf":
                         seconds, lengths = run_hf(hf, prompts, bs, max_new)
                     else:
-                        seconds, lengths = run_miles(engines[side], prompts, max_new, rep)
+                        seconds, lengths = run_miles(engines[side], prompts, max_new, rep,
+                                                     spec if side == "heads" else None)
                     times[side].append(seconds)
                     tps[side].append(sum(lengths) / seconds)
                     lens[side] += lengths
+            greedy_equal = None
+            if "heads" in sides:
+                greedy_prompts = make_prompts(16, vocab, 555)
+                greedy_equal = (greedy_outputs(engines["heads"], greedy_prompts, max_new)
+                                == greedy_outputs(engines["miles"], greedy_prompts, max_new))
             for e in engines.values():
                 e.close()
             row = {
@@ -181,13 +222,24 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
             }
             row["ratio_vs_hf_generate"] = row["tokens_per_s_miles"] / row["tokens_per_s_hf_generate"]
             extra = ""
+            if "heads" in sides:
+                row |= {"tokens_per_s_heads": statistics.median(tps["heads"]),
+                        "seconds_heads": statistics.median(times["heads"]),
+                        "mean_len_heads": statistics.mean(lens["heads"]),
+                        "heads_accept_rate": sum(a for _, a in spec) / max(1, sum(p for p, _ in spec)),
+                        "heads_greedy_outputs_equal": greedy_equal}
+                row["heads_ratio_vs_hf_generate"] = row["tokens_per_s_heads"] / row["tokens_per_s_hf_generate"]
+                row["heads_ratio_vs_miles"] = row["tokens_per_s_heads"] / row["tokens_per_s_miles"]
+                extra += (f", with {draft_heads} draft heads {row['tokens_per_s_heads']:8.0f} tok/s "
+                          f"({row['heads_ratio_vs_hf_generate']:.2f}x HF, {row['heads_ratio_vs_miles']:.2f}x miles, "
+                          f"acceptance {row['heads_accept_rate']:.3f}, greedy outputs equal: {greedy_equal})")
             if "sglang" in sides:
                 row |= {"tokens_per_s_sglang": statistics.median(tps["sglang"]),
                         "seconds_sglang": statistics.median(times["sglang"]),
                         "mean_len_sglang": statistics.mean(lens["sglang"])}
                 row["sglang_ratio_vs_hf_generate"] = row["tokens_per_s_sglang"] / row["tokens_per_s_hf_generate"]
                 row["sglang_ratio_vs_miles"] = row["tokens_per_s_sglang"] / row["tokens_per_s_miles"]
-                extra = (f", SGLang {row['tokens_per_s_sglang']:8.0f} tok/s ({row['sglang_ratio_vs_miles']:.2f}x miles, "
+                extra += (f", SGLang {row['tokens_per_s_sglang']:8.0f} tok/s ({row['sglang_ratio_vs_miles']:.2f}x miles, "
                          f"mean length {row['mean_len_sglang']:.1f})")
             table.append(row)
             print(f"batch {bs:3d}: miles {row['tokens_per_s_miles']:8.0f} tok/s, HF generate "
@@ -198,7 +250,7 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
         if 1 in batch_sizes:  # one request at a time, always max_new tokens: the same model without EOS
             path1 = build_model(Path(tmp) / "no_eos", 1e-9)
             hf1 = AutoModelForCausalLM.from_pretrained(str(path1), dtype=torch.float32).eval()
-            engines = {side: _engine("torch" if side == "miles" else side, path1, 1, threads)
+            engines = {side: _engine("torch" if side == "miles" else side, path1, 1, threads, heads)
                        for side in sides if side != "hf"}
             prompt = make_prompts(1, vocab, 7)
             lat: dict[str, list[float]] = {side: [] for side in sides}
@@ -214,6 +266,8 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
                        "batch1_latency_s_hf_generate": statistics.median(lat["hf"]),
                        "batch1_ms_per_token_miles": 1e3 * statistics.median(lat["miles"]) / max_new,
                        "batch1_ms_per_token_hf_generate": 1e3 * statistics.median(lat["hf"]) / max_new}
+            if "heads" in sides:
+                latency |= {"batch1_latency_s_heads": statistics.median(lat["heads"])}
             if "sglang" in sides:
                 latency |= {"batch1_latency_s_sglang": statistics.median(lat["sglang"]),
                             "batch1_ms_per_token_sglang": 1e3 * statistics.median(lat["sglang"]) / max_new}
@@ -223,8 +277,9 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
                   file=out, flush=True)
     main_bs = 32 if 32 in batch_sizes else max(batch_sizes)
     main = next(r for r in table if r["batch_size"] == main_bs)
-    sglang = {k: main[k] for k in ("tokens_per_s_sglang", "sglang_ratio_vs_hf_generate", "sglang_ratio_vs_miles")
-              if k in main}
+    sglang = {k: main[k] for k in ("tokens_per_s_sglang", "sglang_ratio_vs_hf_generate", "sglang_ratio_vs_miles",
+                                   "tokens_per_s_heads", "heads_ratio_vs_hf_generate", "heads_ratio_vs_miles",
+                                   "heads_accept_rate", "heads_greedy_outputs_equal") if k in main}
     return {
         "tokens_per_s_miles": main["tokens_per_s_miles"],
         "tokens_per_s_hf_generate": main["tokens_per_s_hf_generate"],
@@ -262,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (every side)")
     p.add_argument("--engine", choices=("torch", "sglang"), default="torch",
                    help="sglang: also a real SGLang server (needs scripts/setup_sglang.sh), next to torch and HF")
+    p.add_argument("--draft-heads", type=int, default=0, metavar="K",
+                   help="also the torch engine speculating with K new draft heads of the model (draft.heads), "
+                        "its greedy outputs compared with the plain engine's (0: off)")
     p.add_argument("--quick", action="store_true",
                    help="seconds, for tests: defaults become batch sizes 1,4, 16 new tokens, 1 repeat, 2 rows/batch")
     args = p.parse_args(argv)
@@ -276,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-new-tokens: must be in [1, 200] (the tiny model has 256 positions), got {args.max_new_tokens}")
     if args.repeats < 1 or args.rows_per_batch < 1:
         p.error("--repeats and --rows-per-batch must be >= 1")
+    if not 0 <= args.draft_heads <= 16:
+        p.error(f"--draft-heads: must be in [0, 16], got {args.draft_heads}")
     if not 0.0 < args.eos_prob < 1.0:
         p.error(f"--eos-prob: must be in (0, 1), got {args.eos_prob}")
     result = bench(batch_sizes, args.rows_per_batch, args.max_new_tokens, args.repeats, args.eos_prob, args.threads,
-                   engine=args.engine)
+                   engine=args.engine, draft_heads=args.draft_heads)
     print(json.dumps(result))
     return 0
 

@@ -210,8 +210,8 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
        prompts_per_step: int = 4, draft_lr: float | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """``--rl-steps``: speculative rollout through RL training, with the draft frozen and trained online.
 
-    The policy (``policy_flavor``) and the draft (``draft_flavor``) are built and warm-started on ``task``
-    as a run builds them. Speed on ``requests`` held-out prompts of the task (:func:`compare`) is measured at
+    The policy (``policy_flavor``) and the draft (``draft_flavor``; ``heads``: the policy's own draft heads,
+    ``draft.heads``) are built and warm-started on ``task`` as a run builds them. Speed on ``requests`` held-out prompts of the task (:func:`compare`) is measured at
     the start; then, per arm, a GRPO run of ``steps`` steps with the draft (``draft.online`` false for
     ``frozen``, true for ``online``; ``prompts_per_step`` x 4 samples) logs ``rollout/spec_accept_rate`` every
     step (``draft_lr``: the online arm's ``draft.lr``; None: its default), and the speed is measured
@@ -225,8 +225,9 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     from miles.models.tokenizer import encode_prompt
 
     spec = f"{{_target_: miles.models.qwen3.qwen3_spec, flavor: {draft_flavor}, path: null}}"
+    draft_node = "draft.heads=true" if draft_flavor == "heads" else f"draft.model={spec}"
     base = ["tracking=none", "trainer.eval_every=0", f"task={task}", f"model.flavor={policy_flavor}",
-            f"draft.model={spec}", f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
+            draft_node, f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
             f"algo.num_prompts_per_step={prompts_per_step}", "algo.num_samples_per_prompt=4",
             f"trainer.num_steps={steps}", *overrides]
     t0 = time.perf_counter()
@@ -304,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                         "many GRPO steps, with the draft frozen and trained online (draft.online)")
     p.add_argument("--task", default="count", help="--rl-steps: the task (default count: long, predictable answers)")
     p.add_argument("--policy-flavor", default="20m", help="--rl-steps: the policy's qwen3 flavor (default 20m)")
-    p.add_argument("--draft-flavor", default="tiny", help="--rl-steps: the draft's qwen3 flavor (default tiny)")
+    p.add_argument("--draft-flavor", default="tiny",
+                   help="--rl-steps: the draft's qwen3 flavor, or heads: the policy's own draft heads (default tiny)")
     p.add_argument("--arms", default="frozen,online", help="--rl-steps: frozen, online or both (default both)")
     p.add_argument("--lr", type=float, default=1e-4, help="--rl-steps: the policy's trainer.lr (default 1e-4)")
     p.add_argument("--draft-lr", type=float, default=None,
