@@ -165,8 +165,12 @@ def test_heads_compose_and_train_online_beside_either_trainer() -> None:
     from miles.core.plan import make_plan
     from miles.machine import Machine
 
+    from miles.config.draft import draft_lr
+
     run = _run(["draft.heads=true", "draft.online=true"])
     assert run.draft.heads and run.draft.model is None
+    assert (draft_lr(run), draft_lr(_run([DRAFT])), draft_lr(_run(["draft.heads=true", "draft.lr=5e-4"]))) == (
+        1e-2, 3e-3, 5e-4)  # null: the kind's default
     assert make_plan(run, Machine.here()).draft_trainer  # the draft trainer is placed as for a draft model
     with pytest.raises(ConfigError, match="set draft.model or draft.heads=true"):
         _run(["draft.online=true"])

@@ -225,9 +225,11 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     from miles.models.tokenizer import encode_prompt
 
     spec = f"{{_target_: miles.models.qwen3.qwen3_spec, flavor: {draft_flavor}, path: null}}"
-    draft_node = "draft.heads=true" if draft_flavor == "heads" else f"draft.model={spec}"
+    # heads are warm-started at the draft's learning rate: --draft-lr applies to their build too
+    draft_nodes = ((["draft.heads=true"] + ([f"draft.lr={draft_lr}"] if draft_lr is not None else []))
+                   if draft_flavor == "heads" else [f"draft.model={spec}"])
     base = ["tracking=none", "trainer.eval_every=0", f"task={task}", f"model.flavor={policy_flavor}",
-            draft_node, f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
+            *draft_nodes, f"draft.k={k}", f"rollout.max_new_tokens={max_new}", f"trainer.lr={lr}",
             f"algo.num_prompts_per_step={prompts_per_step}", "algo.num_samples_per_prompt=4",
             f"trainer.num_steps={steps}", *overrides]
     t0 = time.perf_counter()
@@ -246,7 +248,8 @@ def rl(steps: int, task: str, policy_flavor: str, draft_flavor: str, k: int, max
     for arm in arms:
         save = workdir / arm
         overrides = [*base, f"draft.online={'true' if arm == 'online' else 'false'}", f"trainer.save_dir={save}",
-                     f"trainer.save_every={steps}", *([f"draft.lr={draft_lr}"] if draft_lr is not None else [])]
+                     f"trainer.save_every={steps}",
+                     *([f"draft.lr={draft_lr}"] if draft_lr is not None and draft_flavor != "heads" else [])]
         arm_run, resolved = compose(overrides)
         rates: dict[int, float] = {}
 

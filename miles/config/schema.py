@@ -587,9 +587,11 @@ class DraftConfig:
     tokens, at the rollout temperature) in an actor of its own, and push its weights to the engines with the
     policy's; a draft trainer that dies is replaced up to ``trainer.max_failures`` times. false: the draft stays
     as loaded, and its acceptance rate falls as the policy moves away from it."""
-    lr: float = 3e-3
-    """The online draft's AdamW learning rate (``draft.online``). With a tiny draft of the 20m policy, 3e-3 kept the
-    acceptance through 100 GRPO steps on two seeds, 1e-3 on one of them (docs/speculative.md)."""
+    lr: float | None = None
+    """The draft's AdamW learning rate (``draft.online``; draft heads also in their warm start); null: 3e-3 for a draft
+    model, 1e-2 for draft heads. With a tiny draft of the 20m policy, 3e-3 kept the acceptance through 100 GRPO
+    steps on two seeds, 1e-3 on one of them; heads of that policy accepted more and kept it at 1e-2 than at 3e-3
+    (docs/speculative.md)."""
     lr_warmup_steps: int = 20
     """The online draft's learning rate rises linearly to ``lr`` over its first this many steps (0: none). Adam's
     first updates move every weight by about ``lr``: without it a tiny draft of a 20m policy fell from 0.72 to

@@ -26,6 +26,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.config import MilesConfig, RankConfig, locate
+from miles.config.draft import draft_lr
 from miles.core.cluster import bundle_nodes, rendezvous, reserve
 from miles.core.plan import Plan, Slot
 from miles.tracking.timeline import timed_class
@@ -207,7 +208,7 @@ def _new_draft_trainer(actors: Actors, run: MilesConfig, checkpoint_dir: str) ->
     s = plan.draft_trainer[0]
     return _place(DraftTrainer, s, actors.placement_groups, track="draft trainer" if _timed(run) else None,
                   probed=True).remote(
-        str(checkpoint), checkpoint_dir, lr=run.draft.lr, temperature=run.rollout.temperature, num_threads=s.threads,
+        str(checkpoint), checkpoint_dir, lr=draft_lr(run), temperature=run.rollout.temperature, num_threads=s.threads,
         seed=run.seed + 11, lr_warmup_steps=run.draft.lr_warmup_steps)
 
 

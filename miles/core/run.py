@@ -410,12 +410,14 @@ def ensure_draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any
 def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     """The policy's own draft heads (``draft.heads``): warm-started on the run's task with the policy frozen
     (:func:`miles.train.draft.build_heads`) and cached under ``warm_start.cache_dir`` by everything that shapes
-    them (the policy's weights, ``draft.k``, the task, the warm start's steps and batch, ``draft.lr``, the seed)."""
+    them (the policy's weights, ``draft.k``, the task, the warm start's steps and batch, the draft's learning rate
+    (:func:`miles.config.draft.draft_lr`), the seed)."""
     import hashlib
     import json
     import shutil
     import tempfile
 
+    from miles.config.draft import draft_lr
     from miles.models.draft_heads import META
     from miles.train.draft import build_heads
 
@@ -424,7 +426,7 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     key = hashlib.sha256(json.dumps({
         "policy": str(policy_checkpoint.resolve()),
         "weights": [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
-        "k": d.k, "lr": d.lr, "lr_warmup_steps": d.lr_warmup_steps, "temperature": run.rollout.temperature,
+        "k": d.k, "lr": draft_lr(run), "lr_warmup_steps": d.lr_warmup_steps, "temperature": run.rollout.temperature,
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
         "tenants": [t.name for t in run.tenants], "steps": ws.steps, "batch_size": ws.batch_size, "seed": run.seed,
     }, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -435,7 +437,7 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
         try:
             t0 = time.perf_counter()
             metrics = build_heads(policy_checkpoint, tmp, k=d.k, task=task, steps=ws.steps,
-                                  batch_size=ws.batch_size, lr=d.lr, lr_warmup_steps=d.lr_warmup_steps,
+                                  batch_size=ws.batch_size, lr=draft_lr(run), lr_warmup_steps=d.lr_warmup_steps,
                                   temperature=run.rollout.temperature, seed=run.seed + 13,
                                   num_threads=torch.get_num_threads(),
                                   chat_template=getattr(task, "chat_template", True))
