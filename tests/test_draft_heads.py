@@ -162,10 +162,9 @@ def test_heads_refusals_say_why(overrides: list[str], match: str) -> None:
 
 
 def test_heads_compose_and_train_online_beside_either_trainer() -> None:
+    from miles.config.draft import draft_lr
     from miles.core.plan import make_plan
     from miles.machine import Machine
-
-    from miles.config.draft import draft_lr
 
     run = _run(["draft.heads=true", "draft.online=true"])
     assert run.draft.heads and run.draft.model is None

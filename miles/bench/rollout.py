@@ -172,14 +172,13 @@ def bench(batch_sizes: list[int], rows_per_batch: int, max_new: int, repeats: in
     sides += ("heads",) * bool(draft_heads)
     with tempfile.TemporaryDirectory(prefix="miles-bench-rollout-") as tmp:
         path = build_model(Path(tmp) / "tiny", eos_prob)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        vocab = hf.config.vocab_size
         heads = None
         if draft_heads:
             from miles.models.draft_heads import PolicyHeads, save_heads
 
-            heads = save_heads(PolicyHeads(draft_heads, int(AutoModelForCausalLM.from_pretrained(str(path)).config
-                                                            .hidden_size)), Path(tmp) / "heads")
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        vocab = hf.config.vocab_size
+            heads = save_heads(PolicyHeads(draft_heads, int(hf.config.hidden_size)), Path(tmp) / "heads")
         table = []
         for bs in batch_sizes:
             engines = {side: _engine("torch" if side == "miles" else side, path, bs, threads, heads)

@@ -414,11 +414,10 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     (:func:`miles.config.draft.draft_lr`), the seed)."""
     import hashlib
     import json
-    import shutil
-    import tempfile
 
     from miles.config.draft import draft_lr
-    from miles.models.draft_heads import META
+    from miles.models.checkpoint import cached_build
+    from miles.models.draft_heads import META, WEIGHTS
     from miles.train.draft import build_heads
 
     d, ws = run.draft, run.warm_start
@@ -430,23 +429,15 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
         "tenants": [t.name for t in run.tenants], "steps": ws.steps, "batch_size": ws.batch_size, "seed": run.seed,
     }, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    final = Path(ws.cache_dir).expanduser() / f"draft-heads-{key}"
-    if not (final / META).is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-        try:
-            t0 = time.perf_counter()
-            metrics = build_heads(policy_checkpoint, tmp, k=d.k, task=task, steps=ws.steps,
-                                  batch_size=ws.batch_size, lr=draft_lr(run), lr_warmup_steps=d.lr_warmup_steps,
-                                  temperature=run.rollout.temperature, seed=run.seed + 13,
-                                  num_threads=torch.get_num_threads(),
-                                  chat_template=getattr(task, "chat_template", True))
-            log.info("built %d draft heads in %.1fs (%s)", d.k, time.perf_counter() - t0, metrics)
-            if not (final / META).is_file():
-                shutil.rmtree(final, ignore_errors=True)
-                tmp.rename(final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        metrics = build_heads(policy_checkpoint, tmp, k=d.k, task=task, steps=ws.steps, batch_size=ws.batch_size,
+                              lr=draft_lr(run), lr_warmup_steps=d.lr_warmup_steps,
+                              temperature=run.rollout.temperature, seed=run.seed + 13,
+                              num_threads=torch.get_num_threads(), chat_template=getattr(task, "chat_template", True))
+        log.info("built %d draft heads in %.1fs (%s)", d.k, time.perf_counter() - t0, metrics)
+
+    final = cached_build(Path(ws.cache_dir).expanduser() / f"draft-heads-{key}", build, required=(META, WEIGHTS))
     log.info("speculative rollout: the policy's own %d draft heads (%s)", d.k, final)
     return final
 

@@ -97,14 +97,14 @@ def ensure_checkpoint(run: MilesConfig, spec: ModelSpec, task) -> Path:
     if spec.gguf is not None:
         return _from_gguf(spec, root)
     final = root / f"{spec.name}-{spec.flavor}-{checkpoint_key(run, spec)[:16]}"
-    return _cached(final, lambda tmp: _build(run, spec, task, tmp))
+    return cached_build(final, lambda tmp: _build(run, spec, task, tmp))
 
 
-def _cached(final: Path, build: Callable[[Path], None]) -> Path:
-    """``final`` if it holds a whole checkpoint; else ``build(tmp)`` into a temporary sibling renamed to
+def cached_build(final: Path, build: Callable[[Path], None], required: tuple[str, ...] = _REQUIRED_FILES) -> Path:
+    """``final`` if it holds every file of ``required``; else ``build(tmp)`` into a temporary sibling renamed to
     ``final``, so a crashed build leaves nothing a later run would trust."""
-    if all((final / f).is_file() for f in _REQUIRED_FILES):
-        log.info("reusing checkpoint %s", final)
+    if all((final / f).is_file() for f in required):
+        log.info("reusing %s", final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -113,9 +113,9 @@ def _cached(final: Path, build: Callable[[Path], None]) -> Path:
         try:
             os.replace(tmp, final)
         except OSError:
-            if not all((final / f).is_file() for f in _REQUIRED_FILES):
+            if not all((final / f).is_file() for f in required):
                 raise
-            log.info("another process built %s first; using it", final)  # same key: same weights
+            log.info("another process built %s first; using it", final)  # same key: same contents
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -188,4 +188,4 @@ def _from_gguf(spec: ModelSpec, root: Path) -> Path:
         log.info("converted %s in %.1fs (%d params)", name, time.perf_counter() - t0,
                  sum(p.numel() for p in model.parameters()))
 
-    return _cached(final, convert)
+    return cached_build(final, convert)

@@ -44,6 +44,14 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"
     )
 
 
+def sft_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str,
+            chat_template: bool = True) -> tuple[list[int], list[int]]:
+    """One example's ``(prompt_ids, response_ids)``: the prompt as a rollout engine is fed it, the response and
+    the end-of-turn token."""
+    return (encode_prompt(tokenizer, prompt, chat_template),
+            tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id])
+
+
 def collate_sft(
     tokenizer: PreTrainedTokenizerBase, examples: list[tuple[str, str]], chat_template: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,8 +61,7 @@ def collate_sft(
     """
     rows: list[tuple[list[int], int]] = []
     for prompt, response in examples:
-        prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
-        response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+        prompt_ids, response_ids = sft_ids(tokenizer, prompt, response, chat_template)
         rows.append((prompt_ids + response_ids, len(prompt_ids)))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -138,18 +138,40 @@ class EngineSpeculation:
         sidx += 1
         return u
 
-    def _filtered(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-        """``filter(z / T)`` per row (logits [b, V]), as plain sampling races on."""
-        scaled = logits / temp[:, None] if self._count["temp"] else logits
-        return filter_logits_rows(scaled, top_k, top_p) if self._count["filter"] else scaled
+    def _filtered(self, logits: Tensor) -> Tensor:
+        """``filter(z / T)`` with each slot's settings, as plain sampling races on: logits [b, V] or [b, m, V] (slot
+        ``i``'s ``m`` positions), the first ``b`` slots'."""
+        b, v, st = logits.shape[0], logits.shape[-1], self._st
+        flat = logits.reshape(-1, v)
+        m = flat.shape[0] // b
+
+        def per_row(t: Tensor) -> Tensor:
+            return t[:b].repeat_interleave(m) if m > 1 else t[:b]
+
+        scaled = flat / per_row(st["temp"])[:, None] if self._count["temp"] else flat
+        if self._count["filter"]:
+            scaled = filter_logits_rows(scaled, per_row(st["top_k"]), per_row(st["top_p"]))
+        return scaled.view(logits.shape)
+
+    def _propose(self, z: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        """Proposals from filtered draft logits ``z`` [b, ..., V] with the uniforms ``u`` [b, ...] (inverse CDF; the
+        argmax for greedy rows) -> (proposals [b, ...], q [b, ..., V])."""
+        q = z.softmax(dim=-1)
+        if not self._count["sampled"]:
+            return z.argmax(dim=-1), q
+        d = sample_inverse_cdf(q, u)
+        if self._count["greedy"]:
+            greedy = self._st["greedy"][: z.shape[0]].view(-1, *([1] * (d.dim() - 1)))
+            d = torch.where(greedy, z.argmax(dim=-1), d)
+        return d, q
 
     def _spec_decode(self) -> list[tuple[int, str]]:
         """One speculative round for every occupied slot; returns the rows that stopped."""
         assert self.draft is not None
-        b, st, k, v = self._n, self._st, self.draft_k, self.vocab_size
+        b, st, k = self._n, self._st, self.draft_k
         arange = self._arange[:b]
         pos, tok = st["pos"][:b], st["tok"][:b]
-        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
+        temp, greedy = st["temp"][:b], st["greedy"][:b]
         u = self._round_noise(b, k)
         # 1. draft proposals
         heads = self.draft.cache is None
@@ -164,13 +186,7 @@ class EngineSpeculation:
         logits = self._lm_head(hidden).float()  # [b, k + 1, V]
         scaled = logits / temp[:, None, None] if self._count["temp"] else logits
         logp = scaled.log_softmax(dim=-1)
-        flat = self._filtered(
-            logits.reshape(b * (k + 1), v),
-            temp.repeat_interleave(k + 1),
-            top_k.repeat_interleave(k + 1),
-            top_p.repeat_interleave(k + 1),
-        )
-        p = flat.view(b, k + 1, v).softmax(dim=-1)
+        p = self._filtered(logits).softmax(dim=-1)
         # 3. accept / reject, then the rows' tokens
         accepted, tokens = speculative_accept(
             p,
@@ -193,16 +209,7 @@ class EngineSpeculation:
         """The draft heads' ``k`` proposals per row from the row's last hidden state: one batched matmul and one
         LM head over ``k`` positions -> (proposals [b, k], q [b, k, V])."""
         assert self.draft is not None
-        st, k, v = self._st, self.draft_k, self.vocab_size
-        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
-        logits = self._lm_head(self.draft.model(st["hid"][:b])).float()  # [b, k, V]
-        z = self._filtered(logits.reshape(b * k, v), temp.repeat_interleave(k), top_k.repeat_interleave(k),
-                           top_p.repeat_interleave(k)).view(b, k, v)
-        q = z.softmax(dim=-1)
-        draft = z.argmax(dim=-1) if not self._count["sampled"] else sample_inverse_cdf(q, u)
-        if self._count["greedy"] and self._count["sampled"]:
-            draft = torch.where(greedy[:, None], z.argmax(dim=-1), draft)
-        return draft, q
+        return self._propose(self._filtered(self._lm_head(self.draft.model(self._st["hid"][:b])).float()), u)
 
     def _model_proposals(self, b: int, u: Tensor) -> tuple[Tensor, Tensor]:
         """A draft model's ``k`` proposals per row: a forward over the row's last two tokens, then ``k - 1``
@@ -211,7 +218,6 @@ class EngineSpeculation:
         st, k = self._st, self.draft_k
         arange = self._arange[:b]
         pos, tok, prev = st["pos"][:b], st["tok"][:b], st["prev"][:b]
-        temp, top_k, top_p, greedy = st["temp"][:b], st["top_k"][:b], st["top_p"][:b], st["greedy"][:b]
         top = int(pos.max())
         dc = self.draft.cache
         qpos = pos[:, None] + torch.tensor([-1, 0], device=self.device)[None]
@@ -220,11 +226,7 @@ class EngineSpeculation:
         hidden = self.draft.forward(torch.stack([prev, tok], 1), mask, qpos)[:, -1]
         proposals, q = [], []
         for j in range(k):
-            z = self._filtered(self.draft.logits(hidden), temp, top_k, top_p)
-            q_j = z.softmax(dim=-1)
-            d = z.argmax(dim=-1) if not self._count["sampled"] else sample_inverse_cdf(q_j, u[:, j])
-            if self._count["greedy"] and self._count["sampled"]:
-                d = torch.where(greedy, z.argmax(dim=-1), d)
+            d, q_j = self._propose(self._filtered(self.draft.logits(hidden)), u[:, j])
             proposals.append(d)
             q.append(q_j)
             if j < k - 1:

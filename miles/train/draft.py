@@ -302,7 +302,7 @@ def build_heads(policy_dir: str | Path, out: str | Path, *, k: int, task: object
     from transformers import AutoConfig, AutoTokenizer
 
     from miles.models.draft_heads import PolicyHeads, save_heads
-    from miles.models.tokenizer import encode_prompt
+    from miles.models.warm_start import sft_ids
 
     hidden = int(AutoConfig.from_pretrained(str(policy_dir)).get_text_config().hidden_size)
     torch.manual_seed(seed)
@@ -316,8 +316,8 @@ def build_heads(policy_dir: str | Path, out: str | Path, *, k: int, task: object
     for step in range(steps):
         seqs = []
         for prompt, answer in task.sft_examples(batch_size, rng):  # type: ignore[attr-defined]
-            response = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-            seqs.append((encode_prompt(tokenizer, prompt, chat_template), response, [1] * len(response)))
+            prompt_ids, response = sft_ids(tokenizer, prompt, answer, chat_template)
+            seqs.append((prompt_ids, response, [1] * len(response)))
         metrics = trainer.train(seqs)
         if (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
             log.info("draft heads warm start step %d/%d: kl %.4f, top1 %.3f", step + 1, steps,
