@@ -44,6 +44,10 @@ class PolicyHeads(nn.Module):
         z = torch.einsum("...d,jed->...je", hidden, self.weight) + self.bias
         return hidden.unsqueeze(-2) + F.silu(z)
 
+    def one(self, j: int, hidden: Tensor) -> Tensor:
+        """Head ``j`` alone: hidden [..., D] -> [..., D] (``forward(hidden)[..., j, :]``)."""
+        return hidden + F.silu(F.linear(hidden, self.weight[j], self.bias[j]))
+
 
 def is_heads_dir(path: str | Path) -> bool:
     return Path(path).joinpath(META).is_file()

@@ -273,7 +273,7 @@ def heads_kl(heads: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Ten
             kl.append(hidden.new_zeros(()))
             agree.append(0.0)
             continue
-        h = heads(hidden[:, : t - 2 - j])[..., j, :]
+        h = heads.one(j, hidden[:, : t - 2 - j])  # type: ignore[operator]
         logq = (lm_head(h).float() / temperature).log_softmax(-1)
         p, w = logp[:, 1 + j: t - 1], weight[:, 2 + j:]
         kl.append(((p.exp() * (p - logq)).sum(-1) * w).sum())
