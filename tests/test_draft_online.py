@@ -22,6 +22,12 @@ FP32 = PrecisionConfig()
 DRAFT = "draft.model={_target_: miles.models.qwen3.qwen3_spec, flavor: tiny, path: null}"
 
 
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of built checkpoints for the runs of this module (the same policy and draft builds)."""
+    return tmp_path_factory.mktemp("draft_online_warm")
+
+
 def _run(overrides: list[str]):
     with initialize_config_module("miles.conf", version_base="1.3"):
         return validate(compose("config", overrides=overrides))
@@ -173,6 +179,7 @@ def test_update_draft_refuses_a_state_of_another_shape_and_keeps_its_draft(model
     (["draft.online=true"], "draft.online: there is no draft to train"),
     ([DRAFT, "draft.online=true", "draft.lr=0"], r"draft.lr: must be > 0"),
     ([DRAFT, "draft.online=true", "draft.lr_warmup_steps=-1"], r"draft.lr_warmup_steps: must be 0 or more"),
+    ([DRAFT, "draft.wait=false"], r"draft.wait=false without draft.online"),
 ])
 def test_online_draft_refusals_say_why(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -192,12 +199,14 @@ def test_the_plan_places_the_draft_trainer_on_trainer_rank_0s_bundle() -> None:
 
 class KillDraftTrainer:
     """Hook: at ``step``, before its train step, send ``sig`` (SIGKILL, or SIGSTOP: a hung trainer) to this run's
-    draft trainer (found in Ray's actor table); :attr:`pids` records the process."""
+    draft trainer (found in Ray's actor table), and SIGCONT ``resume_after_s`` later when given (a slow trainer);
+    :attr:`pids` records the process."""
 
     pids: list[int] = []
 
-    def __init__(self, step: int, sig: str = "SIGKILL") -> None:
-        self.step, self.sig = step, sig
+    def __init__(self, step: int, sig: str = "SIGKILL", resume_after_s: float | None = None,
+                 name: str = "kill_draft_trainer") -> None:
+        self.step, self.sig, self.resume_after_s, self.name = step, sig, resume_after_s, name
 
     def before_train(self, ctx, batch) -> None:
         import os
@@ -212,9 +221,27 @@ class KillDraftTrainer:
                   if a["ActorClassName"] == "DraftTrainer" and a["State"] == "ALIVE" and a["JobID"] == job]
         os.kill(pid, getattr(signal, self.sig))
         KillDraftTrainer.pids.append(pid)
+        if self.resume_after_s is not None:
+            import threading
+
+            threading.Timer(self.resume_after_s, os.kill, (pid, signal.SIGCONT)).start()
 
 
-def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray_cluster, tmp_path: Path) -> None:
+class Pause:
+    """Hook: at ``step``, before its train step, wait ``seconds`` (time for work in flight elsewhere to end)."""
+
+    name = "pause"
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def before_train(self, ctx, batch) -> None:
+        if ctx.step == self.step:
+            time.sleep(self.seconds)
+
+
+def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray_cluster, tmp_path: Path,
+                                                                             warm_cache: Path) -> None:
     """``draft.online`` through the driver: every step trains the draft (``draft/*``) and pushes it to the engine;
     a draft trainer killed (step 1) or stopped (step 4: its liveness probe finds it) is replaced and the run
     goes on with the engine in rotation; the run checkpoint holds the draft's state, and a run resumed from it
@@ -227,7 +254,7 @@ def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray
     from miles.core.run import run_job
 
     base = ["tracking=none", "trainer.eval_every=0", "task.num_eval_prompts=4", "algo.num_prompts_per_step=4",
-            "algo.num_samples_per_prompt=4", "warm_start.steps=5", f"warm_start.cache_dir={tmp_path / 'warm'}",
+            "algo.num_samples_per_prompt=4", "warm_start.steps=5", f"warm_start.cache_dir={warm_cache}",
             DRAFT, "draft.online=true", "draft.k=2", f"trainer.save_dir={tmp_path / 'ckpt'}", "trainer.save_every=2",
             "plugins.allow=[test_draft_online.,miles.]", "trainer.hang_timeout_s=5"]
     KillDraftTrainer.pids = []
@@ -260,13 +287,41 @@ def test_a_run_trains_the_draft_pushes_it_and_resumes_it_from_its_checkpoint(ray
 
     from miles.core.resume import export_draft
 
-    (base_draft,) = (tmp_path / "warm").glob("qwen3-tiny-*")  # the draft's build: the policy's flavor and task
+    (base_draft,) = warm_cache.glob("qwen3-tiny-*")  # the draft's build: the policy's flavor and task
     out = export_draft(tmp_path / "ckpt" / "step_000002", base_draft, tmp_path / "exported")
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     for k, v in load_file(str(saved / "model.safetensors")).items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0)
     with pytest.raises(ValueError, match="exists"):
         export_draft(tmp_path / "ckpt" / "step_000002", base_draft, out)
+
+
+def test_without_wait_a_push_keeps_the_engines_draft_while_its_training_runs_and_still_finds_a_hang(
+        ray_cluster, warm_cache: Path) -> None:
+    """``draft.wait=false``: at step 1 the draft trainer is stopped for 2 s (slow, not hung: it answers its probe once
+    it runs again), so step 1's push leaves the engines' draft as loaded (no ``draft/steps``, lag 1) and step 2 takes
+    no new batch while that training is in flight; step 2 (which waits 2 s before its train step, so that training
+    has ended) pushes it (lag 1: step 1's samples). At step 3 the trainer is stopped for good: the push does not
+    wait for its training, but its liveness probe finds it hung and it is replaced; the engine serves every step."""
+    from miles.bench.e2e import compose
+    from miles.core.run import run_job
+
+    KillDraftTrainer.pids = []
+    hooks = ("hooks=[{_target_: test_draft_online.KillDraftTrainer, step: 1, sig: SIGSTOP, resume_after_s: 2.0, "
+             "name: slow}, {_target_: test_draft_online.Pause, step: 2, seconds: 2.0}, "
+             "{_target_: test_draft_online.KillDraftTrainer, step: 3, sig: SIGSTOP, name: hung}]")
+    overrides = ["tracking=none", "trainer.eval_every=0", "task.num_eval_prompts=4", "algo.num_prompts_per_step=4",
+                 "algo.num_samples_per_prompt=4", "warm_start.steps=5", f"warm_start.cache_dir={warm_cache}",
+                 DRAFT, "draft.online=true", "draft.wait=false", "draft.k=2", "trainer.num_steps=3",
+                 "plugins.allow=[test_draft_online.,miles.]", "trainer.hang_timeout_s=4", hooks]
+    seen: dict[int, dict] = {}
+    run, resolved = compose(overrides)
+    run_job(run, resolved_yaml=resolved, overrides=overrides, on_metrics=lambda m, s: seen.setdefault(s, {}).update(m))
+    assert "draft/steps" not in seen[1] and seen[1]["draft/lag_steps"] == 1 and seen[1]["draft/restarts"] == 0
+    assert seen[2]["draft/steps"] == 1 and seen[2]["draft/lag_steps"] == 1 and seen[2]["draft/update_s"] >= 0
+    assert "draft/steps" not in seen[3] and seen[3]["draft/restarts"] == 1
+    for step in (1, 2, 3):
+        assert 0 < seen[step]["rollout/spec_accept_rate"] <= 1 and seen[step]["rollout/engines_alive"] == 1
 
 
 def test_a_lost_draft_trainer_with_no_replacement_stops_the_drafts_training_not_the_run(ray_cluster, models) -> None:

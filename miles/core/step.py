@@ -24,6 +24,7 @@ from miles.algos.gae import gae_from_lists
 from miles.config import checkpoints
 from miles.config.schema import MilesConfig
 from miles.core import resume
+from miles.core.actors import probe
 from miles.core.groups import assign_advantages, shape_overlong, why_untrainable
 from miles.core.ledger import Ledger
 from miles.core.profiling import StepProfiler, step_actors
@@ -99,7 +100,12 @@ class LoopContext:
     step's samples during the train step (:func:`learn`) and its weights go to the engines after the policy's
     (:func:`push_weights`); None: the draft stays as loaded."""
     draft_training: Any | None = None
-    """The object ref of the draft's training call on the last batch, until :func:`push_draft` takes it."""
+    """The object ref of the draft's training call on the last batch it took, until :func:`push_draft` takes it
+    (with ``draft.wait`` false it can stay in flight over several steps)."""
+    draft_batch_step: int = 0
+    """The step whose samples the draft's training in flight (:attr:`draft_training`) learns."""
+    draft_trained_step: int = 0
+    """The step whose samples the engines' draft learnt last (0: none, the draft as loaded or resumed)."""
     draft_state: Any | None = None
     """The object ref of the draft weights the engines were given last (:func:`push_draft`): what a new draft
     trainer starts from when the last one died."""
@@ -170,8 +176,12 @@ def learn(ctx: LoopContext, step: int, groups: list[list[Any]], metrics: dict[st
             gamma=algo.gamma, lam=algo.lam, whiten_advantages=algo.whiten_advantages,
         )
     hooks.before_train(step, batch)
-    if ctx.draft is not None:  # the draft learns the policy's latest tokens while the policy trains
+    # the draft learns the policy's latest tokens while the policy trains; with draft.wait false a draft trainer
+    # still busy skips this batch (with the wait, a batch without a push since the last, fully_async's
+    # update_interval, queues behind it)
+    if ctx.draft is not None and (ctx.run.draft.wait or ctx.draft_training is None):
         ctx.draft_training = ctx.draft.train.remote(draft_sequences(samples))
+        ctx.draft_batch_step = step
 
     # 4. train: every rank gets the batch and takes its shard;
     # then the critic ranks regress their values on the GAE returns (they share the trainer ranks'
@@ -267,17 +277,35 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
     as in generation. The state goes through the object store once, whatever the number of engines. Then the
     draft trainer gets one engine's weights (``state_dict``, as served) to distil the next samples from.
 
+    With ``draft.wait`` false, a training still running is not waited for: the engines keep their draft, the
+    draft trainer is probed for liveness, and it gets the engines' new weights after that training (the policy
+    its next batch comes from); ``draft/lag_steps``: how many steps before ``version`` the samples the engines'
+    draft learnt last came from.
+
     A draft trainer that died, or does not answer a liveness probe within ``trainer.hang_timeout_s`` (probed
     as the trainer ranks are, :func:`miles.core.recovery.get_ranks`: a slow step is not a hang), is replaced
     (:func:`recover_draft`) and the engines keep the draft they have."""
     assert ctx.draft is not None
     out: dict[str, float] = {}
-    ref, ctx.draft_training = ctx.draft_training, None
     hang_s = ctx.run.trainer.hang_timeout_s  # probed as the trainer ranks are: slow is not hung
+    if not ctx.run.draft.wait and ctx.draft_training is not None and not ray.wait([ctx.draft_training], timeout=0)[0]:
+        if hang_s > 0:
+            with span("draft_probe"):
+                try:
+                    get_ranks([probe(ctx.draft)], [ctx.draft], "draft trainer", hang_s)
+                except (ray.exceptions.RayActorError, TrainerRankHungError) as err:
+                    ctx.draft_training = None
+                    return out | recover_draft(ctx, err)
+        if ctx.rollout.pool.alive:  # queued after the training in flight: its next batch comes from these weights
+            pool = ctx.rollout.pool
+            ctx.draft.set_policy.remote(pool.engines[next(iter(pool.alive))].state_dict.remote())
+        return {"draft/lag_steps": float(version - ctx.draft_trained_step), "draft/restarts": float(ctx.draft_restarts)}
+    ref, ctx.draft_training = ctx.draft_training, None
     with span("draft_push"):
         try:
             if ref is not None:
                 out |= get_ranks([ref], [ctx.draft], "draft trainer", hang_s)[0]
+                ctx.draft_trained_step = ctx.draft_batch_step
             state = ctx.draft.state.remote()
             # the actor answers in call order: health answers once state is in the object store, so an
             # engine never loads from a trainer that died under it (that would take the engine out of rotation)
@@ -293,7 +321,7 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
         # the next samples come from the engines' weights as of now: the draft learns those (queued before
         # the next train call; an actor runs a caller's calls in order)
         ctx.draft.set_policy.remote(pool.engines[next(iter(done))].state_dict.remote())
-    return out | {"draft/restarts": float(ctx.draft_restarts)}
+    return out | {"draft/lag_steps": float(version - ctx.draft_trained_step), "draft/restarts": float(ctx.draft_restarts)}
 
 
 def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
@@ -401,6 +429,7 @@ def resume_checkpoint(ctx: LoopContext, path: str | None = None) -> checkpoints.
         ctx.draft_training = None  # a batch after the checkpoint: not trained on
         if (state.path / "draft").is_dir():
             ray.get(ctx.draft.load_state.remote(str(state.path / "draft")))
+            ctx.draft_trained_step = state.step
         else:
             log.warning("%s holds no draft state (written without draft.online): the draft continues as loaded",
                         state.path)
