@@ -194,6 +194,21 @@ def test_the_driver_builds_the_heads_on_the_task_and_caches_them(tmp_path: Path)
     assert float(load_heads(heads).weight.detach().abs().sum()) > 0  # trained away from the new heads
     other = ensure_draft_checkpoint(_run([*over[:1], "draft.k=3", *over[2:]]), policy, parts["task"])
     assert other != heads and load_heads(other).k == 3
+    # keyed by the policy's weights, not its place or file times: a copy keeps the heads, and weights rewritten in
+    # place with the same size and modification time get new ones
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = shutil.copytree(policy, tmp_path / "copy")
+    assert ensure_draft_checkpoint(run, copy, parts["task"]) == heads
+    weights = copy / "model.safetensors"
+    stat, state = weights.stat(), load_file(str(weights))
+    save_file({k: v + 1.0 for k, v in state.items()}, str(weights), metadata={"format": "pt"})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size
+    assert ensure_draft_checkpoint(run, copy, parts["task"]) not in (heads, other)
     eng = TorchEngine(str(policy), FP32, max_batch_size=8, draft_checkpoint_dir=str(heads), draft_k=2)
     results = eng.generate([GenerateRequest(request_id="0", prompt_ids=(5, 6, 7, 8), n=8, seed=0)],
                            SamplingParams(max_new_tokens=8))

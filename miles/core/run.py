@@ -410,8 +410,8 @@ def ensure_draft_checkpoint(run: MilesConfig, policy_checkpoint: Path, task: Any
 def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     """The policy's own draft heads (``draft.heads``): warm-started on the run's task with the policy frozen
     (:func:`miles.train.draft.build_heads`) and cached under ``warm_start.cache_dir`` by everything that shapes
-    them (the policy's weights, ``draft.k``, the task, the warm start's steps and batch, the draft's learning rate
-    (:func:`miles.config.draft.draft_lr`), the seed)."""
+    them (the sha256 of the policy's weight files, ``draft.k``, the task, the warm start's steps and batch, the
+    draft's learning rate (:func:`miles.config.draft.draft_lr`), the seed)."""
     import hashlib
     import json
 
@@ -421,10 +421,12 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     from miles.train.draft import build_heads
 
     d, ws = run.draft, run.warm_start
-    weights = sorted(policy_checkpoint.glob("*.safetensors"))
+    weights = {}  # the policy's weights by content: a policy rewritten in place, or moved, is keyed by what it holds
+    for w in sorted(policy_checkpoint.glob("*.safetensors")):
+        with w.open("rb") as f:
+            weights[w.name] = hashlib.file_digest(f, "sha256").hexdigest()
     key = hashlib.sha256(json.dumps({
-        "policy": str(policy_checkpoint.resolve()),
-        "weights": [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
+        "weights": weights,
         "k": d.k, "lr": draft_lr(run), "lr_warmup_steps": d.lr_warmup_steps, "temperature": run.rollout.temperature,
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
         "tenants": [t.name for t in run.tenants], "steps": ws.steps, "batch_size": ws.batch_size, "seed": run.seed,
