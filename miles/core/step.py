@@ -97,8 +97,9 @@ class LoopContext:
     before its train step (:func:`learn`); None: no teacher."""
     draft: Any | None = None
     """``draft.online``: the draft's trainer (:class:`miles.train.draft.DraftTrainer`); it trains on every
-    step's samples during the train step (:func:`learn`) and its weights go to the engines after the policy's
-    (:func:`push_weights`); None: the draft stays as loaded."""
+    step's samples during the train step (:func:`learn`; with ``draft.wait`` false, on those of the steps it is
+    free at) and its weights go to the engines after the policy's (:func:`push_weights`); None: the draft stays
+    as loaded."""
     draft_training: Any | None = None
     """The object ref of the draft's training call on the last batch it took, until :func:`push_draft` takes it
     (with ``draft.wait`` false it can stay in flight over several steps)."""
