@@ -179,7 +179,6 @@ def test_update_draft_refuses_a_state_of_another_shape_and_keeps_its_draft(model
     (["draft.online=true"], "draft.online: there is no draft to train"),
     ([DRAFT, "draft.online=true", "draft.lr=0"], r"draft.lr: must be > 0"),
     ([DRAFT, "draft.online=true", "draft.lr_warmup_steps=-1"], r"draft.lr_warmup_steps: must be 0 or more"),
-    ([DRAFT, "draft.wait=false"], r"draft.wait=false without draft.online"),
 ])
 def test_online_draft_refusals_say_why(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

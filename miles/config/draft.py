@@ -43,8 +43,6 @@ def draft_problem(run: MilesConfig) -> str | None:
     if d.heads and d.model is not None:
         return ("draft.heads=true with a draft.model: the draft is either the policy's own heads or a second model; "
                 "set draft.model=null or draft.heads=false")
-    if not d.wait and not d.online:
-        return "draft.wait=false without draft.online: no draft training to wait for; set draft.online=true or drop it"
     if not speculation_on(run):
         return ("draft.online: there is no draft to train; set draft.model or draft.heads=true, or draft.online=false"
                 if d.online else None)

@@ -588,8 +588,8 @@ class DraftConfig:
     policy's; a draft trainer that dies is replaced up to ``trainer.max_failures`` times. false: the draft stays
     as loaded, and its acceptance rate falls as the policy moves away from it."""
     wait: bool = True
-    """``draft.online``: every weight push waits for the draft's training on that step's samples, so the engines'
-    draft has always learnt the newest batch. false: a push whose draft training is still running leaves the
+    """``draft.online`` (no effect without it): every weight push waits for the draft's training on that step's
+    samples, so the engines' draft has always learnt the newest batch. false: a push whose draft training is still running leaves the
     engines' draft as it is (its last finished update; ``draft/lag_steps`` says how many steps old its newest batch
     is), and the draft trainer takes a step's samples only when it is free, so a draft that trains slower than the
     policy no longer holds up each step (the default run with online heads: 0.13 s a step instead of 0.29 s, the
