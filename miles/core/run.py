@@ -416,17 +416,14 @@ def _draft_heads(run: MilesConfig, policy_checkpoint: Path, task: Any) -> Path:
     import json
 
     from miles.config.draft import draft_lr
+    from miles.config.manifest import sha256
     from miles.models.checkpoint import cached_build
     from miles.models.draft_heads import META, WEIGHTS
     from miles.train.draft import build_heads
 
     d, ws = run.draft, run.warm_start
-    weights = {}  # the policy's weights by content: a policy rewritten in place, or moved, is keyed by what it holds
-    for w in sorted(policy_checkpoint.glob("*.safetensors")):
-        with w.open("rb") as f:
-            weights[w.name] = hashlib.file_digest(f, "sha256").hexdigest()
-    key = hashlib.sha256(json.dumps({
-        "weights": weights,
+    key = hashlib.sha256(json.dumps({  # the policy by content: rewritten in place or moved, keyed by what it holds
+        "weights": {w.name: sha256(w) for w in sorted(policy_checkpoint.glob("*.safetensors"))},
         "k": d.k, "lr": draft_lr(run), "lr_warmup_steps": d.lr_warmup_steps, "temperature": run.rollout.temperature,
         "task": {"target": run.task.source.target, "kwargs": dict(run.task.source.kwargs)},
         "tenants": [t.name for t in run.tenants], "steps": ws.steps, "batch_size": ws.batch_size, "seed": run.seed,

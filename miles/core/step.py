@@ -289,19 +289,19 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
     assert ctx.draft is not None
     out: dict[str, float] = {}
     hang_s = ctx.run.trainer.hang_timeout_s  # probed as the trainer ranks are: slow is not hung
-    if not ctx.run.draft.wait and ctx.draft_training is not None and not ray.wait([ctx.draft_training], timeout=0)[0]:
+    ref = ctx.draft_training
+    if not ctx.run.draft.wait and ref is not None and not ray.wait([ref], timeout=0)[0]:  # still training
         if hang_s > 0:
             with span("draft_probe"):
                 try:
                     get_ranks([probe(ctx.draft)], [ctx.draft], "draft trainer", hang_s)
                 except (ray.exceptions.RayActorError, TrainerRankHungError) as err:
                     ctx.draft_training = None
-                    return out | recover_draft(ctx, err)
+                    return recover_draft(ctx, err)
         if ctx.rollout.pool.alive:  # queued after the training in flight: its next batch comes from these weights
-            pool = ctx.rollout.pool
-            ctx.draft.set_policy.remote(pool.engines[next(iter(pool.alive))].state_dict.remote())
-        return {"draft/lag_steps": float(version - ctx.draft_trained_step), "draft/restarts": float(ctx.draft_restarts)}
-    ref, ctx.draft_training = ctx.draft_training, None
+            _give_policy(ctx, next(iter(ctx.rollout.pool.alive)))
+        return _draft_counts(ctx, version)
+    ctx.draft_training = None
     with span("draft_push"):
         try:
             if ref is not None:
@@ -321,8 +321,19 @@ def push_draft(ctx: LoopContext, version: int) -> dict[str, float]:
         out["draft/update_s"] = max(r["draft_update_s"] for r in done.values())
         # the next samples come from the engines' weights as of now: the draft learns those (queued before
         # the next train call; an actor runs a caller's calls in order)
-        ctx.draft.set_policy.remote(pool.engines[next(iter(done))].state_dict.remote())
-    return out | {"draft/lag_steps": float(version - ctx.draft_trained_step), "draft/restarts": float(ctx.draft_restarts)}
+        _give_policy(ctx, next(iter(done)))
+    return out | _draft_counts(ctx, version)
+
+
+def _give_policy(ctx: LoopContext, engine: int) -> Any:
+    """The draft trainer's policy copy from engine ``engine``'s weights as served (queued behind its calls)."""
+    assert ctx.draft is not None
+    return ctx.draft.set_policy.remote(ctx.rollout.pool.engines[engine].state_dict.remote())
+
+
+def _draft_counts(ctx: LoopContext, version: int) -> dict[str, float]:
+    """``draft/lag_steps`` (steps from the samples the engines' draft learnt last to ``version``), ``draft/restarts``."""
+    return {"draft/lag_steps": float(version - ctx.draft_trained_step), "draft/restarts": float(ctx.draft_restarts)}
 
 
 def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
@@ -343,9 +354,8 @@ def recover_draft(ctx: LoopContext, err: BaseException) -> dict[str, float]:
         ctx.draft = ctx.restart_draft()
         if ctx.draft_state is not None:
             ray.get(ctx.draft.load_weights.remote(ctx.draft_state))
-        pool = ctx.rollout.pool
-        if pool.alive:
-            ray.get(ctx.draft.set_policy.remote(pool.engines[next(iter(pool.alive))].state_dict.remote()))
+        if ctx.rollout.pool.alive:
+            ray.get(_give_policy(ctx, next(iter(ctx.rollout.pool.alive))))
     except Exception as again:  # noqa: BLE001 - whatever stops the new trainer ends online training, not the run
         return _stop_draft(ctx, f"its replacement failed: {type(again).__name__}: {again}")
     return {"draft/restarts": float(ctx.draft_restarts)}

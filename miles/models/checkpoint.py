@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from miles.config.manifest import sha256
 from miles.config.schema import MilesConfig
 from miles.models.spec import ModelSpec
 from miles.models.tokenizer import train_tokenizer
@@ -74,7 +75,7 @@ def _file_digests(kwargs: object) -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in dict(kwargs).items():  # type: ignore[call-overload]
         if isinstance(v, str) and v and Path(v).expanduser().is_file():
-            out[k] = hashlib.sha256(Path(v).expanduser().read_bytes()).hexdigest()
+            out[k] = sha256(Path(v).expanduser())
     return out
 
 
@@ -167,9 +168,7 @@ def _from_gguf(spec: ModelSpec, root: Path) -> Path:
 
     assert spec.gguf is not None
     directory, name = spec.gguf
-    with (Path(directory) / name).open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256")
-    final = root / f"{spec.name}-{spec.flavor}-gguf-{digest.hexdigest()[:16]}"
+    final = root / f"{spec.name}-{spec.flavor}-gguf-{sha256(Path(directory) / name)[:16]}"
 
     def convert(tmp: Path) -> None:
         t0 = time.perf_counter()
