@@ -589,13 +589,10 @@ class DraftConfig:
     as loaded, and its acceptance rate falls as the policy moves away from it."""
     wait: bool = True
     """``draft.online`` (no effect without it): every weight push waits for the draft's training on that step's
-    samples, so the engines' draft has always learnt the newest batch. false: a push whose draft training is still running leaves the
-    engines' draft as it is (its last finished update; ``draft/lag_steps`` says how many steps old its newest batch
-    is), and the draft trainer takes a step's samples only when it is free, so a draft that trains slower than the
-    policy no longer holds up each step (the default run with online heads: 0.13 s a step instead of 0.29 s, the
-    heads trained on 34 of 100 batches, acceptance 0.26 instead of 0.28; docs/speculative.md). Which batches the
-    draft learns then depends on timing, so the run's samples are no longer reproducible. A draft trainer that
-    died or hangs is still found at every push (liveness probe)."""
+    samples. false: a push whose draft training still runs keeps the engines' draft (``draft/lag_steps``: how old
+    its newest batch is) and the draft trainer takes a batch only when free, so a slow draft no longer sets the
+    step time (the default run with online heads: 0.13 s a step instead of 0.29 s), but which batches it learns
+    then depends on timing (docs/speculative.md)."""
     lr: float | None = None
     """The draft's AdamW learning rate (``draft.online``; draft heads also in their warm start); null: 3e-3 for a draft
     model, 1e-2 for draft heads. With a tiny draft of the 20m policy, 3e-3 kept the acceptance through 100 GRPO
