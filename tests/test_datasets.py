@@ -105,6 +105,8 @@ def test_missing_column_and_bad_paths(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "a", "label": "1"}])
     with pytest.raises(ValueError, match=r"d\.jsonl:line 1: missing field 'prompt' \(prompt_key\); the file's fields are 'q', 'label'"):
         load_rows(str(path))
+    with pytest.raises(ValueError, match=r"missing field 'response' \(response_key\).*response_key=null takes a string"):
+        load_rows(str(path), prompt_key="q", response_key="response")
     with pytest.raises(ValueError, match="no such file"):
         load_rows(str(tmp_path / "nope.jsonl"))
     (tmp_path / "d.csv").write_text("prompt,label\n")

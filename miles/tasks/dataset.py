@@ -141,6 +141,13 @@ def _distinct(problems: list[DatasetProblem]) -> list[DatasetProblem]:
     return out
 
 
+_UNSET_HINT = {
+    "response": "; without responses, task.source.response_key=null takes a string label as the response",
+    "images": "; for a text-only file, task.source.image_key=null",
+}
+"""How to do without an optional field, added to the error when a file lacks it."""
+
+
 def load_rows(
     path: str,
     *,
@@ -176,7 +183,7 @@ def load_rows(
         if key not in ds.column_names:
             where = _where(file, kind, 0)
             raise ValueError(f"{where}: missing field {key!r} ({role}_key); the file's fields are "
-                             f"{', '.join(map(repr, ds.column_names))}")
+                             f"{', '.join(map(repr, ds.column_names))}{_UNSET_HINT.get(role, '')}")
         columns[role] = ds[key]
     problems = []
     for i in range(len(ds)):
