@@ -107,6 +107,8 @@ def test_missing_column_and_bad_paths(tmp_path: Path) -> None:
         load_rows(str(path))
     with pytest.raises(ValueError, match=r"missing field 'response' \(response_key\).*response_key=null takes a string"):
         load_rows(str(path), prompt_key="q", response_key="response")
+    with pytest.raises(ValueError, match=r"missing field 'img' \(image_key\).*image_key=null"):
+        load_rows(str(path), prompt_key="q", image_key="img")
     with pytest.raises(ValueError, match="no such file"):
         load_rows(str(tmp_path / "nope.jsonl"))
     (tmp_path / "d.csv").write_text("prompt,label\n")

@@ -143,7 +143,7 @@ def _distinct(problems: list[DatasetProblem]) -> list[DatasetProblem]:
 
 _UNSET_HINT = {
     "response": "; without responses, task.source.response_key=null takes a string label as the response",
-    "images": "; for a text-only file, task.source.image_key=null",
+    "image": "; for a text-only file, task.source.image_key=null",
 }
 """How to do without an optional field, added to the error when a file lacks it."""
 
@@ -177,7 +177,7 @@ def load_rows(
             _scan_json_lines(file, prompt_key, label_key, response_key)
         raise ValueError(f"{file}: could not be loaded as {kind}: {e} ({e.__cause__ or ''})") from e
     fields = ({"prompt": prompt_key, "label": label_key} | ({"response": response_key} if response_key else {})
-              | ({"images": image_key} if image_key else {}))
+              | ({"image": image_key} if image_key else {}))
     columns = {}
     for role, key in fields.items():
         if key not in ds.column_names:
@@ -193,7 +193,7 @@ def load_rows(
                 raise ValueError(_bad(file, kind, i, fields[role], "a string", row[role]))
         if row["label"] is None:
             raise ValueError(_bad(file, kind, i, label_key, "a value", None))
-        images = _images(file, kind, i, image_key, row["images"]) if image_key else ()
+        images = _images(file, kind, i, image_key, row["image"]) if image_key else ()
         problems.append(DatasetProblem(prompt=row["prompt"], label=row["label"], response=row.get("response"),
                                        chat_template=chat_template, images=images))
     if not problems:
